@@ -1,0 +1,675 @@
+"""The device layer: the only module of hyper-parallel that names device types and dispatch keys.
+
+Every other module asks this one which device the process runs on, which collective backend
+belongs to it, how to make streams and events, and how much memory was used. Three devices are
+known: the CPU (gloo), NVIDIA GPUs (``cuda``/nccl) and Ascend NPUs (``npu``/hccl, through the
+optional ``torch_npu`` plug-in, imported lazily and only when it is installed).
+
+Behaviour on the CPU: streams and events are *hints* (PyTorch treats them as best-effort there),
+so their methods keep PyTorch's CPU fallback (they do nothing) and log once at debug level; all
+other functions work everywhere.
+
+See Also:
+    ``torch.accelerator``: PyTorch's device-generic accelerator API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import logging
+import os
+import resource
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "BACKEND_GLOO",
+    "BACKEND_HCCL",
+    "BACKEND_NCCL",
+    "DEVICE_TYPE_CPU",
+    "DEVICE_TYPE_CUDA",
+    "DEVICE_TYPE_META",
+    "DEVICE_TYPE_NPU",
+    "DISPATCH_KEY_AUTOGRAD_CPU",
+    "DISPATCH_KEY_AUTOGRAD_CUDA",
+    "DISPATCH_KEY_AUTOGRAD_NPU",
+    "DISPATCH_KEY_CPU",
+    "DISPATCH_KEY_CUDA",
+    "DISPATCH_KEY_NPU",
+    "Event",
+    "Stream",
+    "current_stream",
+    "destroy_process_group",
+    "device_count",
+    "dispatch_key_for",
+    "get_default_backend",
+    "get_device",
+    "get_device_type",
+    "init_process_group",
+    "is_accelerator",
+    "is_npu_available",
+    "memory_stats",
+    "peak_memory_bytes",
+    "pin_memory_available",
+    "reset_peak_memory_stats",
+    "set_device",
+    "stream",
+    "synchronize",
+]
+
+_log = logging.getLogger(__name__)
+
+DEVICE_TYPE_CPU = "cpu"
+"""Device type string of the host CPU."""
+DEVICE_TYPE_CUDA = "cuda"
+"""Device type string of NVIDIA GPUs."""
+DEVICE_TYPE_NPU = "npu"
+"""Device type string of Ascend NPUs (registered by ``torch_npu``)."""
+DEVICE_TYPE_META = "meta"
+"""Device type string of the meta device (shapes without storage)."""
+
+BACKEND_GLOO = "gloo"
+"""Collective backend for CPU tensors."""
+BACKEND_NCCL = "nccl"
+"""Collective backend for NVIDIA GPUs."""
+BACKEND_HCCL = "hccl"
+"""Collective backend for Ascend NPUs."""
+
+DISPATCH_KEY_CPU = "CPU"
+"""Dispatcher key of CPU kernels (for ``torch.library.Library.impl``)."""
+DISPATCH_KEY_CUDA = "CUDA"
+"""Dispatcher key of CUDA kernels."""
+DISPATCH_KEY_NPU = "PrivateUse1"
+"""Dispatcher key of NPU kernels (``torch_npu`` registers the NPU as ``PrivateUse1``)."""
+DISPATCH_KEY_AUTOGRAD_CPU = "AutogradCPU"
+"""Autograd dispatcher key of the CPU."""
+DISPATCH_KEY_AUTOGRAD_CUDA = "AutogradCUDA"
+"""Autograd dispatcher key of CUDA."""
+DISPATCH_KEY_AUTOGRAD_NPU = "AutogradPrivateUse1"
+"""Autograd dispatcher key of the NPU."""
+
+_BACKEND_BY_DEVICE: dict[str, str] = {
+    DEVICE_TYPE_CPU: BACKEND_GLOO,
+    DEVICE_TYPE_CUDA: BACKEND_NCCL,
+    DEVICE_TYPE_NPU: BACKEND_HCCL,
+}
+_DISPATCH_KEY_BY_DEVICE: dict[str, str] = {
+    DEVICE_TYPE_CPU: DISPATCH_KEY_CPU,
+    DEVICE_TYPE_CUDA: DISPATCH_KEY_CUDA,
+    DEVICE_TYPE_NPU: DISPATCH_KEY_NPU,
+}
+_NPU_MODULE_NAME = "torch_npu"
+
+
+def _logged_once(key: str, _seen: set[str] = set()) -> bool:  # noqa: B006
+    """Return True the first time ``key`` is seen in this process (a log-once flag set)."""
+    if key in _seen:
+        return False
+    _seen.add(key)
+    return True
+
+
+def _debug_once(key: str, message: str) -> None:
+    if _logged_once(key):
+        _log.debug(message)
+
+
+def _import_npu() -> ModuleType | None:
+    """Import ``torch_npu`` if it is installed; return the module or None."""
+    if _NPU_MODULE_NAME in sys.modules:
+        return sys.modules[_NPU_MODULE_NAME]
+    if importlib.util.find_spec(_NPU_MODULE_NAME) is None:
+        return None
+    return importlib.import_module(_NPU_MODULE_NAME)
+
+
+def is_npu_available() -> bool:
+    """Say whether an Ascend NPU can be used (``torch_npu`` installed and a device present).
+
+    ``torch_npu`` is imported here, lazily, the first time this is asked and only when it is
+    installed; without it the answer is False and nothing is imported.
+
+    Returns:
+        True when ``torch_npu`` imports and reports at least one NPU.
+
+    See Also:
+        ``torch.accelerator.is_available``: PyTorch's generic accelerator check.
+    """
+    module = _import_npu()
+    if module is None:
+        return False
+    npu = getattr(torch, DEVICE_TYPE_NPU, None)
+    return bool(npu is not None and npu.is_available())
+
+
+def get_device_type() -> str:
+    """Return the device type this process computes on: ``"cuda"``, ``"npu"`` or ``"cpu"``.
+
+    The answer comes from ``torch.accelerator`` (after ``torch_npu`` is imported when it is
+    installed, so that the NPU is registered); without an accelerator it is ``"cpu"``.
+
+    Returns:
+        The device type string.
+
+    See Also:
+        ``torch.accelerator.current_accelerator``: PyTorch's accelerator query.
+    """
+    is_npu_available()  # registers the NPU with torch.accelerator when torch_npu is installed
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None:
+            return accelerator.type
+    return DEVICE_TYPE_CPU
+
+
+def is_accelerator(device_type: str | torch.device | None = None) -> bool:
+    """Say whether a device type is an accelerator (anything other than CPU and meta).
+
+    Args:
+        device_type: a device type or device; None means :func:`get_device_type`.
+
+    Returns:
+        True for accelerator devices.
+
+    See Also:
+        ``torch.accelerator.is_available``: PyTorch's generic accelerator check.
+    """
+    kind = _device_type_of(device_type)
+    return kind not in (DEVICE_TYPE_CPU, DEVICE_TYPE_META)
+
+
+def _device_type_of(device: str | torch.device | None) -> str:
+    if device is None:
+        return get_device_type()
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str):
+        return torch.device(device).type
+    raise TypeError(f"expected a device type string or torch.device, got {type(device).__name__}")
+
+
+def device_count(device_type: str | None = None) -> int:
+    """Return the number of devices of a type visible to this process (1 for the CPU).
+
+    Args:
+        device_type: the device type; None means :func:`get_device_type`.
+
+    Returns:
+        The device count.
+
+    See Also:
+        ``torch.accelerator.device_count``: PyTorch's accelerator count.
+    """
+    kind = _device_type_of(device_type)
+    if kind in (DEVICE_TYPE_CPU, DEVICE_TYPE_META):
+        return 1
+    module = getattr(torch, kind, None)
+    if module is None:
+        return 0
+    return int(module.device_count())
+
+
+def get_device(index: int | None = None) -> torch.device:
+    """Return the device this process should put its tensors on.
+
+    On the CPU this is ``torch.device("cpu")``. On an accelerator it is the current device
+    index (set by :func:`set_device` or :func:`init_process_group`) unless ``index`` is given.
+
+    Args:
+        index: an explicit accelerator index.
+
+    Returns:
+        The device.
+
+    See Also:
+        ``torch.accelerator.current_device_index``: PyTorch's current accelerator index.
+    """
+    kind = get_device_type()
+    if kind == DEVICE_TYPE_CPU:
+        return torch.device(DEVICE_TYPE_CPU)
+    if index is None:
+        index = torch.accelerator.current_device_index()
+    return torch.device(kind, index)
+
+
+def set_device(index: int) -> None:
+    """Make an accelerator index current for this process.
+
+    Args:
+        index: the accelerator index.
+
+    Raises:
+        ValueError: on the CPU only index 0 exists; another index is an error.
+
+    See Also:
+        ``torch.accelerator.set_device_index``: PyTorch's generic setter.
+    """
+    if get_device_type() == DEVICE_TYPE_CPU:
+        if index != 0:
+            raise ValueError(f"the CPU has a single device index 0, got index {index}")
+        return
+    torch.accelerator.set_device_index(index)
+
+
+def pin_memory_available() -> bool:
+    """Say whether pinned (page-locked) host memory can be allocated (needs an accelerator).
+
+    Returns:
+        True when an accelerator is present.
+
+    See Also:
+        ``torch.Tensor.pin_memory``: pinning needs an accelerator runtime.
+    """
+    return is_accelerator()
+
+
+def get_default_backend(device_type: str | None = None) -> str:
+    """Return the collective backend for a device type (gloo, nccl or hccl).
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``; None means :func:`get_device_type`.
+
+    Returns:
+        The backend name.
+
+    Raises:
+        ValueError: for a device type with no known backend.
+
+    See Also:
+        ``torch.distributed.Backend.default_device_backend_map``: PyTorch's device-to-backend map.
+    """
+    kind = _device_type_of(device_type)
+    backend = _BACKEND_BY_DEVICE.get(kind)
+    if backend is None:
+        known = ", ".join(sorted(_BACKEND_BY_DEVICE))
+        raise ValueError(f"no collective backend is known for device type {kind!r}; known: {known}")
+    return backend
+
+
+def dispatch_key_for(device_type: str | None = None) -> str:
+    """Return the dispatcher key for kernels of a device type (``"CPU"``, ``"CUDA"``, ...).
+
+    Args:
+        device_type: the device type; None means :func:`get_device_type`.
+
+    Returns:
+        The dispatch key name.
+
+    Raises:
+        ValueError: for an unknown device type.
+
+    See Also:
+        ``torch.library.Library.impl``: registers a kernel under a dispatch key.
+    """
+    kind = _device_type_of(device_type)
+    key = _DISPATCH_KEY_BY_DEVICE.get(kind)
+    if key is None:
+        known = ", ".join(sorted(_DISPATCH_KEY_BY_DEVICE))
+        raise ValueError(f"no dispatch key is known for device type {kind!r}; known: {known}")
+    return key
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: dist.Store | None = None,
+    group_name: str = "",
+    pg_options: Any | None = None,
+    device_id: torch.device | int | None = None,
+    *,
+    device_type: str | None = None,
+) -> None:
+    """Initialize the default process group with the backend of the detected device.
+
+    Same signature as torch's; ``backend=None`` picks gloo, nccl or hccl for ``device_type``
+    (default: the detected device). On an accelerator the process's device index is set from
+    ``LOCAL_RANK`` (or ``device_id``) before the group is created.
+
+    Args:
+        backend: the backend; None chooses it from the device type.
+        init_method: as in torch.
+        timeout: as in torch.
+        world_size: as in torch.
+        rank: as in torch.
+        store: as in torch.
+        group_name: as in torch.
+        pg_options: as in torch.
+        device_id: as in torch.
+        device_type: the device the group serves (keyword-only extension).
+
+    Raises:
+        RuntimeError: when the default process group already exists.
+
+    See Also:
+        ``torch.distributed.init_process_group``: PyTorch's initializer.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("the default process group is already initialized")
+    kind = _device_type_of(device_type)
+    if backend is None:
+        backend = get_default_backend(kind)
+    if is_accelerator(kind):
+        if device_id is None:
+            device_id = int(os.environ.get("LOCAL_RANK", "0"))
+        index = device_id if isinstance(device_id, int) else (device_id.index or 0)
+        torch.accelerator.set_device_index(index)
+        device_id = torch.device(kind, index)
+    elif isinstance(device_id, int):
+        device_id = None  # a CPU has no index: let torch bind nothing
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        timeout=timeout,
+        world_size=world_size,
+        rank=rank,
+        store=store,
+        group_name=group_name,
+        pg_options=pg_options,
+        device_id=device_id,
+    )
+
+
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """Destroy a process group (the default one and all others when ``group`` is None).
+
+    Args:
+        group: the group to destroy.
+
+    Raises:
+        RuntimeError: when no default process group exists.
+
+    See Also:
+        ``torch.distributed.destroy_process_group``: PyTorch's destructor.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("no default process group is initialized; nothing to destroy")
+    dist.destroy_process_group(group)
+
+
+def synchronize(device: str | torch.device | None = None) -> None:
+    """Wait for all kernels queued on a device (returns at once on the CPU, which is synchronous).
+
+    Args:
+        device: the device; None means the current device.
+
+    See Also:
+        ``torch.accelerator.synchronize``: PyTorch's generic synchronize.
+    """
+    kind = _device_type_of(device)
+    if not is_accelerator(kind):
+        return
+    if isinstance(device, torch.device) and device.index is not None:
+        torch.accelerator.synchronize(device)
+    else:
+        torch.accelerator.synchronize()
+
+
+class Event:
+    """A device event; on the CPU recording and waiting are no-ops (PyTorch's CPU behaviour).
+
+    Args:
+        device_type: the device type; None means :func:`get_device_type`.
+        enable_timing: record timestamps (accelerators only).
+
+    See Also:
+        ``torch.Event``: PyTorch's device-generic event.
+    """
+
+    def __init__(self, device_type: str | None = None, *, enable_timing: bool = False) -> None:
+        self.device_type = _device_type_of(device_type)
+        self._event: torch.Event | None = None
+        if is_accelerator(self.device_type):
+            self._event = torch.Event(self.device_type, enable_timing=enable_timing)
+        else:
+            _debug_once("event", "device events are no-ops on the CPU (PyTorch's CPU fallback)")
+
+    @property
+    def native(self) -> torch.Event | None:
+        """The wrapped ``torch.Event``, or None on the CPU."""
+        return self._event
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Record the event on a stream (the current stream by default).
+
+        Args:
+            stream: the stream.
+        """
+        if self._event is not None:
+            native = stream.native if stream is not None else None
+            self._event.record(native)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make a stream wait for this event.
+
+        Args:
+            stream: the stream; the current one by default.
+        """
+        if self._event is not None:
+            native = stream.native if stream is not None else None
+            self._event.wait(native)
+
+    def synchronize(self) -> None:
+        """Block the host until the event completes."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def query(self) -> bool:
+        """Return True when all work recorded before the event has completed."""
+        return True if self._event is None else bool(self._event.query())
+
+
+class Stream:
+    """A device stream; on the CPU all work is ordered already, so its methods are no-ops.
+
+    Args:
+        device_type: the device type; None means :func:`get_device_type`.
+        priority: the stream priority (accelerators only).
+
+    See Also:
+        ``torch.Stream``: PyTorch's device-generic stream.
+    """
+
+    def __init__(
+        self,
+        device_type: str | None = None,
+        *,
+        priority: int = 0,
+        _native: torch.Stream | None = None,
+    ) -> None:
+        self.device_type = _device_type_of(device_type)
+        self._stream: torch.Stream | None = _native
+        if self._stream is None and is_accelerator(self.device_type):
+            self._stream = torch.Stream(self.device_type, priority=priority)
+        if self._stream is None:
+            _debug_once("stream", "device streams are no-ops on the CPU (PyTorch's CPU fallback)")
+
+    @property
+    def native(self) -> torch.Stream | None:
+        """The wrapped ``torch.Stream``, or None on the CPU."""
+        return self._stream
+
+    def wait_stream(self, other: Stream) -> None:
+        """Make this stream wait for all work queued so far on ``other``.
+
+        Args:
+            other: the stream to wait for.
+        """
+        if self._stream is not None and other.native is not None:
+            self._stream.wait_stream(other.native)
+
+    def wait_event(self, event: Event) -> None:
+        """Make this stream wait for an event.
+
+        Args:
+            event: the event.
+        """
+        if self._stream is not None and event.native is not None:
+            self._stream.wait_event(event.native)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record an event on this stream and return it.
+
+        Args:
+            event: the event to record; a new one by default.
+
+        Returns:
+            The recorded event.
+        """
+        event = event if event is not None else Event(self.device_type)
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """Block the host until the stream's work completes."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Stream):
+            return NotImplemented
+        if self._stream is None or other._stream is None:
+            return self._stream is None and other._stream is None
+        return bool(self._stream == other._stream)
+
+    def __hash__(self) -> int:
+        return hash((self.device_type, self._stream))
+
+
+def current_stream(device_type: str | None = None) -> Stream:
+    """Return the current stream of a device (a no-op stream on the CPU).
+
+    Args:
+        device_type: the device type; None means :func:`get_device_type`.
+
+    Returns:
+        The current stream.
+
+    See Also:
+        ``torch.accelerator.current_stream``: PyTorch's generic query.
+    """
+    kind = _device_type_of(device_type)
+    if not is_accelerator(kind):
+        return Stream(kind)
+    return Stream(kind, _native=torch.accelerator.current_stream())
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None) -> Iterator[None]:
+    """Make ``s`` the current stream inside the block (nothing changes on the CPU).
+
+    Args:
+        s: the stream; None leaves the current stream as is.
+
+    Yields:
+        Nothing.
+
+    See Also:
+        ``torch.cuda.stream``-style contexts; ``torch.accelerator.set_stream``.
+    """
+    if s is None or s.native is None:
+        yield
+        return
+    previous = torch.accelerator.current_stream()
+    torch.accelerator.set_stream(s.native)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
+
+
+def _read_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def memory_stats(device: str | torch.device | None = None) -> dict[str, int]:
+    """Return memory statistics in bytes: ``allocated``, ``peak_allocated``, ``reserved``.
+
+    On an accelerator these are the caching allocator's counters. On the CPU they describe the
+    process: ``allocated`` is the resident set size, ``peak_allocated`` the peak resident set
+    size since start or the last :func:`reset_peak_memory_stats`, ``reserved`` equals
+    ``allocated``.
+
+    Args:
+        device: the device; None means the current one.
+
+    Returns:
+        The statistics.
+
+    See Also:
+        ``torch.accelerator.memory_stats``: PyTorch's allocator statistics.
+    """
+    kind = _device_type_of(device)
+    if is_accelerator(kind):
+        return {
+            "allocated": int(torch.accelerator.memory_allocated()),
+            "peak_allocated": int(torch.accelerator.max_memory_allocated()),
+            "reserved": int(torch.accelerator.memory_reserved()),
+        }
+    rss = _read_status_kib("VmRSS")
+    hwm = _read_status_kib("VmHWM")
+    if hwm is None:  # no procfs: ru_maxrss is KiB on Linux, bytes on macOS
+        scale = 1 if sys.platform == "darwin" else 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        return {"allocated": peak, "peak_allocated": peak, "reserved": peak}
+    current = (rss or 0) * 1024
+    return {"allocated": current, "peak_allocated": hwm * 1024, "reserved": current}
+
+
+def peak_memory_bytes(device: str | torch.device | None = None) -> int:
+    """Return the peak memory in bytes: peak allocated on accelerators, peak RSS on the CPU.
+
+    Args:
+        device: the device; None means the current one.
+
+    Returns:
+        The peak in bytes.
+
+    See Also:
+        ``torch.accelerator.max_memory_allocated``: PyTorch's accelerator peak.
+    """
+    return memory_stats(device)["peak_allocated"]
+
+
+def reset_peak_memory_stats(device: str | torch.device | None = None) -> None:
+    """Reset the peak counter read by :func:`peak_memory_bytes`.
+
+    On the CPU the kernel's peak-RSS mark is reset through ``/proc/self/clear_refs``.
+
+    Args:
+        device: the device; None means the current one.
+
+    Raises:
+        RuntimeError: on a CPU system without a writable ``/proc/self/clear_refs`` (Linux only).
+
+    See Also:
+        ``torch.accelerator.reset_peak_memory_stats``: PyTorch's accelerator reset.
+    """
+    kind = _device_type_of(device)
+    if is_accelerator(kind):
+        torch.accelerator.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+    except OSError as error:
+        raise RuntimeError(
+            "resetting the CPU peak-RSS counter needs Linux's writable /proc/self/clear_refs"
+        ) from error

@@ -1,0 +1,192 @@
+"""Warm pools of gloo worker processes, one pool alive at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from hp_dtensor.testing._worker import worker_main
+
+#: Modules imported once by the fork server, so each new pool starts without re-importing torch.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor"]
+#: Seconds a pool may take to start (imports and rendezvous of every rank).
+START_TIMEOUT_S = 180.0
+#: Seconds the other ranks get to answer once one rank has failed, before the pool is rebuilt.
+FAILURE_GRACE_S = 5.0
+
+
+class DistributedTestError(AssertionError):
+    """A test function failed on some rank; the message names each rank and its traceback."""
+
+
+class DistributedTestTimeoutError(DistributedTestError):
+    """A test function did not finish on every rank within its timeout (e.g. a hung collective)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class PoolStats:
+    """What the pools of this process cost: start-ups and jobs run."""
+
+    starts: list[tuple[int, float]] = field(default_factory=list)
+    jobs: int = 0
+    rebuilds: int = 0
+
+
+class WorkerPool:
+    """``world_size`` worker processes, each one rank of a gloo default process group.
+
+    Jobs are module-level functions, sent by reference (module name, file and qualified name) and
+    run on every rank. A failing or hung job kills the pool; the next job starts a fresh one.
+    """
+
+    def __init__(self, world_size: int, stats: PoolStats) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        start = time.perf_counter()
+        port = _free_port()
+        self.world_size = world_size
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, world_size, port, child_conn, list(sys.path)),
+                name=f"hp-testing-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        self.alive = True
+        replies = self._collect(START_TIMEOUT_S, "pool start-up")
+        for rank, (kind, payload) in enumerate(replies):
+            if kind != "ready":
+                self.close()
+                raise DistributedTestError(f"rank {rank} failed to start:\n{payload}")
+        stats.starts.append((world_size, time.perf_counter() - start))
+
+    def _collect(self, timeout: float, what: str) -> list[tuple[str, Any]]:
+        replies: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self._conns))
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        while pending:
+            if any(kind == "err" for kind, _ in replies.values()):
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = wait([*pending.values(), *sentinels], timeout=remaining)
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    if rank in pending:
+                        conn = pending[rank]
+                        if conn.poll():
+                            replies[rank] = conn.recv()
+                        else:
+                            code = self._procs[rank].exitcode
+                            replies[rank] = ("err", f"worker process died (exit code {code})")
+                        del pending[rank]
+                    continue
+                rank = next(r for r, c in pending.items() if c is obj)
+                try:
+                    replies[rank] = pending.pop(rank).recv()
+                except EOFError:
+                    replies[rank] = ("err", "worker process closed its pipe (it died)")
+        if pending:
+            errors = {r: v for r, v in replies.items() if v[0] == "err"}
+            self.close()
+            if errors:
+                raise DistributedTestError(_format_errors(errors, hung=sorted(pending)))
+            raise DistributedTestTimeoutError(
+                f"{what} timed out after {timeout:.1f} s: rank(s) {sorted(pending)} of "
+                f"{self.world_size} did not finish (a hung collective?); "
+                f"rank(s) {sorted(replies)} finished. The pool was killed and will be rebuilt."
+            )
+        return [replies[r] for r in range(self.world_size)]
+
+    def run(
+        self, module: str, file: str | None, qualname: str, args: Any, kwargs: Any, timeout: float
+    ) -> list[Any]:
+        payload = pickle.dumps((args, kwargs))
+        for conn in self._conns:
+            conn.send((module, file, qualname, payload))
+        replies = self._collect(timeout, f"{qualname} on {self.world_size} ranks")
+        errors = {r: v for r, v in enumerate(replies) if v[0] == "err"}
+        if errors:
+            # A failed rank may leave collectives half-done on the others: start afresh next time.
+            self.close()
+            raise DistributedTestError(_format_errors(errors, hung=[]))
+        return [pickle.loads(payload) for _, payload in replies]
+
+    def close(self) -> None:
+        """Stop the workers: politely when idle, by SIGKILL when they do not exit at once."""
+        if not self.alive:
+            return
+        self.alive = False
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        for conn in self._conns:
+            conn.close()
+
+
+def _format_errors(errors: dict[int, tuple[str, Any]], hung: list[int]) -> str:
+    lines = [f"failed on rank(s) {sorted(errors)}" + (f"; rank(s) {hung} hung" if hung else "")]
+    for rank in sorted(errors):
+        lines.append(f"--- rank {rank} ---\n{errors[rank][1]}")
+    return "\n".join(lines)
+
+
+class PoolManager:
+    """Owns the single live pool of this process and its statistics."""
+
+    def __init__(self) -> None:
+        self.pool: WorkerPool | None = None
+        self.stats = PoolStats()
+
+    def get(self, world_size: int) -> WorkerPool:
+        if self.pool is not None and (not self.pool.alive or self.pool.world_size != world_size):
+            if not self.pool.alive:
+                self.stats.rebuilds += 1
+            self.pool.close()
+            self.pool = None
+        if self.pool is None:
+            self.pool = WorkerPool(world_size, self.stats)
+        return self.pool
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+MANAGER = PoolManager()
+
+
+def in_worker() -> bool:
+    """Whether this process is a worker of a pool."""
+    return os.environ.get("HP_DTENSOR_TESTING_WORKER") == "1"

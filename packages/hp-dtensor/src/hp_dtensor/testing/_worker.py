@@ -1,0 +1,120 @@
+"""The loop each worker process of a pool runs: one rank of a gloo process group."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import random
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from types import ModuleType
+from typing import Any
+
+#: Set in worker processes so that decorated tests called inside a worker run directly.
+IN_WORKER_ENV = "HP_DTENSOR_TESTING_WORKER"
+
+
+def _load_module(name: str, file: str | None) -> ModuleType:
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    if file is None:
+        return importlib.import_module(name)
+    try:
+        module = importlib.import_module(name)
+        if os.path.realpath(getattr(module, "__file__", "") or "") == os.path.realpath(file):
+            return module
+    except Exception:
+        pass  # not importable by name (pytest importlib-mode names): load by path
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load test module {name!r} from {file!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _resolve(module: ModuleType, qualname: str) -> Any:
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _StateGuard:
+    """Snapshot of process-wide state a test may change, restored after every job."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch_rng = torch.random.get_rng_state()
+        self._py_rng = random.getstate()
+        self._dtype = torch.get_default_dtype()
+        self._groups = set(dist.distributed_c10d._world.pg_map)
+
+    def restore(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        # Groups created by the test (meshes, new_group) are destroyed; the default group stays.
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group not in self._groups:
+                dist.destroy_process_group(group)
+        torch.random.set_rng_state(self._torch_rng)
+        random.setstate(self._py_rng)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(0)
+        torch.set_default_dtype(self._dtype)
+        torch.set_grad_enabled(True)
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(1)
+        if "torch._dynamo" in sys.modules:
+            sys.modules["torch._dynamo"].reset()
+
+
+def worker_main(
+    rank: int, world_size: int, port: int, conn: Connection, sys_path: list[str]
+) -> None:
+    """Join the process group as ``rank`` and run jobs sent over ``conn`` until told to stop."""
+    os.environ[IN_WORKER_ENV] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for entry in reversed(sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=600),
+    )
+    guard = _StateGuard()
+    conn.send(("ready", None))
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        module_name, module_file, qualname, payload = job
+        try:
+            fn = _resolve(_load_module(module_name, module_file), qualname)
+            args, kwargs = pickle.loads(payload)
+            result = fn(*args, **kwargs)
+            reply: tuple[str, Any] = ("ok", pickle.dumps(result))
+        except BaseException as exc:  # report everything, including KeyboardInterrupt-like exits
+            reply = ("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        try:
+            guard.restore()
+        except Exception:
+            reply = ("err", f"state reset failed after the test:\n{traceback.format_exc()}")
+        conn.send(reply)
+    dist.destroy_process_group()

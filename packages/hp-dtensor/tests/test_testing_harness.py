@@ -1,0 +1,138 @@
+"""The distributed test harness: pools, failure reporting, timeouts, state reset, fake backend."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hp_dtensor.testing import (
+    DistributedTestError,
+    DistributedTestTimeoutError,
+    distributed,
+    fake_world,
+    pool_stats,
+    rank_seed,
+    run_distributed,
+)
+
+
+def _all_reduce_rank_sum() -> float:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def _fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on purpose")
+
+
+def _hang_on_rank_zero() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # the other ranks never join: a hung collective
+
+
+def _leave_state_behind() -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(123)
+    dist.new_group(list(range(dist.get_world_size())))
+
+
+def _observe_state() -> tuple[str, bool, int, float, int]:
+    return (
+        str(torch.get_default_dtype()),
+        torch.is_grad_enabled(),
+        torch.get_num_threads(),
+        float(torch.rand(1).item()),
+        len(dist.distributed_c10d._world.pg_map),
+    )
+
+
+def _echo(x: int, *, y: str) -> tuple[int, int, str]:
+    return dist.get_rank(), x, y
+
+
+def test_results_come_back_in_rank_order() -> None:
+    assert run_distributed(_echo, 3, 7, y="a") == [(0, 7, "a"), (1, 7, "a"), (2, 7, "a")]
+
+
+def test_failing_rank_is_named_with_its_traceback() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_rank_one, 3)
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "boom on purpose" in message
+    assert "_fail_on_rank_one" in message  # the traceback
+    assert "rank 0 ---" not in message
+    # The pool is rebuilt: the next job works.
+    assert run_distributed(_all_reduce_rank_sum, 3) == [6.0, 6.0, 6.0]
+
+
+def test_hung_collective_times_out_and_next_test_passes() -> None:
+    start = time.perf_counter()
+    with pytest.raises(DistributedTestTimeoutError) as info:
+        run_distributed(_hang_on_rank_zero, 2, timeout=3.0)
+    assert time.perf_counter() - start < 15.0
+    assert "rank(s) [0]" in str(info.value)
+    assert run_distributed(_all_reduce_rank_sum, 2) == [3.0, 3.0]
+
+
+def test_state_is_reset_between_jobs() -> None:
+    before = run_distributed(_observe_state, 2)
+    run_distributed(_leave_state_behind, 2)
+    after = run_distributed(_observe_state, 2)
+    assert before == after
+    dtype, grad, threads, _, groups = after[0]
+    assert (dtype, grad, threads) == ("torch.float32", True, 1)
+    assert groups == before[0][4]
+
+
+def test_twenty_small_all_reduce_jobs_at_world_size_four_are_fast() -> None:
+    run_distributed(_all_reduce_rank_sum, 4)  # pool start-up, reported separately
+    start = time.perf_counter()
+    for _ in range(20):
+        assert run_distributed(_all_reduce_rank_sum, 4) == [10.0] * 4
+    elapsed = time.perf_counter() - start
+    startup = [sec for ws, sec in pool_stats().starts if ws == 4][-1]
+    print(f"\n20 all-reduce jobs at ws=4: {elapsed:.3f} s (pool start-up {startup:.2f} s)")
+    assert elapsed < 10.0
+
+
+def test_local_functions_are_rejected() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="module level"):
+        run_distributed(local, 2)
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_decorated_test_runs_on_every_rank(scale: float) -> None:
+    assert dist.get_world_size() == 2
+    assert torch.get_num_threads() == 1
+    torch.manual_seed(rank_seed(0))
+    x = torch.rand(3) * scale
+    gathered = [torch.empty(3) for _ in range(2)]
+    dist.all_gather(gathered, x)
+    assert not torch.equal(gathered[0], gathered[1])  # different data on each rank
+    assert torch.equal(gathered[dist.get_rank()], x)
+
+
+def test_fake_world_builds_large_meshes_in_one_process() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(64, rank=37):
+        mesh = init_device_mesh("cpu", (4, 4, 4), mesh_dim_names=("pp", "dp", "tp"))
+        assert mesh["tp"].size() == 4
+        assert tuple(mesh.get_coordinate() or ()) == (2, 1, 1)
+    assert not dist.is_initialized()
+
+
+def test_rank_seed_differs_per_rank() -> None:
+    seeds = run_distributed(rank_seed, 3, 5)
+    assert len(set(seeds)) == 3
