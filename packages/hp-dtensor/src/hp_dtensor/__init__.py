@@ -1,9 +1,70 @@
-"""DTensor substrate: torch's DTensor/DeviceMesh re-exported, Layout, mesh context, device layer, sharded initialization, state-dict helpers and the distributed test harness.
+"""DTensor substrate of hyper-parallel.
+
+torch's DTensor, DeviceMesh and placements re-exported (the same objects), the device layer, the
+mesh context, HyperParallel's ``Layout``, sharded initialization, the state-dict helpers,
+``SkipDTensorDispatch`` and custom sharding rules. The distributed test harness lives in
+``hp_dtensor.testing``.
 
 See Also:
-    ``torch.distributed.tensor``
+    ``torch.distributed.tensor``: PyTorch's DTensor package.
 """
 
-from hp_dtensor.__about__ import __version__
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.experimental import implicit_replication, local_map, register_sharding
 
-__all__ = ["__version__"]
+from hp_dtensor import device
+from hp_dtensor.__about__ import __version__
+from hp_dtensor.init import (
+    get_init_fn,
+    init_empty_weights,
+    init_on_device,
+    init_parameters,
+    register_init_fn,
+)
+from hp_dtensor.mesh import (
+    flatten_axes,
+    get_current_mesh,
+    get_submesh,
+    init_mesh,
+    mesh_axis_size,
+    use_mesh,
+)
+
+__all__ = [
+    "CommDebugMode",
+    "DTensor",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "__version__",
+    "device",
+    "distribute_module",
+    "distribute_tensor",
+    "flatten_axes",
+    "get_current_mesh",
+    "get_init_fn",
+    "get_submesh",
+    "implicit_replication",
+    "init_device_mesh",
+    "init_empty_weights",
+    "init_mesh",
+    "init_on_device",
+    "init_parameters",
+    "local_map",
+    "mesh_axis_size",
+    "register_init_fn",
+    "register_sharding",
+    "use_mesh",
+]

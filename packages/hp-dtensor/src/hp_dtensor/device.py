@@ -323,7 +323,7 @@ def init_process_group(
     timeout: datetime.timedelta | None = None,
     world_size: int = -1,
     rank: int = -1,
-    store: dist.Store | None = None,
+    store: Any | None = None,
     group_name: str = "",
     pg_options: Any | None = None,
     device_id: torch.device | int | None = None,

@@ -111,8 +111,9 @@ def init_mesh(
 ) -> DeviceMesh:
     """Create a device mesh over the default group on the detected device type.
 
-    ``init_device_mesh`` with the device type defaulting to :func:`hp_dtensor.device.get_device_type`
-    (torch's ``init_device_mesh`` is re-exported unchanged).
+    This is ``init_device_mesh`` with the device type defaulting to
+    :func:`hp_dtensor.device.get_device_type` (torch's ``init_device_mesh`` is re-exported
+    unchanged).
 
     Args:
         mesh_shape: the mesh sizes (their product must equal the world size).
@@ -152,7 +153,7 @@ def init_mesh(
         device_type if device_type is not None else get_device_type(),
         shape,
         mesh_dim_names=names,
-        backend_override=dict(backend_override) if backend_override else None,  # type: ignore[arg-type]
+        backend_override=dict(backend_override) if backend_override else None,
     )
 
 

@@ -1,0 +1,402 @@
+"""Sharded initialization: build on the meta device, then materialize only the local shards.
+
+Three pieces:
+
+- :func:`init_empty_weights` / :func:`init_on_device` build a module with its parameters (and
+  optionally buffers) on the meta device or another device, without running initializers for real.
+- :func:`init_parameters` materializes meta parameters and buffers, plain or DTensor on any mesh
+  and placements (uneven shards included), so that each rank keeps only its local shard and the
+  *global* values equal those of a single CPU process (see its docstring for the exact contract).
+- :func:`register_init_fn` registers the initializer of a module class that has no (or a
+  different) ``reset_parameters``. Buffers computed in ``__init__`` (RoPE tables and the like)
+  are recomputed through the *buffer protocol*: the module defines ``reset_buffers(self)``, which
+  recomputes (in place, or by reassigning) every buffer it owns directly.
+
+See Also:
+    ``torch.nn.Module.to_empty``: PyTorch's materialization (unties tied parameters, no values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, get_device
+
+__all__ = [
+    "BUFFER_INIT_METHOD",
+    "get_init_fn",
+    "init_empty_weights",
+    "init_on_device",
+    "init_parameters",
+    "register_init_fn",
+]
+
+BUFFER_INIT_METHOD = "reset_buffers"
+"""Name of the buffer protocol method: ``module.reset_buffers()`` recomputes its own buffers."""
+
+InitFn = Callable[[nn.Module], None]
+_M = TypeVar("_M", bound=nn.Module)
+
+# Registry keyed by class (allowed global state: not keyed by id(), no pending communication).
+_INIT_FNS: dict[type[nn.Module], InitFn] = {}
+
+
+def register_init_fn(module_type: type[nn.Module], fn: InitFn | None = None) -> Any:
+    """Register the initializer of a module class for :func:`init_parameters`.
+
+    ``fn(module)`` must initialize, in place, every parameter and buffer that ``module`` owns
+    directly (not those of its children). It takes precedence over ``reset_parameters``. Can be
+    used as a decorator: ``@register_init_fn(MyNorm)``. The most specific class in the MRO wins.
+
+    Args:
+        module_type: an ``nn.Module`` subclass.
+        fn: the initializer; omitted when used as a decorator.
+
+    Returns:
+        ``fn`` (or a decorator that registers and returns its argument).
+
+    Raises:
+        TypeError: when ``module_type`` is not an ``nn.Module`` subclass or ``fn`` not callable.
+
+    See Also:
+        ``torch.nn.Module.reset_parameters``: the initializer PyTorch layers define.
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+
+    def register(function: InitFn) -> InitFn:
+        if not callable(function):
+            raise TypeError(f"the initializer must be callable, got {function!r}")
+        _INIT_FNS[module_type] = function
+        return function
+
+    return register if fn is None else register(fn)
+
+
+def get_init_fn(module: nn.Module) -> InitFn | None:
+    """Return the initializer :func:`init_parameters` would run for ``module``'s own tensors.
+
+    Args:
+        module: the module.
+
+    Returns:
+        The registered function (by MRO), else a call of ``module.reset_parameters``, else None.
+
+    See Also:
+        ``torch.nn.Module.reset_parameters``: the initializer PyTorch layers define.
+    """
+    for cls in type(module).__mro__:
+        fn = _INIT_FNS.get(cls)
+        if fn is not None:
+            return fn
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return lambda m: m.reset_parameters()  # type: ignore[operator]
+    return None
+
+
+@contextlib.contextmanager
+def init_on_device(device: torch.device | str, include_buffers: bool = False) -> Iterator[None]:
+    """Create the parameters (and with ``include_buffers`` the buffers) of new modules on a device.
+
+    Parameters registered inside the block are moved to ``device`` as they are registered (their
+    constructor-time initialization runs on the moved tensor, so on ``"meta"`` it costs nothing).
+    With ``include_buffers=True`` every tensor created inside the block lands on ``device``.
+
+    Args:
+        device: the device.
+        include_buffers: also put buffers (and all other new tensors) on ``device``.
+
+    Yields:
+        Nothing.
+
+    See Also:
+        ``accelerate.init_on_device``: the Hugging Face API this mirrors;
+        ``torch.device`` used as a context manager.
+    """
+    target = torch.device(device)
+    if include_buffers:
+        with target:
+            yield
+        return
+    original = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None and param.device != target:
+            kwargs = dict(param.__dict__)
+            new = param.to(target)
+            moved = type(param)(new, requires_grad=param.requires_grad)
+            moved.__dict__.update(kwargs)
+            self._parameters[name] = moved
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
+    """Build modules with their parameters on the meta device (no memory, no initialization).
+
+    Follow with :func:`init_parameters` (after ``torch.manual_seed``) to materialize them.
+
+    Args:
+        include_buffers: also put buffers on the meta device (then they must be recomputable: see
+            the buffer protocol in :func:`init_parameters`).
+
+    Yields:
+        Nothing.
+
+    See Also:
+        ``accelerate.init_empty_weights``: the Hugging Face API this mirrors.
+    """
+    with init_on_device(DEVICE_TYPE_META, include_buffers=include_buffers):
+        yield
+
+
+class _ForbidMetaMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Fail when an initializer touches a tensor that is still on the meta device."""
+
+    def __init__(self, module_name: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.module_name = module_name
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        leaves, _ = tree_flatten((args, kwargs or {}))
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+                raise ValueError(
+                    f"the initializer of module {self.module_name!r} used a tensor on the meta "
+                    f"device (op {func}); an initializer may only touch the parameters and "
+                    "buffers its module owns directly (register one with register_init_fn)"
+                )
+        return func(*args, **(kwargs or {}))
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _is_meta(tensor: torch.Tensor) -> bool:
+    if isinstance(tensor, DTensor):
+        return bool(tensor._local_tensor.is_meta)
+    return bool(tensor.is_meta)
+
+
+def _materialize(full: torch.Tensor, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Build the tensor that replaces meta ``like``: its local shard of ``full``, on its device."""
+    if isinstance(like, DTensor):
+        mesh = like.device_mesh
+        for placement in like.placements:
+            if placement.is_partial():
+                raise ValueError(
+                    f"cannot initialize a DTensor with a Partial placement ({like.placements})"
+                )
+        target = torch.device(mesh.device_type)
+        if target.type != DEVICE_TYPE_CPU:
+            target = get_device()
+        sharded = distribute_tensor(full, mesh, like.placements, src_data_rank=None)
+        local = sharded._local_tensor.to(target).contiguous()
+        return DTensor.from_local(
+            local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
+    return full.to(device)
+
+
+def _scratch(tensor: torch.Tensor) -> torch.Tensor:
+    """A full-size CPU tensor to run an initializer into."""
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=DEVICE_TYPE_CPU)
+
+
+def _as_parameter(value: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    param = nn.Parameter(value, requires_grad=like.requires_grad)
+    return param
+
+
+def init_parameters(
+    module: _M,
+    *,
+    device: torch.device | str | None = None,
+) -> _M:
+    """Materialize meta parameters and buffers with single-process values, keeping local shards.
+
+    **Contract.** After ``torch.manual_seed(s); init_parameters(m)``, the global value of every
+    parameter and buffer of ``m`` equals the one obtained by ``torch.manual_seed(s)`` followed by
+    each module's initializer replayed in registration pre-order (``m.named_modules()``) in one
+    CPU process. A module's initializer is the function registered with
+    :func:`register_init_fn` for its class, else its ``reset_parameters()``; it is followed by its
+    ``reset_buffers()`` when the module defines one (the buffer protocol). For modules built from
+    standard layers in registration order this equals building the module for real after
+    ``torch.manual_seed(s)``, and the CPU generator is left in the same state.
+
+    **Method.** For each module, the initializer runs on full-size CPU scratch tensors in place of
+    the module's own parameters and buffers, on the global CPU generator. Each meta tensor is then
+    replaced by its value: a plain tensor moves to ``device``; a DTensor keeps only this rank's
+    local shard (any mesh, any Shard/_StridedShard/Replicate placements, uneven shards
+    included), without communication, and the full tensor is freed. On accelerators the values
+    are generated on the CPU and copied, so every device gets the same numbers. Parameter objects
+    keep their identity (``torch.utils.swap_tensors``), so tied parameters stay tied: the first
+    holder in registration order owns the value; the other holders' initializers still run into
+    scratch so that their random draws are consumed. Tensors already materialized keep their
+    values (their initializer still runs into scratch to consume the same draws).
+
+    **Limits.** Constructors that create layers in an order different from their registration
+    order, randomness outside the CPU generator (``numpy``, ``random``), initializers that read or
+    write tensors of *other* modules (a clear ``ValueError`` is raised when such a tensor is still
+    on the meta device), and one module's full tensors must fit in host memory at once (very
+    large embeddings), DTensors with a ``Partial`` placement (rejected).
+
+    Args:
+        module: the module (modified in place).
+        device: the device of plain (non-DTensor) tensors; default
+            :func:`hp_dtensor.device.get_device`. A DTensor goes to its mesh's device.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: when a meta parameter or buffer has no initializer that writes it (naming
+            it), when an initializer touches another module's meta tensor, or when ``module``
+            holds no meta tensor at all.
+
+    See Also:
+        ``torch.nn.Module.to_empty``: PyTorch's materialization (no values, unties tied
+        parameters); ``torch.distributed.fsdp.fully_shard`` docs on meta-device init.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"init_parameters expects an nn.Module, got {type(module).__name__}")
+    target = torch.device(device) if device is not None else get_device()
+    if not any(_is_meta(t) for t in (*module.parameters(), *module.buffers())):
+        raise ValueError(
+            "init_parameters found no parameter or buffer on the meta device; build the module "
+            "under hp_dtensor.init_empty_weights() first"
+        )
+    # Within this call only: the objects already materialized (first holder owns the value).
+    done: dict[int, torch.Tensor] = {}
+    keep_alive: list[torch.Tensor] = []
+    with torch.no_grad():
+        for prefix, sub in module.named_modules():
+            _init_one(sub, prefix, target, done, keep_alive)
+    return module
+
+
+def _init_one(
+    module: nn.Module,
+    prefix: str,
+    device: torch.device,
+    done: dict[int, torch.Tensor],
+    keep_alive: list[torch.Tensor],
+) -> None:
+    own: list[tuple[str, str, torch.Tensor]] = [
+        ("param", name, p) for name, p in module._parameters.items() if p is not None
+    ]
+    own += [("buffer", name, b) for name, b in module._buffers.items() if b is not None]
+    if not own:
+        return
+    init_fn = get_init_fn(module)
+    reset_buffers = getattr(module, BUFFER_INIT_METHOD, None)
+    has_buffer_init = callable(reset_buffers)
+    needs = [(kind, name, t) for kind, name, t in own if _is_meta(t) and id(t) not in done]
+    if init_fn is None and not has_buffer_init:
+        if needs:
+            kind, name, _ = needs[0]
+            raise ValueError(
+                f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} is on the meta "
+                "device and has no initializer: define reset_parameters(), register one with "
+                f"hp_dtensor.register_init_fn, or (for buffers) define {BUFFER_INIT_METHOD}()"
+            )
+        return
+    # Swap in full-size CPU scratch tensors, run the initializer(s), read back, restore.
+    originals = {(kind, name): t for kind, name, t in own}
+    scratch: dict[tuple[str, str], torch.Tensor] = {}
+    for kind, name, t in own:
+        s = _scratch(t)
+        if kind == "param":
+            assert isinstance(t, nn.Parameter)
+            s = _as_parameter(s, t)
+            module._parameters[name] = s
+        else:
+            module._buffers[name] = s
+        scratch[(kind, name)] = s
+    versions = {key: s._version for key, s in scratch.items()}
+    try:
+        with _ForbidMetaMode(prefix or type(module).__name__):
+            if init_fn is not None:
+                init_fn(module)
+            if has_buffer_init:
+                assert reset_buffers is not None
+                reset_buffers()
+        results: dict[tuple[str, str], torch.Tensor] = {}
+        for kind, name, _ in own:
+            slots: dict[str, Any] = module._parameters if kind == "param" else module._buffers
+            value = slots[name]
+            written = value is not scratch[(kind, name)] or value._version != versions[(kind, name)]
+            results[(kind, name)] = value
+            original = originals[(kind, name)]
+            if _is_meta(original) and id(original) not in done and not written:
+                raise ValueError(
+                    f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} is on the "
+                    "meta device but its module's initializer did not write it; register an "
+                    f"initializer with hp_dtensor.register_init_fn (or {BUFFER_INIT_METHOD}() "
+                    "for buffers)"
+                )
+    finally:
+        for (kind, name), original in originals.items():
+            if kind == "param":
+                module._parameters[name] = original  # type: ignore[assignment]
+            else:
+                module._buffers[name] = original
+    for kind, name, original in own:
+        key = id(original)
+        if key in done:
+            continue  # a tied tensor: its first holder owns the value
+        if not _is_meta(original):
+            continue  # already materialized: keep its values
+        full = results[(kind, name)].detach()
+        if full.dtype != original.dtype or tuple(full.shape) != tuple(original.shape):
+            raise ValueError(
+                f"the initializer of {_qualified(prefix, name)!r} produced shape "
+                f"{tuple(full.shape)} / {full.dtype}, expected {tuple(original.shape)} / "
+                f"{original.dtype}"
+            )
+        value = _materialize(full, original, device)
+        del full
+        if kind == "param":
+            assert isinstance(original, nn.Parameter)
+            _swap(original, _as_parameter(value, original))
+        else:
+            _replace_buffer(original, value)
+        done[key] = original
+        keep_alive.append(original)
+
+
+def _replace_buffer(original: torch.Tensor, value: torch.Tensor) -> None:
+    """Give buffer ``original`` the contents of ``value`` while keeping the Python object."""
+    if type(original) is not type(value):
+        raise ValueError(
+            f"cannot materialize a buffer of type {type(original).__name__} from "
+            f"{type(value).__name__}"
+        )
+    _swap(original, value)
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange two tensors' contents, keeping both Python objects."""
+    torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]

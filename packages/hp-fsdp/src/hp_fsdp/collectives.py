@@ -1,0 +1,171 @@
+"""The fused collectives of one unit: one all-gather to unshard, one reduce-scatter to reduce.
+
+Buffers are packed and unpacked by hp-kernels' copy-in/copy-out ops in PyTorch FSDP2's layout,
+and the collectives are issued through ``torch.distributed.all_gather_single`` /
+``reduce_scatter_single`` / ``all_reduce`` (looked up at call time, so a test can wrap them).
+Collectives are issued with ``async_op=True``: on every backend the returned work handle is what
+the runtime waits on, so communication overlaps computation on the CPU (gloo's worker threads)
+and on accelerators (the backend's own stream).
+
+See Also:
+    ``torch.distributed.fsdp._fully_shard._fsdp_collectives``: PyTorch's FSDP2 collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from hp_kernels.all_gather import all_gather_copy_in, all_gather_copy_out
+from hp_kernels.reduce_scatter import reduce_scatter_copy_in
+
+__all__ = [
+    "AllGatherResult",
+    "divide_factors",
+    "issue_all_gather",
+    "issue_reduce_scatter",
+    "wait_all_gather",
+]
+
+
+@dataclass
+class AllGatherResult:
+    """An issued all-gather: its flat output buffer, split sizes and work handle.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.AllGatherResult``.
+    """
+
+    output: torch.Tensor
+    split_sizes: list[int]
+    world_size: int
+    work: dist.Work | None
+
+
+@torch.no_grad()
+def issue_all_gather(
+    inputs: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    async_op: bool,
+) -> AllGatherResult:
+    """Pack ``inputs`` (cast to ``dtype``) and issue one all-gather over ``group``.
+
+    Args:
+        inputs: this rank's flat shards, one per parameter.
+        dtype: the communication (compute) dtype.
+        group: the process group.
+        world_size: its size.
+        rank: this rank's index in it.
+        device: the device of the buffers.
+        async_op: return before the collective completes.
+
+    Returns:
+        The pending :class:`AllGatherResult`.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather``.
+    """
+    splits = [t.numel() for t in inputs]
+    ag_input, ag_output = all_gather_copy_in(inputs, splits, world_size, rank, dtype, device)
+    work = dist.all_gather_single(ag_output, ag_input, group=group, async_op=async_op)
+    return AllGatherResult(ag_output, splits, world_size, work if async_op else None)
+
+
+@torch.no_grad()
+def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> None:
+    """Wait for an all-gather and copy its output into one flat tensor per parameter.
+
+    The outputs are storages autograd may have saved views of (the unsharded parameters), so
+    their version counters are preserved: the copy refills freed storage, it does not modify a
+    live value.
+
+    Args:
+        result: the pending all-gather.
+        outs: one contiguous flat tensor of ``world_size * split`` elements per parameter.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather_copy_out``.
+    """
+    if result.work is not None:
+        result.work.wait()
+        result.work = None
+    with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+        all_gather_copy_out(result.output, result.split_sizes, result.world_size, outs)
+
+
+def divide_factors(
+    reduce_dtype: torch.dtype, data_parallel_size: int
+) -> tuple[float | None, float | None, dist.ReduceOp.RedOpType]:
+    """How a reduction divides by the data-parallel size, as torch FSDP2 does by default.
+
+    fp32 and bf16 reduce with ``AVG`` (no extra division). Other dtypes (fp16) reduce with
+    ``SUM`` and divide by a power of two near the square root of the size before the sum and by
+    the rest after it, to avoid overflow and underflow.
+
+    Args:
+        reduce_dtype: the dtype of the reduction.
+        data_parallel_size: shard size times replicate size.
+
+    Returns:
+        ``(pre_divide, post_divide, reduce_op)``; None means no division.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors``.
+    """
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        if data_parallel_size == 1:
+            return None, None, dist.ReduceOp.SUM
+        return None, None, dist.ReduceOp.AVG
+    from hp_kernels.reduce_scatter import gradient_divide_factors
+
+    pre, post = gradient_divide_factors(data_parallel_size, reduce_dtype)
+    return (
+        None if pre is None or pre == 1 else float(pre),
+        None if post is None or post == 1 else float(post),
+        dist.ReduceOp.SUM,
+    )
+
+
+@torch.no_grad()
+def issue_reduce_scatter(
+    grads: list[torch.Tensor],
+    shard_dims: Sequence[int],
+    reduce_dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    world_size: int,
+    op: dist.ReduceOp.RedOpType,
+    pre_divide: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+    """Pack gradients in torch's layout and issue one reduce-scatter (``grads`` is cleared).
+
+    Args:
+        grads: the unsharded gradients, in parameter order; emptied so they can be freed.
+        shard_dims: each gradient's shard dim.
+        reduce_dtype: the reduce dtype (gradients are cast while packing).
+        group: the shard process group.
+        world_size: its size.
+        op: the reduce op.
+        pre_divide: divide the packed input by this before the collective.
+
+    Returns:
+        ``(input, output, work)``: keep ``input`` alive until ``work`` completes.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce``.
+    """
+    rs_input = reduce_scatter_copy_in(
+        grads, shard_dims, world_size, reduce_dtype, predivide_factor=pre_divide
+    )
+    grads.clear()
+    numel = rs_input.numel() // world_size
+    if world_size == 1:
+        return rs_input, rs_input.view(-1), None
+    rs_output = torch.empty(numel, dtype=reduce_dtype, device=rs_input.device)
+    work = dist.reduce_scatter_single(rs_output, rs_input, group=group, op=op, async_op=True)
+    return rs_input, rs_output, work

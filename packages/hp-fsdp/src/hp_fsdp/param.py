@@ -1,0 +1,418 @@
+"""One sharded parameter: its sharded DTensor, padded local storage and unsharded view.
+
+Tensors of one parameter:
+
+- the *padded shard*: a flat tensor holding this rank's ``torch.chunk`` piece of the parameter
+  along the shard dim, zero-padded to the size of chunk 0 (the largest); it is what goes into
+  the all-gather;
+- the *sharded parameter*: an ``nn.Parameter`` holding a DTensor whose local tensor is the
+  unpadded view of the padded shard, with torch's placements (``Shard(d)``, or
+  ``(Replicate(), Shard(d))`` for HSDP); it is registered on the module while sharded and is
+  what the optimizer updates;
+- the *unsharded data*: a flat tensor in the compute dtype holding the gathered padded
+  parameter; its storage is freed (resized to 0) on reshard and reallocated before the next
+  all-gather, so autograd's saved views of it stay valid;
+- the *unsharded parameter*: an ``nn.Parameter`` viewing the unsharded data with the original
+  shape, created once, registered on the module while unsharded.
+
+See Also:
+    ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``: PyTorch's counterpart.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
+
+from hp_fsdp.mesh_info import MeshInfo
+
+__all__ = ["ParamModuleInfo", "ShardedParam", "ShardedState"]
+
+
+class ShardedState(enum.Enum):
+    """Which tensor of a parameter is registered on its module.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_param.ShardedState``: PyTorch's enum.
+    """
+
+    SHARDED = enum.auto()
+    SHARDED_POST_FORWARD = enum.auto()
+    UNSHARDED = enum.auto()
+
+
+@dataclass
+class ParamModuleInfo:
+    """Where a parameter is registered: its module and name, plus any tied registrations.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_param.ParamModuleInfo``: PyTorch's class.
+    """
+
+    module: nn.Module
+    name: str
+    shared: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    strides: list[int] = []
+    running = 1
+    for dim in reversed(size):
+        strides.append(running)
+        running *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<name>`` (fast path when ``__setattr__`` is nn.Module's)."""
+    if getattr(type(module).__setattr__, "__func__", type(module).__setattr__) is (
+        nn.Module.__setattr__
+    ):
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class ShardedParam:
+    """State of one parameter managed by ``fully_shard``.
+
+    Args:
+        param: the original parameter (on the mesh's device or on the meta device).
+        module_info: where the parameter is registered.
+        mesh_info: the data-parallel mesh.
+        device: the compute device.
+        shard_dim: the dim to shard (``Shard(shard_dim)``).
+        offload_to_cpu: keep the padded shard (and gradients) in host memory.
+        pin_memory: pin that host memory.
+
+    Raises:
+        ValueError: for a scalar parameter, a non-contiguous one, or an uneven split of a
+            non-zero shard dim.
+        NotImplementedError: for a DTensor parameter (FSDP over tensor parallelism).
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``: PyTorch's class.
+    """
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        module_info: ParamModuleInfo,
+        mesh_info: MeshInfo,
+        device: torch.device,
+        shard_dim: int,
+        offload_to_cpu: bool,
+        pin_memory: bool,
+    ) -> None:
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"hp_fsdp.fully_shard got a DTensor parameter {module_info.name!r} (FSDP over "
+                "tensor parallelism); this runtime shards plain tensors only so far"
+            )
+        if param.ndim == 0:
+            raise ValueError(
+                f"fully_shard cannot shard the scalar parameter {module_info.name!r}; make it a "
+                "1-D tensor with one element"
+            )
+        if not param.is_contiguous():
+            raise ValueError(
+                f"fully_shard needs contiguous parameters, got {module_info.name!r} with shape "
+                f"{tuple(param.shape)} and stride {param.stride()}"
+            )
+        if shard_dim < 0:
+            shard_dim += param.ndim
+        if not 0 <= shard_dim < param.ndim:
+            raise ValueError(
+                f"shard dim {shard_dim} is out of range for the {param.ndim}-D parameter "
+                f"{module_info.name!r}"
+            )
+        self.module_info = module_info
+        self.mesh_info = mesh_info
+        self.device = device
+        self.shard_dim = shard_dim
+        self.offload_to_cpu = offload_to_cpu
+        self.pin_memory = pin_memory
+        self.placements: tuple[Placement, ...] = (
+            (Replicate(), Shard(shard_dim)) if mesh_info.is_hsdp else (Shard(shard_dim),)
+        )
+        self.orig_size = param.size()
+        self.orig_stride = _contiguous_strides(self.orig_size)
+        ws, rank = mesh_info.shard_size, mesh_info.shard_rank
+        if shard_dim > 0 and param.size(shard_dim) % ws != 0:
+            raise ValueError(
+                f"fully_shard needs Shard({shard_dim}) of {module_info.name!r} (size "
+                f"{tuple(param.shape)}) to split evenly over {ws} ranks"
+            )
+        self._spec = DTensorSpec(
+            mesh_info.mesh,
+            self.placements,
+            tensor_meta=TensorMeta(param.size(), param.stride(), param.dtype),
+        )
+        # torch.chunk semantics: chunk 0 is the largest; trailing ranks may get nothing.
+        dim_size = param.size(shard_dim)
+        chunk = -(-dim_size // ws) if dim_size > 0 else 0
+        start = min(chunk * rank, dim_size)
+        length = max(min(chunk, dim_size - start), 0)
+        padded_size = list(self.orig_size)
+        padded_size[shard_dim] = chunk
+        self.padded_sharded_size = torch.Size(padded_size)
+        sharded_size = list(self.orig_size)
+        sharded_size[shard_dim] = length
+        self.sharded_size = torch.Size(sharded_size)
+        self.sharded_stride = _contiguous_strides(self.sharded_size)
+        self.padded_sharded_numel = self.padded_sharded_size.numel()
+        with torch.no_grad():
+            padded = param.detach().new_zeros(self.padded_sharded_size)
+            if length > 0:
+                padded.narrow(shard_dim, 0, length).copy_(
+                    param.detach().narrow(shard_dim, start, length)
+                )
+            if offload_to_cpu and not padded.is_meta:
+                padded = padded.cpu()
+                if pin_memory:
+                    padded = padded.pin_memory()
+        self._padded_shard = padded.view(-1)
+        local = padded.narrow(shard_dim, 0, length)
+        self.sharded_param = nn.Parameter(
+            DTensor(local, self._spec, requires_grad=param.requires_grad),
+            requires_grad=param.requires_grad,
+        )
+        self._set_on_modules(self.sharded_param)
+        self.state = ShardedState.SHARDED
+        self.orig_dtype: torch.dtype = param.dtype
+        self.param_dtype: torch.dtype | None = None
+        self.reduce_dtype: torch.dtype | None = None
+        self._unsharded_data: torch.Tensor | None = None
+        self._unsharded_param: nn.Parameter | None = None
+        self._post_forward_data: torch.Tensor | None = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self.fqn: str = module_info.name
+
+    # ----------------------------------------------------------------- setup
+    def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+        """Resolve the compute and reduce dtypes (None where no cast is needed).
+
+        Args:
+            param_dtype: the policy's ``param_dtype``.
+            reduce_dtype: the policy's ``reduce_dtype``.
+        """
+        self.orig_dtype = self.sharded_param.dtype
+        if reduce_dtype == param_dtype:
+            reduce_dtype = None
+        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
+            param_dtype = None
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the unsharded parameter."""
+        return self.param_dtype or self.orig_dtype
+
+    def reset_sharded_param(self) -> None:
+        """Re-adopt the registered sharded parameter after ``to_empty``/``_apply``/loading.
+
+        When the DTensor's local tensor is no longer a view of the padded shard (materialization
+        from the meta device, ``module.to``, ``load_state_dict(assign=True)``), its values are
+        copied into fresh padded storage and the local tensor becomes a view of it again.
+        """
+        info = self.module_info
+        current = info.module._parameters.get(info.name)
+        if isinstance(current, nn.Parameter) and current is not self.sharded_param:
+            if not isinstance(current, DTensor):
+                raise TypeError(
+                    f"parameter {self.fqn!r} was replaced by a non-DTensor while sharded by "
+                    "fully_shard; assign a DTensor with the same placements instead"
+                )
+            self.sharded_param = current
+        local = self.sharded_param._local_tensor
+        if local.is_meta:
+            return
+        padded = self._padded_shard
+        same_storage = (
+            not padded.is_meta
+            and padded.untyped_storage().data_ptr() != 0
+            and padded.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        )
+        if same_storage and local.size() == self.sharded_size:
+            return
+        length = self.sharded_size[self.shard_dim]
+        with torch.no_grad():
+            new_padded = local.new_zeros(self.padded_sharded_size)
+            if length > 0:
+                new_padded.narrow(self.shard_dim, 0, length).copy_(local)
+            if self.pin_memory and not new_padded.is_pinned():
+                new_padded = new_padded.pin_memory()
+        self._padded_shard = new_padded.view(-1)
+        self.sharded_param._local_tensor = new_padded.narrow(self.shard_dim, 0, length)
+        self._spec = self.sharded_param._spec
+
+    # ----------------------------------------------------------------- all-gather
+    def all_gather_input(self) -> torch.Tensor:
+        """The flat tensor this rank contributes to the all-gather (original dtype)."""
+        if self.state == ShardedState.SHARDED_POST_FORWARD:
+            assert self._post_forward_data is not None
+            return self._post_forward_data
+        data = self._padded_shard
+        if self.offload_to_cpu and data.device != self.device:
+            data = data.to(self.device, non_blocking=True)
+        return data
+
+    def unsharded_out(self, world_size: int) -> torch.Tensor:
+        """The flat compute-dtype buffer the all-gather output is copied into (allocated).
+
+        Args:
+            world_size: the all-gather world size (to size the buffer on first use).
+
+        Returns:
+            The flat buffer, with storage allocated.
+        """
+        numel = self.padded_sharded_numel * self.mesh_info.shard_size
+        data = self._unsharded_data
+        if data is None or data.dtype != self.compute_dtype:
+            data = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
+            self._unsharded_data = data
+            self._unsharded_param = None
+        else:
+            _alloc_storage(data)
+        return data
+
+    def init_unsharded_param(self) -> None:
+        """Create the unsharded parameter (once) as a view of the unsharded data."""
+        if self._unsharded_param is not None:
+            return
+        assert self._unsharded_data is not None
+        view = torch.as_strided(self._unsharded_data, self.orig_size, self.orig_stride, 0)
+        self._unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        """The unsharded parameter (raises before the first unshard)."""
+        if self._unsharded_param is None:
+            raise RuntimeError(f"parameter {self.fqn!r} has not been unsharded yet")
+        return self._unsharded_param
+
+    @property
+    def has_unsharded_param(self) -> bool:
+        """Whether the unsharded parameter exists (after the first unshard)."""
+        return self._unsharded_param is not None
+
+    @property
+    def unsharded_data(self) -> torch.Tensor | None:
+        """The flat unsharded buffer (None before the first unshard)."""
+        return self._unsharded_data
+
+    # ----------------------------------------------------------------- transitions
+    def _set_on_modules(self, param: nn.Parameter) -> None:
+        _set_param(self.module_info.module, self.module_info.name, param)
+        for module, name in self.module_info.shared:
+            _set_param(module, name, param)
+
+    def to_sharded(self) -> None:
+        """Register the sharded parameter and free the unsharded storage."""
+        self._set_on_modules(self.sharded_param)
+        self.free_unsharded()
+        self._post_forward_data = None
+        self.state = ShardedState.SHARDED
+
+    def to_sharded_post_forward(self, sub_size: int, sub_rank: int) -> None:
+        """Keep only this rank's 1/``sub_size`` piece of the unsharded data, free the rest.
+
+        Args:
+            sub_size: the size ``k`` of the post-forward group.
+            sub_rank: this rank's index in it.
+        """
+        assert self._unsharded_data is not None
+        numel = self._unsharded_data.numel() // sub_size
+        self._post_forward_data = self._unsharded_data.narrow(0, numel * sub_rank, numel).clone()
+        self._set_on_modules(self.sharded_param)
+        self.free_unsharded()
+        self.state = ShardedState.SHARDED_POST_FORWARD
+
+    def to_unsharded(self) -> None:
+        """Register the unsharded parameter (its data must have been gathered)."""
+        param = self.unsharded_param
+        if param.requires_grad != self.sharded_param.requires_grad:
+            param.requires_grad_(self.sharded_param.requires_grad)
+        self._set_on_modules(param)
+        self._post_forward_data = None
+        self.state = ShardedState.UNSHARDED
+
+    def free_unsharded(self) -> None:
+        """Free the storage of the unsharded data (the tensor objects stay)."""
+        if self._unsharded_data is not None:
+            _free_storage(self._unsharded_data)
+
+    # ----------------------------------------------------------------- gradients
+    def accumulate_unsharded_grad_if_needed(self) -> None:
+        """Add the new unsharded gradient into the reduce-dtype accumulator, if one exists."""
+        param = self._unsharded_param
+        if self.unsharded_accumulated_grad is not None and param is not None:
+            if param.grad is not None:
+                self.unsharded_accumulated_grad += param.grad
+                param.grad = None
+
+    def to_accumulated_grad_if_needed(self) -> None:
+        """Move an unsharded gradient into a reduce-dtype accumulator (mixed precision)."""
+        param = self._unsharded_param
+        if self.reduce_dtype is None or param is None or param.grad is None:
+            return
+        if param.grad.dtype == self.reduce_dtype:
+            return
+        grad = param.grad
+        param.grad = None
+        self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Remove and return the gradient to reduce (accumulated or fresh), or None."""
+        if self.unsharded_accumulated_grad is not None:
+            grad = self.unsharded_accumulated_grad
+            self.unsharded_accumulated_grad = None
+            return grad
+        param = self._unsharded_param
+        if param is None or param.grad is None:
+            return None
+        grad = param.grad
+        param.grad = None
+        return grad
+
+    def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap a local tensor of the sharded size as a DTensor with this parameter's spec.
+
+        Args:
+            local: a tensor of size :attr:`sharded_size`.
+
+        Returns:
+            The DTensor (no autograd history).
+        """
+        spec = self._spec
+        if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
+            meta = spec.tensor_meta
+            spec = DTensorSpec(
+                spec.mesh,
+                spec.placements,
+                tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype),
+            )
+        return DTensor(local, spec, requires_grad=False)
+
+    def __repr__(self) -> str:
+        return f"ShardedParam(fqn={self.fqn!r}, size={tuple(self.orig_size)})"

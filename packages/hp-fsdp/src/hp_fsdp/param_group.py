@@ -1,0 +1,589 @@
+"""One ``fully_shard`` unit: its parameters, unshard/reshard, and gradient reduction.
+
+A unit all-gathers all its parameters with one collective and reduce-scatters all their
+gradients with one collective (plus one all-reduce over the replicate axis for HSDP).
+
+See Also:
+    ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup``: PyTorch's class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hp_fsdp.collectives import (
+    AllGatherResult,
+    divide_factors,
+    issue_all_gather,
+    issue_reduce_scatter,
+    wait_all_gather,
+)
+from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
+from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
+from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+if TYPE_CHECKING:
+    from hp_fsdp.root_state import RootContext
+
+__all__ = ["ParamGroup", "PendingReduction", "TrainingState", "resolve_reshard_after_forward"]
+
+_log = logging.getLogger("hp_fsdp")
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the iteration.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.TrainingState``: PyTorch's enum.
+    """
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+
+def resolve_reshard_after_forward(value: bool | int, shard_size: int) -> bool | int:
+    """Normalize ``reshard_after_forward``: a bool, or an int k with 1 < k < shard size.
+
+    Args:
+        value: the user's value (bools are checked before ints).
+        shard_size: the size of the shard axis.
+
+    Returns:
+        ``True``/``False``, or the int ``k``.
+
+    Raises:
+        ValueError: for an int that does not divide the shard size, or another type.
+
+    See Also:
+        ``torch.distributed.fsdp.fully_shard``: the ``reshard_after_forward`` argument.
+    """
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(
+            "reshard_after_forward must be a bool, None or an int world size to reshard to, got "
+            f"{value!r}"
+        )
+    if value < 1 or value > shard_size or shard_size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value} must be a divisor of the shard size {shard_size}"
+        )
+    if value == 1:
+        _log.warning(
+            "reshard_after_forward=1 (int) keeps parameters unsharded after forward, which is "
+            "reshard_after_forward=False"
+        )
+        return False
+    if value == shard_size:
+        return True
+    return value
+
+
+def _param_module_infos(
+    params: list[nn.Parameter], modules: tuple[nn.Module, ...]
+) -> list[ParamModuleInfo]:
+    """Where each parameter is registered (first registration, plus tied ones)."""
+    wanted = set(params)
+    infos: dict[nn.Parameter, ParamModuleInfo] = {}
+    for root in modules:
+        for sub in root.modules():
+            for name, param in list(sub._parameters.items()):
+                if param is None or param not in wanted:
+                    continue
+                info = infos.get(param)
+                if info is None:
+                    infos[param] = ParamModuleInfo(sub, name)
+                elif (sub, name) != (info.module, info.name):
+                    info.shared.append((sub, name))
+    return [infos[p] for p in params]
+
+
+class _PostBackwardTrigger(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, group: ParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.group.post_backward()
+        return (None, *grads)
+
+
+class PendingReduction:
+    """An issued gradient reduction of one unit, finished later (overlapping backward).
+
+    Stages: the reduce-scatter is in flight; then (HSDP) the all-reduce over the replicate
+    axis is in flight; then the reduced shards are divided, cast and written as the sharded
+    parameters' ``.grad`` (accumulated when a gradient exists).
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce``.
+    """
+
+    def __init__(
+        self,
+        group: ParamGroup,
+        params: list[ShardedParam],
+        rs_input: torch.Tensor,
+        rs_output: torch.Tensor,
+        work: dist.Work | None,
+        post_divide: float | None,
+        all_reduce_op: dist.ReduceOp.RedOpType,
+        do_all_reduce: bool,
+    ) -> None:
+        self.group = group
+        self.params = params
+        self._rs_input: torch.Tensor | None = rs_input
+        self._output = rs_output
+        self._work = work
+        self._post_divide = post_divide
+        self._all_reduce_op = all_reduce_op
+        self._do_all_reduce = do_all_reduce
+        self._stage = 0  # 0: reduce-scatter in flight, 1: all-reduce in flight, 2: done
+
+    @property
+    def done(self) -> bool:
+        """Whether the reduced gradients have been written."""
+        return self._stage == 2
+
+    def advance(self) -> None:
+        """Run one stage: wait for the collective in flight and start the next step."""
+        if self._stage == 2:
+            return
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._stage == 0:
+            self._rs_input = None  # the reduce-scatter no longer reads it
+            group = self.group
+            mesh_info = group.mesh_info
+            if mesh_info.is_hsdp:
+                output = self._output
+                if group.partial_reduce_output is not None:
+                    output += group.partial_reduce_output
+                    group.partial_reduce_output = None
+                if not self._do_all_reduce:
+                    group.partial_reduce_output = output
+                    self._stage = 2
+                    return
+                assert mesh_info.replicate_group is not None
+                self._work = dist.all_reduce(
+                    output, op=self._all_reduce_op, group=mesh_info.replicate_group, async_op=True
+                )
+                self._stage = 1
+                return
+        self._write_grads()
+        self._stage = 2
+
+    def finish(self) -> None:
+        """Run all remaining stages."""
+        while self._stage != 2:
+            self.advance()
+
+    @torch.no_grad()
+    def _write_grads(self) -> None:
+        from hp_kernels.reduce_scatter import post_reduce
+
+        output = self._output
+        orig_dtype = self.group.orig_dtype
+        post_divide = self._post_divide
+        if orig_dtype is not None and output.dtype != orig_dtype:
+            output = post_reduce(output, divide_factor=post_divide, out_dtype=orig_dtype)
+        elif post_divide is not None:
+            output = post_reduce(output, divide_factor=post_divide, inplace=True)
+        offset = 0
+        for param in self.params:
+            new_grad = torch.as_strided(
+                output, param.sharded_size, param.sharded_stride, storage_offset=offset
+            )
+            offset += param.padded_sharded_numel
+            sharded = param.sharded_param
+            if param.offload_to_cpu and new_grad.device.type != "cpu":
+                new_grad = new_grad.to("cpu", non_blocking=False)
+            if sharded.grad is not None:
+                grad = sharded.grad
+                if not isinstance(grad, DTensor):
+                    raise TypeError(
+                        f"the gradient of the sharded parameter {param.fqn!r} must be a DTensor "
+                        f"to accumulate into, got {type(grad).__name__}"
+                    )
+                grad._local_tensor += new_grad
+            else:
+                sharded.grad = param.to_sharded_dtensor(new_grad)
+            hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                for hook in hooks.values():
+                    hook(sharded)
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call and their communication.
+
+    Args:
+        params: the parameters, in the unit's order.
+        modules: the unit's modules (one, or several for a list-of-modules unit).
+        mesh_info: the data-parallel mesh.
+        device: the compute device.
+        reshard_after_forward: resolved policy (bool or int k).
+        shard_dims: one shard dim per parameter.
+        mp_policy: the mixed-precision policy.
+        offload_policy: the offload policy.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup``.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        modules: tuple[nn.Module, ...],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        reshard_after_forward: bool | int,
+        shard_dims: list[int],
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ) -> None:
+        offload = isinstance(offload_policy, CPUOffloadPolicy)
+        pin = offload and isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+        infos = _param_module_infos(params, modules)
+        self.params = [
+            ShardedParam(p, info, mesh_info, device, dim, offload, pin)
+            for p, info, dim in zip(params, infos, shard_dims)
+        ]
+        self.modules = modules
+        self.mesh_info = mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+        self.reshard_after_forward: bool | int = reshard_after_forward
+        self.post_forward: PostForwardInfo | None = None
+        self.ctx: RootContext | None = None
+        self.training_state = TrainingState.IDLE
+        self.sharded_state = ShardedState.SHARDED
+        self.reduce_grads = True
+        self.all_reduce_grads = True
+        self.reshard_after_backward = True
+        self.unshard_async_op = False
+        self.partial_reduce_output: torch.Tensor | None = None
+        self.orig_dtype: torch.dtype | None = None
+        self.reduce_dtype: torch.dtype | None = None
+        self.fqn = ""
+        self._ag: AllGatherResult | None = None
+        self._ag_from_post_forward = False
+        self._post_forward_indices: list[int] = []
+        self._initialized = False
+
+    # ------------------------------------------------------------------ init
+    def lazy_init(self, ctx: RootContext | None) -> None:
+        """Finish initialization once the model's parallelism is final (idempotent).
+
+        Args:
+            ctx: the root context (None when unsharding before the first forward).
+
+        Raises:
+            RuntimeError: when parameters are still on the meta device, or not on the CPU
+                under CPU offload.
+            ValueError: for non-uniform original or reduce dtypes among trainable parameters.
+        """
+        if ctx is not None and self.ctx is not ctx:
+            self.ctx = ctx
+            k = self.reshard_after_forward
+            if not isinstance(k, bool):
+                self.post_forward = ctx.post_forward_info(self.mesh_info, k)
+        if self._initialized:
+            return
+        for param in self.params:
+            param.reset_sharded_param()
+        on_meta = [p.fqn for p in self.params if p.sharded_param.device.type == "meta"]
+        if on_meta:
+            raise RuntimeError(
+                f"fully_shard parameters must be materialized before training, but {on_meta} "
+                "are still on the meta device; call module.to_empty(device=...) and initialize "
+                "them (e.g. hp_dtensor.init_parameters) first"
+            )
+        if isinstance(self.offload_policy, CPUOffloadPolicy):
+            off_cpu = [p.fqn for p in self.params if p.sharded_param.device.type != "cpu"]
+            if off_cpu:
+                raise RuntimeError(
+                    f"CPU offload needs the sharded parameters on the CPU, but {off_cpu} are not"
+                )
+        mp = self.mp_policy
+        for param in self.params:
+            param.init_dtypes(mp.param_dtype, mp.reduce_dtype)
+        trainable = [p for p in self.params if p.sharded_param.requires_grad]
+        orig = {p.orig_dtype for p in trainable}
+        reduce = {p.reduce_dtype for p in trainable}
+        if len(orig) > 1:
+            raise ValueError(
+                f"fully_shard needs one dtype for the trainable parameters of a unit, got {orig}"
+            )
+        if len(reduce) > 1:
+            raise ValueError(
+                f"fully_shard needs one reduce dtype for the parameters of a unit, got {reduce}"
+            )
+        self.orig_dtype = next(iter(orig)) if trainable else None
+        self.reduce_dtype = next(iter(reduce)) if trainable else None
+        compute = {p.compute_dtype for p in self.params}
+        if len(compute) > 1:
+            raise ValueError(
+                "fully_shard all-gathers a unit in one dtype, but its parameters would be "
+                f"gathered in {compute}; put parameters of other dtypes in their own unit"
+            )
+        self._initialized = True
+
+    # ------------------------------------------------------------------ unshard
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the unsharded parameters are registered."""
+        return self.sharded_state == ShardedState.UNSHARDED
+
+    @property
+    def has_pending_all_gather(self) -> bool:
+        """Whether an all-gather was issued and not yet waited for."""
+        return self._ag is not None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue this unit's all-gather (a no-op when unsharded or already issued).
+
+        Args:
+            async_op: kept for PyTorch's signature; the collective is always issued
+                asynchronously and waited for in :meth:`wait_for_unshard`.
+        """
+        if self._ag is not None or self.is_unsharded or not self.params:
+            return
+        from_post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
+        if from_post_forward:
+            assert self.post_forward is not None
+            group = self.post_forward.group
+            world_size, rank = self.post_forward.size, self.post_forward.rank
+        else:
+            group = self.mesh_info.shard_group
+            world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
+        dtype = self.params[0].compute_dtype
+        inputs = [p.all_gather_input() for p in self.params]
+        self._ag = issue_all_gather(inputs, dtype, group, world_size, rank, self.device, True)
+        self._ag_from_post_forward = from_post_forward
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the issued all-gather and register the unsharded parameters."""
+        result = self._ag
+        if result is None:
+            return
+        self._ag = None
+        world_size = result.world_size
+        outs: list[torch.Tensor] = []
+        regroup: list[tuple[ShardedParam, torch.Tensor, torch.Tensor]] = []
+        for param in self.params:
+            out = param.unsharded_out(world_size)
+            if param.shard_dim != 0 and not self._ag_from_post_forward:
+                staging = torch.empty_like(out)
+                regroup.append((param, staging, out))
+                out = staging
+            outs.append(out)
+        wait_all_gather(result, outs)
+        if regroup:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
+                tuple(t for _, _, t in regroup)
+            ):
+                for param, staging, target in regroup:
+                    blocks = staging.view(world_size, *param.padded_sharded_size).unbind(0)
+                    full = list(param.orig_size)
+                    torch.cat(blocks, dim=param.shard_dim, out=target.view(full))
+        for param in self.params:
+            param.init_unsharded_param()
+            param.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def drop_pending_all_gather(self) -> None:
+        """Wait for a prefetched all-gather that will not be used and discard it."""
+        result = self._ag
+        if result is None:
+            return
+        self._ag = None
+        if result.work is not None:
+            result.work.wait()
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (after forward: per ``reshard_after_forward``)."""
+        if self.training_state == TrainingState.FORWARD:
+            if self.reshard_after_forward is False:
+                return
+            if self.post_forward is not None and not isinstance(self.reshard_after_forward, bool):
+                if self.is_unsharded:
+                    for param in self.params:
+                        param.to_sharded_post_forward(self.post_forward.size, self.post_forward.rank)
+                    self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+                return
+        self.to_sharded()
+
+    def to_sharded(self) -> None:
+        """Register the sharded parameters and free all unsharded storage."""
+        if self.sharded_state == ShardedState.SHARDED:
+            return
+        for param in self.params:
+            param.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    @contextlib.contextmanager
+    def use_training_state(self, state: TrainingState) -> Iterator[None]:
+        """Temporarily set the training state.
+
+        Args:
+            state: the state inside the block.
+
+        Yields:
+            Nothing.
+        """
+        old = self.training_state
+        self.training_state = state
+        try:
+            yield
+        finally:
+            self.training_state = old
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Unshard, and hook the inputs so that backward reaches :meth:`post_backward`.
+
+        Args:
+            args: forward positional inputs.
+            kwargs: forward keyword inputs.
+
+        Returns:
+            The inputs (tensors that need grad wrapped by the post-backward trigger).
+        """
+        entering = self.training_state != TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        self.unshard(self.unshard_async_op)
+        self.wait_for_unshard()
+        if entering and torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _register_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [
+            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if not positions:
+            return args, kwargs
+        outs = _PostBackwardTrigger.apply(self, *(leaves[i] for i in positions))
+        for i, out in zip(positions, outs):
+            leaves[i] = out
+        new_args, new_kwargs = tree_unflatten(leaves, spec)
+        return new_args, new_kwargs
+
+    def post_forward(self) -> None:
+        """Reshard per policy and record the post-forward order (outside backward)."""
+        if torch._C._current_graph_task_id() == -1:
+            self.reshard()
+            ctx = self.ctx
+            if ctx is not None:
+                self._post_forward_indices.append(len(ctx.post_forward_order))
+                ctx.post_forward_order.append(self)
+        self.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ backward
+    def pre_backward(self, default_prefetch: bool) -> None:
+        """Unshard for backward (once per backward) and prefetch the next unit.
+
+        Args:
+            default_prefetch: prefetch the previous unit of the post-forward order.
+        """
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        self.wait_for_unshard()
+        if default_prefetch:
+            self._backward_prefetch()
+
+    def _backward_prefetch(self) -> None:
+        if not self._post_forward_indices or self.ctx is None:
+            return
+        index = self._post_forward_indices.pop()
+        if index > 0:
+            target = self.ctx.post_forward_order[index - 1]
+            with target.use_training_state(TrainingState.PRE_BACKWARD):
+                target.unshard(target.unshard_async_op)
+
+    def post_backward(self) -> None:
+        """Reshard and reduce this unit's gradients (idempotent within one backward)."""
+        self.training_state = TrainingState.POST_BACKWARD
+        for param in self.params:
+            param.accumulate_unsharded_grad_if_needed()
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.to_sharded()
+            for param in self.params:
+                param.to_accumulated_grad_if_needed()
+            return
+        with_grad: list[ShardedParam] = []
+        grads: list[torch.Tensor] = []
+        for param in self.params:
+            if not param.has_unsharded_param:
+                continue
+            grad = param.take_unsharded_grad()
+            if grad is not None:
+                with_grad.append(param)
+                grads.append(grad)
+        if self.reshard_after_backward:
+            self.to_sharded()
+        ctx = self.ctx
+        if ctx is not None:
+            ctx.advance_reductions()
+        if not grads:
+            return
+        reduction = self._issue_reduction(with_grad, grads)
+        if ctx is not None:
+            ctx.pending_reductions.append(reduction)
+        else:
+            reduction.finish()
+
+    def _issue_reduction(
+        self, params: list[ShardedParam], grads: list[torch.Tensor]
+    ) -> PendingReduction:
+        dtypes = {g.dtype for g in grads}
+        if len(dtypes) != 1:
+            raise RuntimeError(f"fully_shard expects one gradient dtype per unit, got {dtypes}")
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
+        mesh_info = self.mesh_info
+        dp_size = mesh_info.shard_size * mesh_info.replicate_size
+        pre, post, op = divide_factors(reduce_dtype, dp_size)
+        rs_input, rs_output, work = issue_reduce_scatter(
+            grads,
+            [p.shard_dim for p in params],
+            reduce_dtype,
+            mesh_info.shard_group,
+            mesh_info.shard_size,
+            op,
+            pre,
+        )
+        return PendingReduction(
+            self, params, rs_input, rs_output, work, post, op, self.all_reduce_grads
+        )
+
+    def finalize_backward(self) -> None:
+        """End-of-backward cleanup: drop unused prefetches and backward-prefetch indices."""
+        self.drop_pending_all_gather()
+        self._post_forward_indices.clear()

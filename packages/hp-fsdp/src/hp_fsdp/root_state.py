@@ -1,0 +1,120 @@
+"""Per-root context: everything shared by the units of one root module for one iteration.
+
+One :class:`RootContext` exists per root (the outermost ``fully_shard`` module that runs
+forward first). Every unit under that root points at it after lazy initialization. It holds the
+pending gradient reductions, the forward and post-forward orders used for prefetching, the
+end-of-backward callback flag, and the process groups created once for
+``reshard_after_forward=k``. Nothing here is module-global, so two models in one process do
+not interact.
+
+See Also:
+    ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext``: PyTorch's
+    shared communication context.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
+
+if TYPE_CHECKING:
+    from hp_fsdp.param_group import ParamGroup, PendingReduction
+    from hp_fsdp.state import FSDPState
+
+__all__ = ["RootContext"]
+
+
+class RootContext:
+    """State shared by all units of one root.
+
+    Attributes:
+        states: every unit state under the root, in ``named_modules()`` pre-order.
+        iter_forward_root: the state whose forward started this iteration's forward pass.
+        callback_queued: whether the end-of-backward callback is queued.
+        is_last_backward: whether the next backward finishes the iteration.
+        forward_order: the units in the pre-forward order of the last completed forward pass
+            (the implicit forward-prefetch order).
+        current_forward_order: the same, being recorded for the forward pass in progress.
+        post_forward_order: the units in post-forward order (the backward-prefetch order).
+        pending_reductions: issued reduce-scatters (and HSDP all-reduces) not yet finished.
+        max_inflight_reductions: how many pending reductions a unit leaves in flight when it
+            issues its own.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPStateContext``.
+    """
+
+    def __init__(self) -> None:
+        self.states: list[FSDPState] = []
+        self.iter_forward_root: FSDPState | None = None
+        self.callback_queued = False
+        self.is_last_backward = True
+        self.forward_order: list[ParamGroup] = []
+        self.current_forward_order: list[ParamGroup] = []
+        self.post_forward_order: list[ParamGroup] = []
+        self.pending_reductions: list[PendingReduction] = []
+        self.max_inflight_reductions = 1
+        self._post_forward_groups: dict[tuple[tuple[int, ...], int], PostForwardInfo] = {}
+
+    def post_forward_info(self, mesh_info: MeshInfo, k: int) -> PostForwardInfo:
+        """The group of ``k`` consecutive shard ranks this rank reshards to after forward.
+
+        The groups are created on first request for a (mesh, k) pair, every rank creating every
+        group in the same order, and reused by all units of this root.
+
+        Args:
+            mesh_info: the unit's mesh.
+            k: the post-forward world size (a divisor of the shard size, 1 < k < shard size).
+
+        Returns:
+            This rank's :class:`PostForwardInfo`.
+
+        See Also:
+            ``torch.distributed.fsdp.fully_shard``: ``reshard_after_forward`` as an int.
+        """
+        mesh_ranks = mesh_info.mesh.mesh.reshape(-1, mesh_info.shard_size)
+        key = (tuple(int(r) for r in mesh_ranks.reshape(-1).tolist()), k)
+        info = self._post_forward_groups.get(key)
+        if info is not None:
+            return info
+        me = dist.get_rank()
+        mine: PostForwardInfo | None = None
+        for row in mesh_ranks.reshape(-1, k).tolist():
+            ranks = [int(r) for r in row]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine = PostForwardInfo(group=group, size=k, rank=ranks.index(me))
+        if mine is None:
+            raise RuntimeError(
+                f"rank {me} is not in the mesh {mesh_info.mesh}; cannot reshard to {k} ranks"
+            )
+        self._post_forward_groups[key] = mine
+        return mine
+
+    def advance_reductions(self) -> None:
+        """Move every pending reduction one stage on, finishing those that complete.
+
+        Then, while more than ``max_inflight_reductions`` remain, finish the oldest. Called by
+        a unit's post-backward before it issues its own reduce-scatter, so each reduction
+        overlaps at least one later unit's backward computation.
+        """
+        pending = self.pending_reductions
+        if not pending:
+            return
+        for reduction in pending:
+            reduction.advance()
+        remaining = [r for r in pending if not r.done]
+        while len(remaining) > self.max_inflight_reductions:
+            remaining[0].finish()
+            remaining.pop(0)
+        self.pending_reductions = remaining
+
+    def finish_reductions(self) -> None:
+        """Wait for every pending reduction and write the reduced gradients (FIFO order)."""
+        pending = self.pending_reductions
+        self.pending_reductions = []
+        for reduction in pending:
+            reduction.finish()

@@ -1,0 +1,237 @@
+"""MoE token permutation ops for expert parallelism.
+
+:func:`permute_tokens` groups the (token, choice) pairs of a top-k router by expert, stable in
+token order, so each expert's tokens are contiguous (ready for a grouped GEMM or an all-to-all
+split by ``tokens_per_expert``). :func:`unpermute_tokens` scatters them back and combines the
+``k`` expert outputs of every token, optionally weighted by the router probabilities. Both are
+``torch.library`` custom ops with autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hp_kernels._library import qualname
+
+__all__ = ["permute_tokens", "unpermute_tokens"]
+
+
+@torch.library.custom_op(qualname("permute_tokens"), mutates_args=())
+def _permute_tokens_op(
+    tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    topk = expert_indices.shape[1]
+    flat = expert_indices.reshape(-1)
+    sorted_indices = torch.sort(flat, stable=True).indices
+    permuted = tokens.index_select(0, torch.div(sorted_indices, topk, rounding_mode="floor"))
+    counts = torch.bincount(flat, minlength=num_experts)
+    return permuted, sorted_indices, counts
+
+
+@_permute_tokens_op.register_fake
+def _(
+    tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = expert_indices.numel()
+    permuted = tokens.new_empty((n, *tokens.shape[1:]))
+    sorted_indices = expert_indices.new_empty((n,), dtype=torch.int64)
+    counts = expert_indices.new_empty((num_experts,), dtype=torch.int64)
+    return permuted, sorted_indices, counts
+
+
+def _permute_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    tokens, expert_indices, _ = inputs
+    _, sorted_indices, _ = output
+    ctx.topk = expert_indices.shape[1]
+    ctx.num_tokens = tokens.shape[0]
+    ctx.save_for_backward(sorted_indices)
+
+
+def _permute_backward(ctx: Any, g_perm: torch.Tensor, _g_idx: Any, _g_cnt: Any) -> tuple[Any, ...]:
+    (sorted_indices,) = ctx.saved_tensors
+    unsorted = torch.empty_like(g_perm).index_copy_(0, sorted_indices, g_perm)
+    g_tokens = unsorted.view(ctx.num_tokens, ctx.topk, *g_perm.shape[1:]).sum(1)
+    return g_tokens, None, None
+
+
+_permute_tokens_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+def permute_tokens(
+    tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group routed token copies by expert.
+
+    For ``T`` tokens each routed to ``k`` experts, the ``T * k`` copies are sorted by expert
+    index, stably (within an expert, in token order, then choice order).
+
+    Args:
+        tokens: ``[T, ...]`` token activations.
+        expert_indices: ``[T]`` or ``[T, k]`` integer expert index per token choice, each in
+            ``[0, num_experts)``.
+        num_experts: Number of experts (length of the returned counts).
+
+    Returns:
+        ``(permuted_tokens, sorted_indices, tokens_per_expert)``: ``permuted_tokens`` is
+        ``[T * k, ...]`` with row ``j`` equal to ``tokens[sorted_indices[j] // k]``;
+        ``sorted_indices`` (int64, ``[T * k]``) indexes the flattened ``[T, k]`` choices and is
+        what :func:`unpermute_tokens` needs; ``tokens_per_expert`` (int64, ``[num_experts]``)
+        counts rows per expert. Differentiable in ``tokens``.
+
+    Raises:
+        ValueError: If shapes disagree, ``num_experts`` is not positive, or an index is out of
+            range (checked eagerly, outside compiled graphs).
+        TypeError: If ``expert_indices`` is not an integer tensor.
+
+    Example:
+        >>> import torch
+        >>> from hp_kernels import permute_tokens
+        >>> x = torch.tensor([[1.0], [2.0], [3.0]])
+        >>> p, idx, cnt = permute_tokens(x, torch.tensor([1, 0, 1]), 2)
+        >>> p.flatten().tolist(), cnt.tolist()
+        ([2.0, 1.0, 3.0], [1, 2])
+
+    See Also:
+        ``torchtitan.models.moe.moe.TokenReorderer``: TorchTitan's reordering of routed tokens
+        by expert.
+    """
+    if expert_indices.dtype.is_floating_point or expert_indices.dtype.is_complex:
+        raise TypeError(f"expert_indices must be an integer tensor, got {expert_indices.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if tokens.dim() < 1:
+        raise ValueError("tokens must have a leading token dimension")
+    idx = expert_indices.unsqueeze(1) if expert_indices.dim() == 1 else expert_indices
+    if idx.dim() != 2 or idx.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"expert_indices must be [T] or [T, k] with T = {tokens.shape[0]}, "
+            f"got shape {tuple(expert_indices.shape)}"
+        )
+    if not torch.compiler.is_compiling() and idx.numel() and idx.device.type != "meta":
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
+    return _permute_tokens_op(tokens, idx.to(torch.int64), num_experts)
+
+
+@torch.library.custom_op(qualname("unpermute_tokens"), mutates_args=())
+def _unpermute_tokens_op(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None,
+    topk: int,
+) -> torch.Tensor:
+    unsorted = torch.empty_like(permuted_tokens).index_copy_(0, sorted_indices, permuted_tokens)
+    num_tokens = permuted_tokens.shape[0] // topk
+    per_choice = unsorted.view(num_tokens, topk, *permuted_tokens.shape[1:])
+    if probs is not None:
+        weights = probs.to(permuted_tokens.dtype).reshape(
+            num_tokens, topk, *([1] * (permuted_tokens.dim() - 1))
+        )
+        per_choice = per_choice * weights
+    return per_choice.sum(1)
+
+
+@_unpermute_tokens_op.register_fake
+def _(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None,
+    topk: int,
+) -> torch.Tensor:
+    return permuted_tokens.new_empty((permuted_tokens.shape[0] // topk, *permuted_tokens.shape[1:]))
+
+
+def _unpermute_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    permuted_tokens, sorted_indices, probs, topk = inputs
+    ctx.topk = topk
+    ctx.has_probs = probs is not None
+    ctx.probs_dtype = probs.dtype if probs is not None else None
+    if probs is not None:
+        ctx.save_for_backward(permuted_tokens, sorted_indices, probs)
+    else:
+        ctx.save_for_backward(sorted_indices)
+
+
+def _unpermute_backward(ctx: Any, g_out: torch.Tensor) -> tuple[Any, ...]:
+    topk = ctx.topk
+    extra = [1] * (g_out.dim() - 1)
+    g_choice = g_out.unsqueeze(1).expand(g_out.shape[0], topk, *g_out.shape[1:])
+    g_probs = None
+    if ctx.has_probs:
+        permuted_tokens, sorted_indices, probs = ctx.saved_tensors
+        weights = probs.to(g_out.dtype).reshape(g_out.shape[0], topk, *extra)
+        g_choice = g_choice * weights
+        unsorted = torch.empty_like(permuted_tokens).index_copy_(
+            0, sorted_indices, permuted_tokens
+        )
+        prod = unsorted.view(g_out.shape[0], topk, -1) * g_out.reshape(g_out.shape[0], 1, -1)
+        g_probs = prod.sum(-1).to(ctx.probs_dtype).reshape(probs.shape)
+    else:
+        (sorted_indices,) = ctx.saved_tensors
+    g_flat = g_choice.reshape(g_out.shape[0] * topk, *g_out.shape[1:])
+    g_perm = g_flat.index_select(0, sorted_indices)
+    return g_perm, None, g_probs, None
+
+
+_unpermute_tokens_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+def unpermute_tokens(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    topk: int | None = None,
+) -> torch.Tensor:
+    """Restore token order and combine each token's ``k`` expert outputs.
+
+    Inverse of :func:`permute_tokens`: ``out[t] = sum_c w[t, c] * x[pos(t, c)]`` where
+    ``pos(t, c)`` is the row of choice ``(t, c)`` in ``permuted_tokens`` and ``w`` is ``probs``
+    (or 1). The sum runs over the choices in order ``c = 0 .. k-1``.
+
+    Args:
+        permuted_tokens: ``[T * k, ...]`` expert outputs in permuted order.
+        sorted_indices: The ``sorted_indices`` returned by :func:`permute_tokens`.
+        probs: Optional ``[T, k]`` (or ``[T]`` for ``k = 1``) routing weights.
+        topk: Choices per token; inferred from ``probs`` when given, else defaults to 1.
+
+    Returns:
+        ``[T, ...]`` combined outputs. Differentiable in ``permuted_tokens`` and ``probs``.
+
+    Raises:
+        ValueError: If the sizes are inconsistent.
+
+    Example:
+        >>> import torch
+        >>> from hp_kernels import permute_tokens, unpermute_tokens
+        >>> x = torch.randn(4, 3)
+        >>> p, idx, _ = permute_tokens(x, torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0]]), 2)
+        >>> torch.equal(unpermute_tokens(p, idx, topk=2), 2 * x)
+        True
+
+    See Also:
+        ``torchtitan.models.moe.moe.MoE``: TorchTitan's MoE layer, which scatters routed expert
+        outputs back to token order.
+    """
+    if probs is not None:
+        k = 1 if probs.dim() == 1 else probs.shape[-1]
+        if topk is not None and topk != k:
+            raise ValueError(f"topk={topk} disagrees with probs of shape {tuple(probs.shape)}")
+        topk = k
+    topk = 1 if topk is None else topk
+    if topk < 1:
+        raise ValueError(f"topk must be positive, got {topk}")
+    n = permuted_tokens.shape[0] if permuted_tokens.dim() else 0
+    if permuted_tokens.dim() < 1 or n % topk != 0:
+        raise ValueError(
+            f"permuted_tokens has {n} rows, expected a multiple of topk={topk} (T * k rows)"
+        )
+    if sorted_indices.shape != (n,):
+        raise ValueError(
+            f"sorted_indices must have shape ({n},), got {tuple(sorted_indices.shape)}"
+        )
+    if probs is not None and probs.numel() != n:
+        raise ValueError(f"probs must have T * k = {n} elements, got shape {tuple(probs.shape)}")
+    return _unpermute_tokens_op(permuted_tokens, sorted_indices.to(torch.int64), probs, topk)

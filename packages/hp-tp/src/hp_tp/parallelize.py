@@ -1,0 +1,144 @@
+"""``parallelize_module``: apply tensor-parallel styles to a module by fully qualified name.
+
+See Also:
+    ``torch.distributed.tensor.parallel.parallelize_module``: PyTorch's entry point.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import TypeAlias
+
+from torch import nn
+
+from hp_tp._dtensor import DeviceMesh, get_current_mesh
+from hp_tp.style import ParallelStyle
+
+__all__ = ["parallelize_module"]
+
+#: A plan: one style for the module, or FQN patterns to styles or to nested plans.
+PlanType: TypeAlias = "ParallelStyle | Mapping[str, ParallelStyle | PlanType]"
+
+
+def _match_children(module: nn.Module, token: str) -> list[tuple[str, nn.Module]]:
+    return [(name, child) for name, child in module.named_children() if fnmatchcase(name, token)]
+
+
+def _resolve(
+    module: nn.Module, key: str, prefix: str
+) -> tuple[list[tuple[str, nn.Module]], str | None]:
+    """Submodules a (possibly wildcarded) dotted key names, or the first token that matched none."""
+    if key == "":
+        return [(prefix, module)], None
+    frontier: list[tuple[str, nn.Module]] = [(prefix, module)]
+    for token in key.split("."):
+        nxt: list[tuple[str, nn.Module]] = []
+        for path, mod in frontier:
+            for name, child in _match_children(mod, token):
+                nxt.append((f"{path}.{name}" if path else name, child))
+        if not nxt:
+            return [], token
+        frontier = nxt
+    return frontier, None
+
+
+def _collect(
+    module: nn.Module,
+    plan: ParallelStyle | Mapping[str, object],
+    prefix: str,
+    out: list[tuple[str, nn.Module, ParallelStyle]],
+    errors: list[str],
+) -> None:
+    if isinstance(plan, ParallelStyle):
+        out.append((prefix, module, plan))
+        return
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            "parallelize_plan must be a ParallelStyle or a dict of module FQN (wildcards "
+            f"allowed) to ParallelStyle or nested plan; got {type(plan).__name__} at "
+            f"{prefix or '<root>'!r}"
+        )
+    for key, value in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"plan keys must be module FQN strings, got {key!r}")
+        targets, missing = _resolve(module, key, prefix)
+        if missing is not None:
+            where = f"{prefix}.{key}" if prefix else key
+            children = [name for name, _ in module.named_children()]
+            errors.append(
+                f"{where!r}: no submodule matches {missing!r} (children of "
+                f"{prefix or '<root>'}: {children})"
+            )
+            continue
+        for path, target in targets:
+            _collect(target, value, path, out, errors)  # type: ignore[arg-type]
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> nn.Module:
+    """Apply tensor parallelism to ``module`` following ``parallelize_plan``.
+
+    The plan is either one :class:`~hp_tp.ParallelStyle` for ``module`` itself, or a dict whose
+    keys are module FQNs relative to ``module`` (``fnmatch`` wildcards per dotted token, e.g.
+    ``"layers.*.attention.wq"``; ``""`` is ``module`` itself) and whose values are styles or,
+    as an extension, nested plans of the same form relative to the matched submodule. Every key
+    is resolved before anything is changed, so a bad plan leaves the module untouched. Each style
+    is applied to a copy carrying ``src_data_rank``, so the caller's style objects are not
+    modified and one style object may serve many modules.
+
+    Args:
+        module: the module to parallelize, in place.
+        device_mesh: a 1-D mesh; default: the current mesh (``hp_dtensor.use_mesh`` or torch's
+            ``with mesh:``).
+        parallelize_plan: a style or a dict of FQN patterns to styles / nested plans. ``None``
+            warns and returns the module unchanged (as PyTorch does).
+        src_data_rank: rank whose parameter values are scattered/broadcast; ``None`` uses each
+            rank's local values.
+
+    Returns:
+        ``module``, parallelized.
+
+    Raises:
+        ValueError: when no mesh is given or current, the mesh is not 1-D, or a plan key matches no
+            submodule.
+        TypeError: when the plan or one of its values is not a style (PyTorch's own style objects
+            are not accepted: use the ``hp_tp`` ones), or a style does not support a module type.
+
+    See Also:
+        ``torch.distributed.tensor.parallel.parallelize_module``: PyTorch's entry point.
+    """
+    mesh = device_mesh if device_mesh is not None else get_current_mesh(required=False)
+    if mesh is None:
+        raise ValueError(
+            "parallelize_module needs a device_mesh: pass one or make one current with "
+            "hp_dtensor.use_mesh(mesh)"
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_module needs a 1-D device mesh, got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)}; pass the tensor-parallel sub-mesh, e.g. mesh['tp']"
+        )
+    if parallelize_plan is None:
+        warnings.warn(
+            "parallelize_module got no parallelize_plan, so it leaves the module unchanged",
+            stacklevel=2,
+        )
+        return module
+    targets: list[tuple[str, nn.Module, ParallelStyle]] = []
+    errors: list[str] = []
+    _collect(module, parallelize_plan, "", targets, errors)
+    if errors:
+        raise ValueError("parallelize_plan has keys that match no submodule: " + "; ".join(errors))
+    for _path, target, style in targets:
+        applied = copy.copy(style)
+        applied.src_data_rank = src_data_rank
+        applied._apply(target, mesh)
+    return module

@@ -1,0 +1,772 @@
+"""Job configuration: sectioned dataclasses, TOML/YAML loading and ``--section.field`` overrides.
+
+Every section is a keyword-only dataclass whose fields carry a docstring (a string literal right
+below the field, as in TorchTitan); :class:`ConfigManager` reads those docstrings for ``--help``.
+Precedence: command line > config file > dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "ActivationCheckpointConfig",
+    "CheckpointConfig",
+    "CompileConfig",
+    "ConfigManager",
+    "DataConfig",
+    "JobConfig",
+    "JobSection",
+    "LRSchedulerConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "TrainingConfig",
+    "builtin_config_names",
+    "parse_args",
+]
+
+_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def _fail(section: str, name: str, value: object, allowed: str) -> typing.NoReturn:
+    raise ValueError(f"invalid config value {section}.{name} = {value!r}: expected {allowed}")
+
+
+def _check_literals(obj: object, section: str) -> None:
+    hints = _type_hints(type(obj))
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        choices = _literal_choices(hints[f.name])
+        value = getattr(obj, f.name)
+        if choices is not None and value not in choices:
+            allowed = "one of " + ", ".join(repr(c) for c in choices)
+            _fail(section, f.name, value, allowed)
+
+
+@dataclass(kw_only=True)
+class JobSection:
+    """General settings of the run: name, output folder, launcher and logging.
+
+    See Also:
+        ``torchtitan.config.job_config.Job``: TorchTitan's ``[job]`` section.
+    """
+
+    config_file: str | None = None
+    """Config file (TOML or YAML) or the name of a shipped config (e.g. ``debug``)."""
+    run_name: str = "run"
+    """Name of the run; outputs go to ``<dump_folder>/<run_name>/``."""
+    dump_folder: str = "outputs"
+    """Folder that holds one sub-folder of outputs (metrics, plots, checkpoints) per run."""
+    description: str = ""
+    """Free-text description, logged at start-up."""
+    nproc_per_node: int = 0
+    """Local ranks ``hp-train`` starts when not already under a launcher (0: product of the
+    parallel degrees, or 1 when ``dp_shard`` is -1)."""
+    print_config: bool = False
+    """Print the resolved configuration at start-up."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 0:
+            _fail("job", "nproc_per_node", self.nproc_per_node, "an integer >= 0")
+        if not self.run_name or "/" in self.run_name:
+            _fail("job", "run_name", self.run_name, "a non-empty name without '/'")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to build.
+
+    See Also:
+        ``torchtitan.config.job_config.Model``: TorchTitan's ``[model]`` section.
+    """
+
+    name: str = "llama3"
+    """Registered model name (see ``hp_trainer.get_model_spec``): ``llama3`` or ``qwen3``."""
+    flavor: str = "debugmodel"
+    """Model size preset of the chosen model (e.g. ``tiny``, ``debugmodel``, ``1B``, ``8B``)."""
+    init_device: Literal["cpu", "meta"] = "cpu"
+    """Where parameters are first created: ``cpu`` (full weights, seeded, then sharded: identical
+    numbers in every layout) or ``meta`` (shard first, then initialize: for models that do not fit
+    on one host)."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Batch, sequence, steps, precision and determinism.
+
+    See Also:
+        ``torchtitan.config.job_config.Training``: TorchTitan's ``[training]`` section.
+    """
+
+    local_batch_size: int = 8
+    """Samples per micro-batch on each data-parallel rank."""
+    global_batch_size: int = -1
+    """Samples per optimizer step over all data-parallel ranks (-1: ``local_batch_size`` times the
+    data-parallel degree, no gradient accumulation); must be a multiple of that product."""
+    seq_len: int = 2048
+    """Tokens per sample."""
+    steps: int = 10
+    """Number of optimizer steps."""
+    max_norm: float = 1.0
+    """Gradient clipping: maximum total 2-norm (0 disables clipping)."""
+    seed: int | None = None
+    """Random seed for model init and data order (None: 0 for the model, 0 for the data)."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (``torch.use_deterministic_algorithms``)."""
+    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """FSDP parameter dtype for forward/backward compute (ignored without data parallelism)."""
+    mixed_precision_reduce: Literal["float32", "bfloat16", "float16"] = "float32"
+    """FSDP gradient-reduction dtype."""
+    enable_cpu_offload: bool = False
+    """Offload FSDP parameters, gradients and optimizer state to host memory."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps (0: leave gc automatic)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "training")
+        for name in ("local_batch_size", "seq_len", "steps"):
+            if getattr(self, name) < 1:
+                _fail("training", name, getattr(self, name), "an integer >= 1")
+        if self.global_batch_size != -1 and self.global_batch_size < 1:
+            _fail("training", "global_batch_size", self.global_batch_size, "-1 or an integer >= 1")
+        if self.max_norm < 0:
+            _fail("training", "max_norm", self.max_norm, "a number >= 0")
+        if self.gc_freq < 0:
+            _fail("training", "gc_freq", self.gc_freq, "an integer >= 0")
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    """Degrees of each parallel dimension and their options.
+
+    See Also:
+        ``torchtitan.config.job_config.Parallelism``: TorchTitan's ``[parallelism]`` section.
+    """
+
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model for HSDP/DDP (outer data-parallel axis)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree (-1: all ranks left after the other degrees)."""
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree (Megatron-style column/row sharding with sequence parallel)."""
+    context_parallel_degree: int = 1
+    """Context-parallel degree (sequence sharding of attention; wave 2 of hyper-parallel)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline-parallel degree (wave 2 of hyper-parallel)."""
+    expert_parallel_degree: int = 1
+    """Expert-parallel degree for MoE models; borrows ranks from dp_shard * cp * tp."""
+    disable_loss_parallel: bool = False
+    """Gather the logits before the loss instead of computing it on vocab-sharded logits."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP collectives with matmuls (needs symmetric memory: CUDA only)."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: ``always``, ``never`` or ``default`` (= not PP)."""
+    enable_symm_mem: bool = False
+    """Use symmetric memory for FSDP collectives (CUDA with SM >= 9.0 only)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "parallelism")
+        for name in (
+            "data_parallel_replicate_degree",
+            "tensor_parallel_degree",
+            "context_parallel_degree",
+            "pipeline_parallel_degree",
+            "expert_parallel_degree",
+        ):
+            if getattr(self, name) < 1:
+                _fail("parallelism", name, getattr(self, name), "an integer >= 1")
+        if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
+            _fail(
+                "parallelism",
+                "data_parallel_shard_degree",
+                self.data_parallel_shard_degree,
+                "-1 (infer) or an integer >= 1",
+            )
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW/Adam/SGD settings.
+
+    See Also:
+        ``torchtitan.components.optimizer.OptimizersContainer``: TorchTitan's optimizer config.
+    """
+
+    name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    """Optimizer class from ``torch.optim``."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """First-moment decay (Adam/AdamW)."""
+    beta2: float = 0.95
+    """Second-moment decay (Adam/AdamW)."""
+    eps: float = 1e-8
+    """Denominator epsilon (Adam/AdamW)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam/SGD)."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Kernel style: per-parameter loop, multi-tensor ``foreach`` or ``fused``."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "optimizer")
+        if self.lr <= 0:
+            _fail("optimizer", "lr", self.lr, "a number > 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail("optimizer", name, getattr(self, name), "a number in [0, 1)")
+        if self.weight_decay < 0:
+            _fail("optimizer", "weight_decay", self.weight_decay, "a number >= 0")
+
+
+@dataclass(kw_only=True)
+class LRSchedulerConfig:
+    """Learning-rate schedule: linear warm-up, then stable, then decay.
+
+    See Also:
+        ``torchtitan.components.lr_scheduler.LRSchedulersContainer``: TorchTitan's schedule.
+    """
+
+    warmup_steps: int = 200
+    """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` up to the peak ``lr``."""
+    decay_type: Literal["cosine", "linear", "sqrt", "wsd", "constant"] = "linear"
+    """Decay after warm-up: ``cosine``, ``linear`` and ``sqrt`` decay over the ``decay_ratio``
+    tail; ``wsd`` is warmup-stable-decay with a linear tail; ``constant`` keeps the peak."""
+    decay_ratio: float | None = None
+    """Fraction of the steps after warm-up spent decaying (None: all of them, except ``wsd``
+    which defaults to 0.2)."""
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of the peak."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "lr_scheduler")
+        if self.warmup_steps < 0:
+            _fail("lr_scheduler", "warmup_steps", self.warmup_steps, "an integer >= 0")
+        if self.decay_ratio is not None and not 0.0 <= self.decay_ratio <= 1.0:
+            _fail("lr_scheduler", "decay_ratio", self.decay_ratio, "None or a number in [0, 1]")
+        if not 0.0 <= self.min_lr_factor <= 1.0:
+            _fail("lr_scheduler", "min_lr_factor", self.min_lr_factor, "a number in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig:
+    """Activation checkpointing (recompute activations in backward to save memory).
+
+    See Also:
+        ``torchtitan.config.job_config.ActivationCheckpoint``: TorchTitan's AC section.
+    """
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """``none``, ``full`` (recompute every block) or ``selective`` (see ``selective_ac_option``)."""
+    selective_ac_option: str = "2"
+    """For ``selective``: an integer N checkpoints every N-th block; ``op`` saves the outputs of
+    compute-heavy ops (matmuls, attention) and recomputes the rest."""
+    preserve_rng_state: bool = False
+    """Restore the RNG state for recomputation (needed with dropout)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "activation_checkpoint")
+        opt = self.selective_ac_option
+        if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+            _fail("activation_checkpoint", "selective_ac_option", opt, "'op' or an integer >= 1")
+
+
+@dataclass(kw_only=True)
+class CompileConfig:
+    """``torch.compile`` of each transformer block.
+
+    See Also:
+        ``torchtitan.config.job_config.Compile``: TorchTitan's ``[compile]`` section.
+    """
+
+    enable: bool = False
+    """Compile each transformer block (and the loss) with ``torch.compile``."""
+    backend: str = "inductor"
+    """``torch.compile`` backend (``inductor``, ``aot_eager``, ``eager``)."""
+    fullgraph: bool = True
+    """Require each block to compile into one graph."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Logging of the per-step metrics.
+
+    See Also:
+        ``torchtitan.components.metrics.MetricsProcessor``: TorchTitan's metrics config.
+    """
+
+    log_freq: int = 10
+    """Log every this many steps (and always on the first and last step)."""
+    enable_jsonl: bool = True
+    """Write one JSON object per logged step to ``metrics.jsonl`` in the run folder."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files to ``tb/`` in the run folder (needs ``tensorboard``)."""
+    enable_plot: bool = True
+    """Save the loss curve as ``loss.png`` at the end of the run (needs ``matplotlib``)."""
+    enable_progress_bar: bool = True
+    """Show a progress bar with the console log line."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU (0: look the device up; unknown devices show n/a)."""
+    rank_0_only: bool = True
+    """Log on rank 0 only (otherwise every rank prints its own line)."""
+
+    def __post_init__(self) -> None:
+        if self.log_freq < 1:
+            _fail("metrics", "log_freq", self.log_freq, "an integer >= 1")
+        if self.peak_flops < 0:
+            _fail("metrics", "peak_flops", self.peak_flops, "a number >= 0")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training data and tokenizer.
+
+    See Also:
+        ``torchtitan.config.job_config.Training.dataset``: TorchTitan's dataset options.
+    """
+
+    dataset: str = "tiny_stories_synth"
+    """``tiny_stories_synth`` (the shipped corpus), or a path to a ``.txt``/``.txt.gz`` file (one
+    document per line), a ``.jsonl`` file, or a folder of such files."""
+    jsonl_text_field: str = "text"
+    """Field holding the document text in JSONL files."""
+    tokenizer_path: str = "builtin"
+    """``tokenizer.json`` file or folder holding one (``builtin``: the shipped 2K BPE)."""
+    shuffle: bool = True
+    """Shuffle the global sample order every epoch (seeded, identical on every rank)."""
+
+    def __post_init__(self) -> None:
+        if not self.dataset:
+            _fail("data", "dataset", self.dataset, "a dataset name or path")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Distributed checkpointing (DCP format). The checkpoint manager is the next trainer issue.
+
+    See Also:
+        ``torchtitan.config.job_config.Checkpoint``: TorchTitan's ``[checkpoint]`` section.
+    """
+
+    enable: bool = False
+    """Save and resume checkpoints (not available in hp-trainer 0.1: enabling it is an error)."""
+    folder: str = "checkpoint"
+    """Checkpoint folder inside the run folder."""
+    interval: int = 500
+    """Save every this many steps."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            _fail("checkpoint", "interval", self.interval, "an integer >= 1")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """The whole configuration of a training job, one attribute per section.
+
+    See Also:
+        ``torchtitan.config.job_config.JobConfig``: TorchTitan's monolithic job config.
+    """
+
+    job: JobSection = field(default_factory=JobSection)
+    """General settings (run name, output folder, launcher)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model name and flavor."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Batch, sequence, steps, precision."""
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """Parallel degrees."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    """Learning-rate schedule."""
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+    """Activation checkpointing."""
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """``torch.compile``."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metrics and logging."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset and tokenizer."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Return the configuration as nested plain dictionaries.
+
+        Returns:
+            ``{section: {field: value}}``.
+
+        See Also:
+            ``torchtitan.config.configurable.Configurable.Config.to_dict``: TorchTitan's export.
+        """
+        return dataclasses.asdict(self)
+
+    @property
+    def run_folder(self) -> Path:
+        """The folder this run writes to: ``<dump_folder>/<run_name>``.
+
+        See Also:
+            ``torchtitan.config.job_config.Job.dump_folder``: TorchTitan's output folder.
+        """
+        return Path(self.job.dump_folder) / self.job.run_name
+
+
+# --------------------------------------------------------------------------------------------
+# Introspection helpers
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _literal_choices(tp: Any) -> tuple[Any, ...] | None:
+    tp, _ = _unwrap_optional(tp)
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return None
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the string literal written below it."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(source)
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    inner, optional = _unwrap_optional(tp)
+    choices = _literal_choices(inner)
+    if choices is not None:
+        name = "{" + ",".join(str(c) for c in choices) + "}"
+    elif typing.get_origin(inner) is list:
+        name = "list[" + _type_name(typing.get_args(inner)[0]) + "]"
+    else:
+        name = getattr(inner, "__name__", str(inner))
+    return name + (" | None" if optional else "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert ``value`` (a string from the command line, or a file value) to type ``tp``."""
+    inner, optional = _unwrap_optional(tp)
+    if optional and (value is None or (isinstance(value, str) and value.lower() == "none")):
+        return None
+    choices = _literal_choices(inner)
+    if choices is not None:
+        for choice in choices:
+            if value == choice or str(value) == str(choice):
+                return choice
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"invalid config value {where} = {value!r}: expected one of {allowed}")
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"invalid config value {where} = {value!r}: expected true or false")
+    if inner is int:
+        if isinstance(value, bool):
+            raise ValueError(f"invalid config value {where} = {value!r}: expected an integer")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"invalid config value {where} = {value!r}: expected an integer"
+            ) from None
+    if inner is float:
+        if isinstance(value, bool):
+            raise ValueError(f"invalid config value {where} = {value!r}: expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"invalid config value {where} = {value!r}: expected a number") from None
+    if inner is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ValueError(f"invalid config value {where} = {value!r}: expected a string")
+        return str(value)
+    if typing.get_origin(inner) is list:
+        (item_tp,) = typing.get_args(inner)
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return [_coerce(v.strip() if isinstance(v, str) else v, item_tp, where) for v in items]
+    raise TypeError(f"unsupported config field type {tp!r} for {where}")  # pragma: no cover
+
+
+def builtin_config_names() -> list[str]:
+    """Names of the configs shipped with hp-trainer (usable as ``--config NAME``).
+
+    Returns:
+        Sorted config names (file stems under ``hp_trainer/configs``).
+
+    See Also:
+        ``torchtitan.models.llama3.config_registry``: TorchTitan's registry of run configs.
+    """
+    return sorted(p.stem for p in _CONFIG_DIR.iterdir() if p.suffix in (".toml", ".yaml", ".yml"))
+
+
+def _resolve_config_file(name: str) -> Path:
+    path = Path(name)
+    if path.is_file():
+        return path
+    for suffix in (".toml", ".yaml", ".yml"):
+        candidate = _CONFIG_DIR / f"{name}{suffix}"
+        if candidate.is_file():
+            return candidate
+    names = ", ".join(builtin_config_names())
+    raise ValueError(
+        f"config {name!r} is neither a file nor a shipped config; shipped configs: {names}"
+    )
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            try:
+                import tomli as tomllib
+            except ImportError as exc:
+                raise ImportError(
+                    "reading TOML configs on Python 3.10 needs 'tomli': pip install tomli"
+                ) from exc
+        data: Any = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as exc:
+            raise ImportError(
+                f"reading the YAML config {path} needs PyYAML: pip install 'hp-trainer[yaml]'"
+            ) from exc
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ValueError(f"config file {path} must end in .toml, .yaml or .yml")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a table of sections, got {type(data)}")
+    return data
+
+
+class ConfigManager:
+    """Build a :class:`JobConfig` from defaults, a TOML/YAML file and command-line overrides.
+
+    Precedence is command line > config file > defaults. ``--config NAME`` (alias of
+    ``--job.config_file``) selects a file or a shipped config; ``--section.field value`` or
+    ``--section.field=value`` sets one field; a bare boolean flag ``--section.flag`` sets it true.
+
+    Example:
+        >>> cfg = ConfigManager().parse_args(["--training.steps", "3"])
+        >>> cfg.training.steps
+        3
+
+    See Also:
+        ``torchtitan.config.ConfigManager``: TorchTitan's config loader.
+    """
+
+    def __init__(self, config_cls: type[JobConfig] = JobConfig) -> None:
+        self.config_cls = config_cls
+        self.config: JobConfig | None = None
+
+    # -- public API ------------------------------------------------------------------------
+
+    def parse_args(self, args: list[str] | None = None) -> JobConfig:
+        """Parse command-line arguments into a validated :class:`JobConfig`.
+
+        Args:
+            args: Arguments without the program name (default: ``sys.argv[1:]``).
+
+        Returns:
+            The resolved configuration (also stored as ``self.config``).
+
+        Raises:
+            ValueError: For an unknown option, a bad value or a missing value; the message names
+                the field, the value and what is allowed.
+
+        See Also:
+            ``torchtitan.config.ConfigManager.parse_args``: TorchTitan's parser.
+        """
+        argv = list(sys.argv[1:] if args is None else args)
+        if "--help" in argv or "-h" in argv:
+            print(self.help_text())
+            raise SystemExit(0)
+        overrides = self._split_overrides(argv)
+        config_file = overrides.pop("job.config_file", None)
+        values: dict[str, dict[str, Any]] = {}
+        if config_file is not None:
+            path = _resolve_config_file(str(config_file))
+            values = _load_file(path)
+            values.setdefault("job", {})["config_file"] = str(path)
+        for key, raw in overrides.items():
+            section, name = key.split(".", 1)
+            values.setdefault(section, {})[name] = raw
+        self.config = self.from_dict(values)
+        return self.config
+
+    def from_dict(self, values: dict[str, Any]) -> JobConfig:
+        """Build a :class:`JobConfig` from ``{section: {field: value}}``.
+
+        Args:
+            values: Section tables as read from TOML/YAML; values may be strings (coerced).
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            ValueError: For unknown sections/fields or invalid values.
+
+        See Also:
+            ``torchtitan.config.ConfigManager``: TorchTitan's TOML merge.
+        """
+        hints = _type_hints(self.config_cls)
+        sections: dict[str, Any] = {}
+        for section, table in values.items():
+            if section not in hints:
+                raise ValueError(
+                    f"unknown config section {section!r}"
+                    + self._suggest(section, list(hints))
+                    + f"; sections: {', '.join(hints)}"
+                )
+            if not isinstance(table, dict):
+                raise ValueError(f"config section {section!r} must be a table, got {table!r}")
+            section_cls = hints[section]
+            field_hints = _type_hints(section_cls)
+            kwargs: dict[str, Any] = {}
+            for name, raw in table.items():
+                if name not in field_hints:
+                    raise ValueError(
+                        f"unknown config field {section}.{name}"
+                        + self._suggest(name, list(field_hints), prefix=f"{section}.")
+                        + f"; fields of [{section}]: {', '.join(field_hints)}"
+                    )
+                kwargs[name] = _coerce(raw, field_hints[name], f"{section}.{name}")
+            sections[section] = section_cls(**kwargs)
+        return self.config_cls(**sections)
+
+    def help_text(self) -> str:
+        """Return the ``--help`` text: every field with its type, default and docstring.
+
+        Returns:
+            Multi-line help text.
+
+        See Also:
+            ``torchtitan.config.ConfigManager``: TorchTitan's tyro-generated help.
+        """
+        lines = [
+            "usage: hp-train [--config NAME_OR_FILE] [--nproc N] [--section.field VALUE ...]",
+            "",
+            "Train a language model with hyper-parallel (FSDP/HSDP, TP) on any number of ranks.",
+            "Values: command line > config file (TOML or YAML) > defaults shown below.",
+            "",
+            "  --config NAME_OR_FILE  alias of --job.config_file; shipped configs: "
+            + ", ".join(builtin_config_names()),
+            "  --nproc N              alias of --job.nproc_per_node",
+        ]
+        hints = _type_hints(self.config_cls)
+        defaults = self.config_cls()
+        for section, section_cls in hints.items():
+            lines.append("")
+            lines.append(f"[{section}] {(inspect.getdoc(section_cls) or '').splitlines()[0]}")
+            docs = _field_docs(section_cls)
+            for f in dataclasses.fields(section_cls):
+                default = getattr(getattr(defaults, section), f.name)
+                tp = _type_name(_type_hints(section_cls)[f.name])
+                lines.append(f"  --{section}.{f.name} {tp} (default: {default!r})")
+                for wrapped in textwrap.wrap(docs.get(f.name, ""), 88):
+                    lines.append(f"      {wrapped}")
+        return "\n".join(lines)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _suggest(name: str, options: list[str], prefix: str = "") -> str:
+        close = difflib.get_close_matches(name, options, n=1)
+        return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+    def _split_overrides(self, argv: list[str]) -> dict[str, Any]:
+        hints = _type_hints(self.config_cls)
+        out: dict[str, Any] = {}
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
+            if not arg.startswith("--"):
+                raise ValueError(f"unexpected argument {arg!r}: options look like --section.field")
+            key, eq, inline = arg[2:].partition("=")
+            key = key.replace("-", "_")
+            if key == "config":
+                key = "job.config_file"
+            elif key == "nproc":
+                key = "job.nproc_per_node"
+            if "." not in key:
+                raise ValueError(
+                    f"unknown option --{key}: options look like --section.field "
+                    f"(sections: {', '.join(hints)}), --config or --nproc"
+                )
+            section, name = key.split(".", 1)
+            field_tp: Any = None
+            if section in hints:
+                field_tp = _type_hints(hints[section]).get(name)
+            if eq:
+                value: Any = inline
+                i += 1
+            elif field_tp is not None and _unwrap_optional(field_tp)[0] is bool and (
+                i + 1 >= len(argv) or argv[i + 1].startswith("--")
+            ):
+                value = True
+                i += 1
+            else:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"option --{key} needs a value")
+                value = argv[i + 1]
+                i += 2
+            out[key] = value
+        return out
+
+
+def parse_args(args: list[str] | None = None) -> JobConfig:
+    """Parse command-line arguments into a :class:`JobConfig` (HyperParallel's entry name).
+
+    Args:
+        args: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The resolved configuration.
+
+    See Also:
+        ``torchtitan.config.ConfigManager.parse_args``: TorchTitan's equivalent.
+    """
+    return ConfigManager().parse_args(args)

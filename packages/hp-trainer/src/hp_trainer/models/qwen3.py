@@ -1,0 +1,62 @@
+"""Qwen 3 dense decoder (per-head QK-norm): flavors and its parallelize function."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from hp_trainer.model_spec import ModelSpec, register_model_spec
+from hp_trainer.models._common import parallelize_dense_decoder
+from hp_trainer.models.decoder import Decoder, DecoderArgs
+
+if TYPE_CHECKING:
+    from hp_trainer.config import JobConfig
+    from hp_trainer.parallel_dims import ParallelDims
+
+__all__ = ["parallelize_qwen3", "qwen3_flavors"]
+
+qwen3_flavors: dict[str, DecoderArgs] = {
+    "tiny": DecoderArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                        vocab_size=2048, ffn_hidden_dim=128, qk_norm=True, norm_eps=1e-6,
+                        rope_theta=1000000.0, max_seq_len=512),
+    "debugmodel": DecoderArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, head_dim=32,
+                              vocab_size=2048, ffn_hidden_dim=768, qk_norm=True, norm_eps=1e-6,
+                              rope_theta=1000000.0, max_seq_len=4096),
+    "0.6B": DecoderArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                        vocab_size=151936, ffn_hidden_dim=3072, qk_norm=True, norm_eps=1e-6,
+                        rope_theta=1000000.0, max_seq_len=4096, enable_weight_tying=True),
+    "8B": DecoderArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                      vocab_size=151936, ffn_hidden_dim=12288, qk_norm=True, norm_eps=1e-6,
+                      rope_theta=1000000.0, max_seq_len=4096),
+}  # fmt: skip
+"""Qwen 3 dense sizes: ``tiny`` (tests), ``debugmodel`` (CPU runs), ``0.6B`` and ``8B``."""
+
+
+def parallelize_qwen3(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+) -> nn.Module:
+    """Apply TP (incl. head-sharded QK-norm), AC, compile and FSDP/HSDP to a Qwen 3 model.
+
+    Args:
+        model: The Qwen 3 decoder.
+        parallel_dims: Degrees and meshes (``build_mesh`` done).
+        job_config: The job configuration.
+
+    Returns:
+        The parallelized model (modified in place).
+
+    See Also:
+        ``torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3``.
+    """
+    return parallelize_dense_decoder(model, parallel_dims, job_config)
+
+
+register_model_spec(
+    ModelSpec(
+        name="qwen3",
+        flavors=dict(qwen3_flavors),
+        model_cls=Decoder,
+        parallelize_fn=parallelize_qwen3,
+    )
+)
