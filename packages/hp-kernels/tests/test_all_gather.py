@@ -1,4 +1,4 @@
-"""All-gather copy-in / copy-out: parity with PyTorch FSDP2's sequence, padding, opcheck, compile."""
+"""All-gather copy-in / copy-out: parity with torch FSDP2's sequence, padding, opcheck, compile."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _torch_copy_in(shards, splits, ws, rank, dtype):
     out = torch.zeros(ws * total, dtype=dtype)
     inp = out.narrow(0, rank * total, total)
     padded = []
-    for s, n in zip(shards, splits):
+    for s, n in zip(shards, splits, strict=True):
         p = torch.zeros(n, dtype=s.dtype)
         p[: s.numel()] = s.reshape(-1)
         padded.append(p)
@@ -110,9 +110,9 @@ def test_round_trip_reconstructs_unsharded_params(ws: int) -> None:
     # Torch's copy-out is split_with_sizes_copy on the [ws, -1] view.
     ref = [torch.empty(ws, n) for n in splits]
     torch.split_with_sizes_copy(gathered.view(ws, -1), splits, dim=1, out=ref)
-    for o, r in zip(outs, ref):
+    for o, r in zip(outs, ref, strict=True):
         assert torch.equal(o, r.view(-1))
-    for (full, dim), padded, o in zip(params, padded_shapes, outs):
+    for (full, dim), padded, o in zip(params, padded_shapes, outs, strict=True):
         unsharded = hk.unpadded_views(o, padded, full.shape, dim, ws)
         assert torch.equal(unsharded, full)
         if dim % full.dim() == 0:  # a view, no copy
@@ -148,9 +148,7 @@ def test_copy_out_and_unpadded_errors() -> None:
 def test_opcheck_all_gather_ops() -> None:
     shards = [torch.randn(2, 3), torch.randn(3, dtype=torch.float64)]
     out = torch.zeros(2 * 10)
-    torch.library.opcheck(
-        torch.ops.hp_kernels.all_gather_copy_in.default, (shards, [6, 4], 1, out)
-    )
+    torch.library.opcheck(torch.ops.hp_kernels.all_gather_copy_in.default, (shards, [6, 4], 1, out))
     outs = [torch.zeros(12), torch.zeros(8)]
     torch.library.opcheck(
         torch.ops.hp_kernels.all_gather_copy_out.default, (torch.randn(20), [6, 4], 2, outs)

@@ -76,7 +76,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(data: bytes, source: str, *, allow_unsafe_pickle: bool) -> Any:
     """Unpickle DCP ``.metadata`` bytes with the allow-list (or plainly when allowed)."""
     if allow_unsafe_pickle:
-        return pickle.loads(data)  # noqa: S301 - explicit opt-in by the caller
+        return pickle.loads(data)
     return _MetadataUnpickler(io.BytesIO(data), source).load()
 
 

@@ -24,8 +24,8 @@ import shutil
 import uuid
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import Future as _ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -188,7 +188,9 @@ def read_checksums(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         data = json.loads(sidecar.read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointCorruptionError(f"{sidecar} is unreadable or not valid JSON: {exc}") from exc
+        raise CheckpointCorruptionError(
+            f"{sidecar} is unreadable or not valid JSON: {exc}"
+        ) from exc
     if not isinstance(data, dict) or data.get("format") != _SIDECAR_FORMAT:
         raise CheckpointCorruptionError(f"{sidecar} is not an hp-dcp checksum file")
     return cast(dict[str, Any], data)
@@ -262,7 +264,7 @@ def _layouts_of(planner: SavePlanner) -> dict[str, Any]:
             layouts[str(key)] = {
                 "mesh_shape": list(mesh.shape),
                 "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-                "placements": [str(p) for p in value.placements],
+                "placements": [repr(p) for p in value.placements],
             }
     return layouts
 
@@ -570,7 +572,9 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             "layouts": layouts,
         }
         _write_synced(
-            staging / CHECKSUM_FILE, json.dumps(sidecar, indent=1).encode(), self.sync_files
+            staging / CHECKSUM_FILE,
+            json.dumps(sidecar, separators=(",", ":")).encode(),
+            self.sync_files,
         )
         (staging / INCOMPLETE_MARKER).unlink()
         if self.sync_files:

@@ -204,7 +204,7 @@ class Layout:
             for order in itertools.permutations(axes):
                 candidate = base._placements_for({dim: order}, {}, ndim)
                 mine = [candidate[names.index(a)] for a in axes]
-                theirs = [placements[names.index(a)] for a in axes]
+                theirs = [_normalized(placements[names.index(a)], ndim) for a in axes]
                 if mine == theirs:
                     entries[dim] = tuple(order) if len(order) > 1 else order[0]
                     break
@@ -256,7 +256,7 @@ class Layout:
 
         Raises:
             ValueError: for an unknown alias, an axis used twice (also between the map and
-                ``partial``), an unknown reduce op, or no entries.
+                ``partial``), an unknown or mixed reduce ops, or no entries.
             TypeError: for entries that are not strings or tuples of strings.
 
         See Also:
@@ -284,6 +284,11 @@ class Layout:
             self._check_alias(alias)
             if op not in _REDUCE_OPS:
                 raise ValueError(f"unknown reduce op {op!r} for axis {alias!r}; use {_REDUCE_OPS}")
+        if len(set(partial_ops.values())) > 1:
+            raise ValueError(
+                f"use one reduce op for all partial axes (torch's DTensor cannot mix them), "
+                f"got {partial_ops}"
+            )
         used += list(partial_ops)
         repeated = sorted({a for a in used if used.count(a) > 1})
         if repeated:
@@ -447,6 +452,15 @@ class Layout:
         return hash(self._key())
 
 
+def _normalized(placement: Placement, ndim: int) -> Placement:
+    """The placement with a negative shard dim made non-negative."""
+    if isinstance(placement, _StridedShard) and placement.dim < 0:
+        return _StridedShard(placement.dim + ndim, split_factor=placement.split_factor)
+    if isinstance(placement, Shard) and placement.dim < 0:
+        return Shard(placement.dim + ndim)
+    return placement
+
+
 def _require_tensor_layout(layout: Layout, ndim: int) -> None:
     if not isinstance(layout, Layout):
         raise TypeError(f"expected a Layout, got {type(layout).__name__}")
@@ -493,6 +507,14 @@ def distribute_with_layout(
     mesh = tensor_layout.device_mesh
     placements = tensor_layout.placements
     plain = [Replicate() if p.is_partial() else p for p in placements]
+    if src_data_rank is not None and any(isinstance(p, _StridedShard) for p in plain):
+        # torch scatters strided shards only when they divide evenly: broadcast, then split.
+        from torch.distributed.tensor._collective_utils import mesh_broadcast
+
+        tensor = tensor.detach().clone().contiguous()
+        for axis in range(mesh.ndim):
+            mesh_broadcast(tensor, mesh, mesh_dim=axis, group_src=src_data_rank)
+        src_data_rank = None
     result = distribute_tensor(tensor, mesh, plain, src_data_rank=src_data_rank)
     if not tensor_layout.partial:
         return result
@@ -544,7 +566,8 @@ def from_local_with_layout(
 
     Raises:
         TypeError: when ``tensor_layout`` is not a Layout.
-        ValueError: when it is not a tensor layout of ``local.ndim`` dims.
+        ValueError: when it is not a tensor layout of ``local.ndim`` dims, or when the local
+            shape is not this rank's shard of the global shape.
 
     See Also:
         ``torch.distributed.tensor.DTensor.from_local``: torch's placement-based version (which
@@ -555,6 +578,17 @@ def from_local_with_layout(
     global_shape = (
         torch.Size(shape) if shape is not None else _global_shape(local, tensor_layout, mesh)
     )
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    expected, _ = compute_local_shape_and_global_offset(
+        global_shape, mesh, tensor_layout.placements, skip_offset=True
+    )
+    if tuple(expected) != tuple(local.shape):
+        raise ValueError(
+            f"a local shard of shape {tuple(local.shape)} does not fit global shape "
+            f"{tuple(global_shape)} with {tensor_layout}: this rank should hold {tuple(expected)} "
+            "(shards are split like torch.chunk: the first ranks get the larger pieces)"
+        )
     if stride is None:
         stride = torch.empty(global_shape, device=DEVICE_TYPE_META).stride()
     return DTensor.from_local(

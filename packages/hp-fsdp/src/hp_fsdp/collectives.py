@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from hp_kernels.all_gather import all_gather_copy_in, all_gather_copy_out
 from hp_kernels.reduce_scatter import reduce_scatter_copy_in
 

@@ -208,7 +208,9 @@ class ShardedParam:
         self.fqn: str = module_info.name
 
     # ----------------------------------------------------------------- setup
-    def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+    def init_dtypes(
+        self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+    ) -> None:
         """Resolve the compute and reduce dtypes (None where no cast is needed).
 
         Args:

@@ -272,7 +272,7 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.reshard_after_forward: bool | int = reshard_after_forward
-        self.post_forward: PostForwardInfo | None = None
+        self.post_forward_info: PostForwardInfo | None = None
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -305,7 +305,7 @@ class ParamGroup:
             self.ctx = ctx
             k = self.reshard_after_forward
             if not isinstance(k, bool):
-                self.post_forward = ctx.post_forward_info(self.mesh_info, k)
+                self.post_forward_info = ctx.post_forward_info(self.mesh_info, k)
         if self._initialized:
             return
         for param in self.params:
@@ -369,9 +369,9 @@ class ParamGroup:
             return
         from_post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
         if from_post_forward:
-            assert self.post_forward is not None
-            group = self.post_forward.group
-            world_size, rank = self.post_forward.size, self.post_forward.rank
+            assert self.post_forward_info is not None
+            group = self.post_forward_info.group
+            world_size, rank = self.post_forward_info.size, self.post_forward_info.rank
         else:
             group = self.mesh_info.shard_group
             world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
@@ -398,8 +398,9 @@ class ParamGroup:
             outs.append(out)
         wait_all_gather(result, outs)
         if regroup:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
-                tuple(t for _, _, t in regroup)
+            with (
+                torch.no_grad(),
+                torch.autograd._unsafe_preserve_version_counter(tuple(t for _, _, t in regroup)),
             ):
                 for param, staging, target in regroup:
                     blocks = staging.view(world_size, *param.padded_sharded_size).unbind(0)
@@ -424,10 +425,12 @@ class ParamGroup:
         if self.training_state == TrainingState.FORWARD:
             if self.reshard_after_forward is False:
                 return
-            if self.post_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            if self.post_forward_info is not None and not isinstance(self.reshard_after_forward, bool):
                 if self.is_unsharded:
                     for param in self.params:
-                        param.to_sharded_post_forward(self.post_forward.size, self.post_forward.rank)
+                        param.to_sharded_post_forward(
+                            self.post_forward_info.size, self.post_forward_info.rank
+                        )
                     self.sharded_state = ShardedState.SHARDED_POST_FORWARD
                 return
         self.to_sharded()

@@ -34,6 +34,7 @@ from hp_kernels.comm import (
 from hp_kernels.device_kernels import (
     OP_NAMES,
     has_device_kernel,
+    reference_kernel,
     register_device_kernel,
     shipped_device_kernels,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "post_reduce",
     "reduce_scatter_copy_in",
     "reduce_scatter_numel",
+    "reference_kernel",
     "register_device_kernel",
     "shipped_device_kernels",
     "unpadded_views",

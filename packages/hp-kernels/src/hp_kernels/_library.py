@@ -10,6 +10,11 @@ name only exists once the plugin has renamed the slot.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._library.custom_ops import CustomOpDef
 
 __all__: list[str] = []
 
@@ -31,3 +36,19 @@ def module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+#: The pure-torch reference kernel of every op, by op name (filled at import by ``define_op``).
+REFERENCE_KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+def define_op(
+    name: str, *, mutates_args: tuple[str, ...] = ()
+) -> Callable[[Callable[..., Any]], CustomOpDef]:
+    """Define ``hp_kernels::<name>`` with the decorated function as its reference kernel."""
+
+    def wrap(fn: Callable[..., Any]) -> CustomOpDef:
+        REFERENCE_KERNELS[name] = fn
+        return torch.library.custom_op(qualname(name), mutates_args=mutates_args)(fn)
+
+    return wrap

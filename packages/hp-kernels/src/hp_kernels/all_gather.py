@@ -20,12 +20,12 @@ from collections.abc import Sequence
 
 import torch
 
-from hp_kernels._library import qualname
+from hp_kernels._library import define_op
 
 __all__ = ["all_gather_copy_in", "all_gather_copy_out", "unpadded_views"]
 
 
-@torch.library.custom_op(qualname("all_gather_copy_in"), mutates_args=("all_gather_output",))
+@define_op("all_gather_copy_in", mutates_args=("all_gather_output",))
 def _all_gather_copy_in_op(
     shards: list[torch.Tensor],
     input_split_sizes: list[int],
@@ -34,11 +34,11 @@ def _all_gather_copy_in_op(
 ) -> None:
     total = sum(input_split_sizes)
     all_gather_input = all_gather_output.narrow(0, rank * total, total)
-    dsts = all_gather_input.split(list(input_split_sizes))
+    dsts = all_gather_input.split_with_sizes(list(input_split_sizes))
     full_dsts: list[torch.Tensor] = []
     full_srcs: list[torch.Tensor] = []
     with torch.no_grad():
-        for dst, shard in zip(dsts, shards):
+        for dst, shard in zip(dsts, shards, strict=True):
             n = shard.numel()
             flat = shard.reshape(-1)
             if n == dst.numel():
@@ -61,7 +61,7 @@ def _(
     return None
 
 
-@torch.library.custom_op(qualname("all_gather_copy_out"), mutates_args=("out",))
+@define_op("all_gather_copy_out", mutates_args=("out",))
 def _all_gather_copy_out_op(
     all_gather_output: torch.Tensor,
     input_split_sizes: list[int],
@@ -151,7 +151,7 @@ def all_gather_copy_in(
         raise ValueError(
             f"got {len(shards)} shards but {len(splits)} input_split_sizes; expected one per shard"
         )
-    for i, (shard, split) in enumerate(zip(shards, splits)):
+    for i, (shard, split) in enumerate(zip(shards, splits, strict=True)):
         if split < 0 or shard.numel() > split:
             raise ValueError(
                 f"shard {i} has {shard.numel()} elements but its split size is {split}; "
@@ -213,7 +213,7 @@ def all_gather_copy_out(
             f"all_gather_output has {all_gather_output.numel()} elements, expected "
             f"world_size * sum(input_split_sizes) = {world_size * sum(splits)}"
         )
-    for i, (o, split) in enumerate(zip(out, splits)):
+    for i, (o, split) in enumerate(zip(out, splits, strict=True)):
         if o.dtype != all_gather_output.dtype:
             raise TypeError(
                 f"out[{i}] has dtype {o.dtype}, expected the buffer dtype {all_gather_output.dtype}"

@@ -9,11 +9,11 @@ that saw no key on either side (``l_a = l_b = -inf``) gives ``o = 0`` and ``l = 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import qualname
+from hp_kernels._library import define_op
 
 __all__ = ["merge_attention_partials"]
 
@@ -31,7 +31,7 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ..
     return wa / denom, wb / denom, lse
 
 
-@torch.library.custom_op(qualname("merge_attention_partials"), mutates_args=())
+@define_op("merge_attention_partials")
 def _merge_op(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,4 +124,4 @@ def merge_attention_partials(
             f"partials disagree in dtype: out {out_a.dtype} vs {out_b.dtype}, "
             f"lse {lse_a.dtype} vs {lse_b.dtype}"
         )
-    return _merge_op(out_a, lse_a, out_b, lse_b)
+    return cast(tuple[torch.Tensor, torch.Tensor], _merge_op(out_a, lse_a, out_b, lse_b))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -167,9 +167,9 @@ def _register_torch_classes() -> None:
         from torch.distributed.fsdp._fully_shard import _fsdp_api
     except ImportError:  # pragma: no cover - torch moved its private module
         return
-    Comm.register(_fsdp_api.Comm)
-    AllGather.register(_fsdp_api.AllGather)
-    ReduceScatter.register(_fsdp_api.ReduceScatter)
+    Comm.register(_fsdp_api.Comm)  # type: ignore[type-abstract]
+    AllGather.register(_fsdp_api.AllGather)  # type: ignore[type-abstract]
+    ReduceScatter.register(_fsdp_api.ReduceScatter)  # type: ignore[type-abstract]
 
 
 _register_torch_classes()
@@ -231,7 +231,8 @@ class DefaultAllGather(_EmptyAlloc, AllGather):
         See Also:
             ``torch.distributed.all_gather_single``: the collective.
         """
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return cast("dist.Work | None", work)
 
 
 class DefaultReduceScatter(_EmptyAlloc, ReduceScatter):
@@ -265,9 +266,10 @@ class DefaultReduceScatter(_EmptyAlloc, ReduceScatter):
         See Also:
             ``torch.distributed.reduce_scatter_single``: the collective.
         """
-        return dist.reduce_scatter_single(
+        work = dist.reduce_scatter_single(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )
+        return cast("dist.Work | None", work)
 
 
 class DefaultAllReduce(_EmptyAlloc, AllReduce):
@@ -298,7 +300,8 @@ class DefaultAllReduce(_EmptyAlloc, AllReduce):
         See Also:
             ``torch.distributed.all_reduce``: the collective.
         """
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return cast("dist.Work | None", work)
 
 
 def _same_op(op: ReduceOpLike, kind: Any) -> bool:

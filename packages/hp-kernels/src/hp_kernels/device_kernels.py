@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from hp_kernels._library import PRIVATEUSE1_DEVICE_TYPE, qualname
+from hp_kernels._library import PRIVATEUSE1_DEVICE_TYPE, REFERENCE_KERNELS, qualname
 
 __all__ = [
     "OP_NAMES",
     "has_device_kernel",
+    "reference_kernel",
     "register_device_kernel",
     "shipped_device_kernels",
 ]
@@ -117,6 +118,28 @@ def has_device_kernel(op_name: str, device_type: str) -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(name, _dispatch_key(device_type)))
 
 
+def reference_kernel(op_name: str) -> Callable[..., Any]:
+    """Return the pure-torch reference kernel of an op.
+
+    A device kernel can delegate the cases it does not specialise (a dtype, a layout) to it, and
+    device tests use it as the oracle.
+
+    Args:
+        op_name: One of :data:`OP_NAMES`.
+
+    Returns:
+        The reference function, with the op's signature.
+
+    Raises:
+        ValueError: If ``op_name`` is unknown.
+
+    See Also:
+        ``torch.library.get_kernel``: PyTorch's lookup of a registered kernel.
+    """
+    _check_op(op_name)
+    return REFERENCE_KERNELS[op_name]
+
+
 def shipped_device_kernels() -> dict[str, tuple[str, ...]]:
     """Device kernels this release ships, per op (the reference serves every other device).
 
@@ -134,4 +157,3 @@ def shipped_device_kernels() -> dict[str, tuple[str, ...]]:
         ``torch.library.custom_op``: the reference kernels are the ops' default implementation.
     """
     return {name: () for name in OP_NAMES}
-

@@ -9,16 +9,16 @@ split by ``tokens_per_expert``). :func:`unpermute_tokens` scatters them back and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import qualname
+from hp_kernels._library import define_op
 
 __all__ = ["permute_tokens", "unpermute_tokens"]
 
 
-@torch.library.custom_op(qualname("permute_tokens"), mutates_args=())
+@define_op("permute_tokens")
 def _permute_tokens_op(
     tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,10 +113,11 @@ def permute_tokens(
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    return _permute_tokens_op(tokens, idx.to(torch.int64), num_experts)
+    result = _permute_tokens_op(tokens, idx.to(torch.int64), num_experts)
+    return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], result)
 
 
-@torch.library.custom_op(qualname("unpermute_tokens"), mutates_args=())
+@define_op("unpermute_tokens")
 def _unpermute_tokens_op(
     permuted_tokens: torch.Tensor,
     sorted_indices: torch.Tensor,
@@ -164,9 +165,7 @@ def _unpermute_backward(ctx: Any, g_out: torch.Tensor) -> tuple[Any, ...]:
         permuted_tokens, sorted_indices, probs = ctx.saved_tensors
         weights = probs.to(g_out.dtype).reshape(g_out.shape[0], topk, *extra)
         g_choice = g_choice * weights
-        unsorted = torch.empty_like(permuted_tokens).index_copy_(
-            0, sorted_indices, permuted_tokens
-        )
+        unsorted = torch.empty_like(permuted_tokens).index_copy_(0, sorted_indices, permuted_tokens)
         prod = unsorted.view(g_out.shape[0], topk, -1) * g_out.reshape(g_out.shape[0], 1, -1)
         g_probs = prod.sum(-1).to(ctx.probs_dtype).reshape(probs.shape)
     else:
@@ -234,4 +233,5 @@ def unpermute_tokens(
         )
     if probs is not None and probs.numel() != n:
         raise ValueError(f"probs must have T * k = {n} elements, got shape {tuple(probs.shape)}")
-    return _unpermute_tokens_op(permuted_tokens, sorted_indices.to(torch.int64), probs, topk)
+    result = _unpermute_tokens_op(permuted_tokens, sorted_indices.to(torch.int64), probs, topk)
+    return cast(torch.Tensor, result)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import qualname
+from hp_kernels._library import define_op
 
 __all__ = [
     "gradient_divide_factors",
@@ -45,9 +45,10 @@ def _write_chunks(
     grad: torch.Tensor, dim: int, world_size: int, dst: torch.Tensor, chunk: list[int]
 ) -> None:
     """Copy ``grad``'s ``world_size`` chunks (cast, padded) into ``dst`` of shape ``[ws, cn]``."""
-    target = dst.unflatten(1, chunk) if chunk else dst
+    target = dst.view(dst.shape[0], *chunk)
     if dim != 0:
-        target.copy_(grad.unflatten(dim, (world_size, chunk[dim])).movedim(dim, 0))
+        split = [*grad.shape[:dim], world_size, chunk[dim], *grad.shape[dim + 1 :]]
+        target.copy_(grad.reshape(split).movedim(dim, 0))
         return
     rows = chunk[0]
     d0 = grad.shape[0]
@@ -75,7 +76,7 @@ def _copy_in(
     out2d = out.view(world_size, per_rank)
     offset = 0
     with torch.no_grad():
-        for grad, dim in zip(grads, shard_dims):
+        for grad, dim in zip(grads, shard_dims, strict=True):
             d = dim % grad.dim()
             chunk = _chunk_shape(grad.shape, d, world_size)
             cn = math.prod(chunk)
@@ -87,13 +88,13 @@ def _copy_in(
 
 def _per_rank_numel(shapes: Sequence[Sequence[int]], dims: Sequence[int], world_size: int) -> int:
     total = 0
-    for shape, dim in zip(shapes, dims):
+    for shape, dim in zip(shapes, dims, strict=True):
         d = dim % len(shape)
         total += math.prod(_chunk_shape(shape, d, world_size))
     return total
 
 
-@torch.library.custom_op(qualname("reduce_scatter_copy_in"), mutates_args=())
+@define_op("reduce_scatter_copy_in")
 def _reduce_scatter_copy_in_op(
     grads: list[torch.Tensor],
     shard_dims: list[int],
@@ -135,11 +136,11 @@ def _rs_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         g2d = g2d / ctx.predivide_factor
     results: list[torch.Tensor] = []
     offset = 0
-    for shape, dtype, dim in zip(ctx.shapes, ctx.dtypes, ctx.shard_dims):
+    for shape, dtype, dim in zip(ctx.shapes, ctx.dtypes, ctx.shard_dims, strict=True):
         d = dim % len(shape)
         chunk = _chunk_shape(shape, d, ws)
         cn = math.prod(chunk)
-        blocks = g2d[:, offset : offset + cn].unflatten(1, chunk)
+        blocks = g2d[:, offset : offset + cn].view(ws, *chunk)
         merged = list(chunk)
         merged[d] = chunk[d] * ws
         full = blocks.movedim(0, d).reshape(merged).narrow(d, 0, shape[d])
@@ -151,7 +152,7 @@ def _rs_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
 _reduce_scatter_copy_in_op.register_autograd(_rs_backward, setup_context=_rs_setup_context)
 
 
-@torch.library.custom_op(qualname("reduce_scatter_copy_in_out"), mutates_args=("out",))
+@define_op("reduce_scatter_copy_in_out", mutates_args=("out",))
 def _reduce_scatter_copy_in_out_op(
     grads: list[torch.Tensor],
     shard_dims: list[int],
@@ -203,7 +204,7 @@ def _validate(shapes: Sequence[Sequence[int]], shard_dims: Sequence[int], world_
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if len(shapes) != len(shard_dims):
         raise ValueError(f"got {len(shapes)} gradients but {len(shard_dims)} shard_dims")
-    for i, (shape, dim) in enumerate(zip(shapes, shard_dims)):
+    for i, (shape, dim) in enumerate(zip(shapes, shard_dims, strict=True)):
         ndim = len(shape)
         if ndim == 0:
             raise ValueError(f"gradient {i} is 0-d; FSDP shards tensors with at least one dim")
@@ -278,7 +279,8 @@ def reduce_scatter_copy_in(
         raise ValueError(f"all gradients must be on one device, got {sorted(map(str, devices))}")
     pre = None if predivide_factor is None else float(predivide_factor)
     if out is None:
-        return _reduce_scatter_copy_in_op(list(grads), dims, world_size, dtype, pre)
+        result = _reduce_scatter_copy_in_op(list(grads), dims, world_size, dtype, pre)
+        return cast(torch.Tensor, result)
     numel = world_size * _per_rank_numel(shapes, dims, world_size)
     if out.dtype != dtype:
         raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
@@ -340,7 +342,7 @@ def gradient_divide_factors(
     return pre, f / pre
 
 
-@torch.library.custom_op(qualname("post_reduce"), mutates_args=())
+@define_op("post_reduce")
 def _post_reduce_op(
     reduced: torch.Tensor,
     divide_factor: float | None,
@@ -384,7 +386,7 @@ def _pr_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 _post_reduce_op.register_autograd(_pr_backward, setup_context=_pr_setup_context)
 
 
-@torch.library.custom_op(qualname("post_reduce_accumulate"), mutates_args=("accumulate_into",))
+@define_op("post_reduce_accumulate", mutates_args=("accumulate_into",))
 def _post_reduce_accumulate_op(
     reduced: torch.Tensor,
     accumulate_into: torch.Tensor,
@@ -412,7 +414,7 @@ def _(
     return None
 
 
-@torch.library.custom_op(qualname("post_reduce_inplace"), mutates_args=("reduced",))
+@define_op("post_reduce_inplace", mutates_args=("reduced",))
 def _post_reduce_inplace_op(
     reduced: torch.Tensor, divide_factor: float | None, scale: float | None
 ) -> None:
@@ -490,7 +492,7 @@ def post_reduce(
         _post_reduce_inplace_op(reduced_shard, div, sc)
         return reduced_shard
     if accumulate_into is None:
-        return _post_reduce_op(reduced_shard, div, sc, out_dtype)
+        return cast(torch.Tensor, _post_reduce_op(reduced_shard, div, sc, out_dtype))
     if accumulate_into.numel() != reduced_shard.numel() or not accumulate_into.is_contiguous():
         raise ValueError(
             f"accumulate_into must be contiguous with {reduced_shard.numel()} elements, got "

@@ -6,21 +6,22 @@ and placements (they are the same objects), so every module of this package take
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
+from hp_dtensor import (
+    DeviceMesh,
     DTensor,
     Partial,
     Placement,
     Replicate,
     Shard,
     distribute_tensor,
+    get_current_mesh,
 )
-
-from hp_dtensor.mesh import get_current_mesh
+from hp_dtensor.layout import Layout
 
 __all__ = [
     "DTensor",
     "DeviceMesh",
+    "Layout",
     "Partial",
     "Placement",
     "Replicate",

@@ -4,51 +4,52 @@ the placements tuple DTensor wants on a given mesh."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
-from hp_tp._dtensor import DeviceMesh, Placement
+from hp_tp._dtensor import DeviceMesh, Layout, Placement
 
-#: One tensor's layout: a Placement (1-D mesh), one Placement per mesh dim, or a Layout.
-LayoutSpec: TypeAlias = "Placement | Sequence[Placement] | Any"
+#: One tensor's layout: a Placement (1-D mesh), one Placement per mesh dim, or a tensor Layout.
+LayoutSpec: TypeAlias = "Placement | Sequence[Placement] | Layout"
 
 
 def _is_placement_seq(spec: object) -> bool:
     return (
         isinstance(spec, Sequence)
         and not isinstance(spec, str)
+        and len(spec) > 0
         and all(isinstance(p, Placement) for p in spec)
     )
 
 
 def is_layout_spec(spec: object) -> bool:
     """Whether ``spec`` describes one tensor's layout (as opposed to a per-input tuple)."""
-    if isinstance(spec, Placement) or _is_layout_object(spec):
-        return True
-    return _is_placement_seq(spec) and len(spec) > 0  # type: ignore[arg-type]
-
-
-def _is_layout_object(spec: object) -> bool:
-    return hasattr(spec, "to_placements") or (
-        hasattr(spec, "placements") and not isinstance(spec, Sequence)
-    )
+    return isinstance(spec, Placement | Layout) or _is_placement_seq(spec)
 
 
 def to_placements(spec: object, mesh: DeviceMesh, what: str) -> tuple[Placement, ...]:
     """The placements tuple ``spec`` stands for on ``mesh``.
 
     Raises:
-        TypeError: when ``spec`` is not a Placement, a sequence of Placements or a Layout.
-        ValueError: when the number of placements is not the mesh's number of dimensions.
+        TypeError: when ``spec`` is not a Placement, a sequence of Placements or a tensor Layout.
+        ValueError: when the number of placements is not the mesh's number of dimensions, or a
+            Layout's device matrix is not the mesh's shape.
     """
     placements: tuple[Placement, ...]
     if isinstance(spec, Placement):
         placements = (spec,)
     elif _is_placement_seq(spec):
         placements = tuple(spec)  # type: ignore[arg-type]
-    elif hasattr(spec, "to_placements"):
-        placements = tuple(spec.to_placements(mesh))
-    elif hasattr(spec, "placements") and not isinstance(spec, Sequence):
-        placements = tuple(spec.placements)
+    elif isinstance(spec, Layout):
+        if not spec.is_tensor_layout:
+            raise ValueError(
+                f"{what}: {spec!r} is a device layout; call it with one entry per tensor dim"
+            )
+        if tuple(spec.mesh_shape) != tuple(mesh.shape):
+            raise ValueError(
+                f"{what}: the layout's device matrix {spec.mesh_shape} is not the shape of the "
+                f"mesh {tuple(mesh.shape)}"
+            )
+        placements = spec.placements
     else:
         raise TypeError(
             f"{what}: expected a Placement, a sequence of Placements (one per mesh dim) or an "

@@ -1,9 +1,120 @@
-"""TorchTitan-style training orchestration and the `hp-train` command.
+"""TorchTitan-style training orchestration and the ``hp-train`` command.
+
+Config (TOML/YAML + ``--section.field`` overrides), ``ParallelDims``, the ``ModelSpec``
+registry with Llama 3 and Qwen 3, the parallelize helpers (TP -> AC -> compile -> FSDP), the
+training loop, metrics, data and the ``hp-train`` launcher.
 
 See Also:
-    ``torchtitan.train.Trainer``
+    ``torchtitan.train.Trainer``: TorchTitan's trainer.
 """
 
 from hp_trainer.__about__ import __version__
+from hp_trainer.config import (
+    ActivationCheckpointConfig,
+    CheckpointConfig,
+    CompileConfig,
+    ConfigManager,
+    DataConfig,
+    JobConfig,
+    JobSection,
+    LRSchedulerConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    TrainingConfig,
+    builtin_config_names,
+    parse_args,
+)
+from hp_trainer.data import (
+    HuggingFaceTokenizer,
+    ParallelAwareDataloader,
+    TokenizedDataset,
+    build_tokenizer,
+    load_documents,
+)
+from hp_trainer.distributed.activation_checkpoint import apply_ac
+from hp_trainer.distributed.compile import apply_compile
+from hp_trainer.distributed.fsdp import (
+    apply_fsdp_to_decoder,
+    disable_fsdp_gradient_division,
+    enable_fsdp_symm_mem,
+    get_fsdp_reshard_after_forward_policy,
+)
+from hp_trainer.distributed.tensor_parallel import apply_tp
+from hp_trainer.metrics import MetricsProcessor, get_peak_flops
+from hp_trainer.model_spec import (
+    ModelSpec,
+    get_model_spec,
+    list_model_specs,
+    register_model_spec,
+    register_spec,
+)
+from hp_trainer.models.decoder import Decoder, DecoderArgs
+from hp_trainer.models.llama3 import parallelize_llama
+from hp_trainer.models.qwen3 import parallelize_qwen3
+from hp_trainer.optimizer import (
+    LRSchedulersContainer,
+    OptimizersContainer,
+    build_lr_schedulers,
+    build_optimizers,
+    lr_factor,
+)
+from hp_trainer.parallel_dims import ParallelDims
+from hp_trainer.trainer import BaseTrainer, LLMTrainer, Trainer, clip_grad_norm_
 
-__all__ = ["__version__"]
+HyperTrainerConfig = JobConfig
+"""HyperParallel's name for :class:`~hp_trainer.config.JobConfig`."""
+
+__all__ = [
+    "ActivationCheckpointConfig",
+    "BaseTrainer",
+    "CheckpointConfig",
+    "CompileConfig",
+    "ConfigManager",
+    "DataConfig",
+    "Decoder",
+    "DecoderArgs",
+    "HuggingFaceTokenizer",
+    "HyperTrainerConfig",
+    "JobConfig",
+    "JobSection",
+    "LLMTrainer",
+    "LRSchedulerConfig",
+    "LRSchedulersContainer",
+    "MetricsConfig",
+    "MetricsProcessor",
+    "ModelConfig",
+    "ModelSpec",
+    "OptimizerConfig",
+    "OptimizersContainer",
+    "ParallelAwareDataloader",
+    "ParallelDims",
+    "ParallelismConfig",
+    "TokenizedDataset",
+    "Trainer",
+    "TrainingConfig",
+    "__version__",
+    "apply_ac",
+    "apply_compile",
+    "apply_fsdp_to_decoder",
+    "apply_tp",
+    "build_lr_schedulers",
+    "build_optimizers",
+    "build_tokenizer",
+    "builtin_config_names",
+    "clip_grad_norm_",
+    "disable_fsdp_gradient_division",
+    "enable_fsdp_symm_mem",
+    "get_fsdp_reshard_after_forward_policy",
+    "get_model_spec",
+    "get_peak_flops",
+    "list_model_specs",
+    "load_documents",
+    "lr_factor",
+    "parallelize_llama",
+    "parallelize_qwen3",
+    "parse_args",
+    "register_model_spec",
+    "register_spec",
+]

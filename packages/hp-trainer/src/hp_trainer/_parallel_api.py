@@ -7,7 +7,7 @@ so the engines are swapped in exactly one file.
 from __future__ import annotations
 
 try:
-    from hp_fsdp import (  # type: ignore[attr-defined]
+    from torch.distributed.fsdp import (  # DEV ONLY
         CPUOffloadPolicy,
         FSDPModule,
         MixedPrecisionPolicy,
@@ -21,7 +21,7 @@ except ImportError:  # TEMPORARY FALLBACK while hp_fsdp's runtime is not there: 
         fully_shard,
     )
 try:
-    from hp_tp import (  # type: ignore[attr-defined]
+    from torch.distributed.tensor.parallel import (  # DEV ONLY
         ColwiseParallel,
         ParallelStyle,
         PrepareModuleInput,

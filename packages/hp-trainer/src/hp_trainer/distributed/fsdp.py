@@ -235,6 +235,11 @@ def disable_fsdp_gradient_division(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # With a factor of 1.0 a plain SUM is the same reduction; asking for it keeps
+            # backends without PREMUL_SUM (gloo) working with engines that would use it.
+            force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
+            if force_sum is not None:
+                force_sum(True)
 
 
 def enable_fsdp_symm_mem(model: nn.Module) -> None:

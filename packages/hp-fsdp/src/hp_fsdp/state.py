@@ -1,0 +1,315 @@
+"""Per-``fully_shard`` state: forward/backward hooks, lazy root initialization, prefetching.
+
+See Also:
+    ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState``: PyTorch's counterpart.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+from hp_dtensor.device import is_accelerator
+from hp_fsdp.param_group import ParamGroup, TrainingState
+from hp_fsdp.policies import MixedPrecisionPolicy
+from hp_fsdp.root_state import RootContext
+
+__all__ = ["STATE_ATTR", "FSDPState", "get_state"]
+
+#: Attribute name under which a module keeps its :class:`FSDPState`.
+STATE_ATTR = "_hp_fsdp_state"
+
+
+def get_state(module: nn.Module) -> FSDPState | None:
+    """Return the hp-fsdp state of ``module``, or None when it is not a unit.
+
+    Args:
+        module: any module.
+
+    Returns:
+        Its :class:`FSDPState` or None.
+
+    See Also:
+        ``torch.distributed.fsdp.fully_shard.state``: PyTorch's state accessor.
+    """
+    state = module.__dict__.get(STATE_ATTR)
+    return state if isinstance(state, FSDPState) else None
+
+
+def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
+    if not torch.is_floating_point(tensor) or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
+
+
+class FSDPState:
+    """State of one ``fully_shard`` call (one unit).
+
+    Args:
+        modules: the unit's modules.
+        device: the compute device.
+        mp_policy: the mixed-precision policy.
+        auto_reshard_after_forward: ``reshard_after_forward`` was None (root keeps unsharded).
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState``.
+    """
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        auto_reshard_after_forward: bool,
+    ) -> None:
+        self.modules = modules
+        self.device = device
+        self.mp_policy = mp_policy
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.group: ParamGroup | None = None
+        self.ctx = RootContext()
+        self.is_root: bool | None = None
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._modules_to_run: set[nn.Module] = set()
+        for module in modules:
+            module.__dict__[STATE_ATTR] = self
+        if len(modules) == 1:
+            modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            modules[0].register_forward_hook(self._post_forward, prepend=False)
+        else:
+            for module in modules:
+                module.register_forward_pre_hook(
+                    self._group_pre_forward, prepend=True, with_kwargs=True
+                )
+                module.register_forward_hook(
+                    self._group_post_forward_hook(module), prepend=False, always_call=True
+                )
+
+    # ------------------------------------------------------------------ lazy init
+    def lazy_init(self) -> None:
+        """Make the first state to run forward the root of every state below it."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        if len(self.modules) != 1:
+            raise RuntimeError(
+                "the root of fully_shard must be a single module, got a list-of-modules unit "
+                f"{[type(m).__name__ for m in self.modules]}; apply fully_shard to the parent"
+            )
+        ctx = self.ctx
+        root_module = self.modules[0]
+        seen: set[int] = set()
+        for name, module in root_module.named_modules():
+            state = get_state(module)
+            if state is None:
+                continue
+            if module is not root_module and id(state) not in seen:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"fully_shard state of {name!r} was already initialized; run the "
+                        "forward of the root module first"
+                    )
+                state.is_root = False
+            if id(state) not in seen:
+                seen.add(id(state))
+                ctx.states.append(state)
+        if self.auto_reshard_after_forward and self.group is not None:
+            self.group.reshard_after_forward = False
+            self.group.post_forward_info = None
+        owners: dict[nn.Parameter, str] = {}
+        fqns = {p: n for n, p in root_module.named_parameters()}
+        module_names = {m: n for n, m in root_module.named_modules()}
+        for state in ctx.states:
+            state.ctx = ctx
+            group = state.group
+            if group is None:
+                continue
+            group.fqn = ", ".join(module_names.get(m, "?") for m in state.modules)
+            for param in group.params:
+                param.fqn = fqns.get(param.sharded_param, param.fqn)
+                if param.sharded_param in owners:
+                    raise ValueError(
+                        f"parameter {param.fqn!r} is managed by two fully_shard units; put tied "
+                        "parameters in one unit (e.g. fully_shard([module_a, module_b]))"
+                    )
+                owners[param.sharded_param] = group.fqn
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.lazy_init(ctx)
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.lazy_init()
+        ctx = self.ctx
+        if ctx.iter_forward_root is not None:
+            return args, kwargs
+        ctx.iter_forward_root = self
+        ctx.current_forward_order = []
+        if is_accelerator(self.device):
+            device = self.device
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
+        return args, kwargs
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        dtype = self.mp_policy.param_dtype
+        if not self.mp_policy.cast_forward_inputs or dtype is None:
+            return args, kwargs
+        cast = functools.partial(_cast_floating, dtype)
+        new_args, new_kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
+        return new_args, new_kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return output
+        return tree_map_only(torch.Tensor, functools.partial(_cast_floating, dtype), output)
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        group = self.group
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            # Recomputation inside backward (activation checkpointing): just make sure the
+            # parameters are unsharded.
+            if group is not None and not group.is_unsharded:
+                group.unshard()
+                group.wait_for_unshard()
+            return self._cast_inputs(args, kwargs)
+        first_in_pass = self.training_state != TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        if first_in_pass:
+            args, kwargs = self._root_pre_forward(args, kwargs)
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if group is not None:
+            if self.is_root is None:
+                group.lazy_init(None)
+            args, kwargs = group.pre_forward(args, kwargs)
+        if first_in_pass:
+            self._forward_prefetch()
+        return args, kwargs
+
+    def _forward_prefetch(self) -> None:
+        ctx = self.ctx
+        group = self.group
+        if self.forward_prefetch is not None:
+            for state in self.forward_prefetch:
+                if state.group is not None:
+                    with state.group.use_training_state(TrainingState.FORWARD):
+                        state.group.unshard(True)
+            return
+        if group is None:
+            return
+        position = len(ctx.current_forward_order)
+        ctx.current_forward_order.append(group)
+        previous = ctx.forward_order
+        if position + 1 < len(previous) and previous[position] is group:
+            target = previous[position + 1]
+            if target is not group:
+                target.unshard(True)
+
+    def _post_forward(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return self._cast_output(output)
+        if self.group is not None:
+            self.group.post_forward()
+        output = self._register_pre_backward(output)
+        self.training_state = TrainingState.IDLE
+        ctx = self.ctx
+        if ctx.iter_forward_root is self:
+            output = self._complete_partial_units(output)
+            ctx.forward_order = ctx.current_forward_order
+            ctx.current_forward_order = []
+            for state in ctx.states:
+                if state.group is not None and state.group.has_pending_all_gather:
+                    if not state.group.is_unsharded:
+                        state.group.drop_pending_all_gather()
+            ctx.iter_forward_root = None
+        return self._cast_output(output)
+
+    def _complete_partial_units(self, output: Any) -> Any:
+        for state in reversed(self.ctx.states):
+            if state is self or not state._modules_to_run:
+                continue
+            if state.group is not None:
+                state.group.post_forward()
+            output = state._register_pre_backward(output)
+            state.training_state = TrainingState.IDLE
+            output = state._cast_output(output)
+            state._modules_to_run.clear()
+        return output
+
+    def _group_pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not self._modules_to_run:
+            self._modules_to_run.update(self.modules)
+        return self._pre_forward(module, args, kwargs)
+
+    def _group_post_forward_hook(self, module: nn.Module) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(hook_module: nn.Module, inputs: Any, output: Any) -> Any:
+            if module in self._modules_to_run:
+                self._modules_to_run.discard(module)
+                if not self._modules_to_run:
+                    return self._post_forward(hook_module, inputs, output)
+            return self._cast_output(output)
+
+        return hook
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+
+        def register(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.requires_grad:
+                tensor.register_hook(self._pre_backward)
+            return tensor
+
+        tree_map_only(torch.Tensor, register, output)
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.training_state = TrainingState.PRE_BACKWARD
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+        group = self.group
+        default_prefetch = self.backward_prefetch is None
+        if group is not None:
+            group.pre_backward(default_prefetch)
+        if self.backward_prefetch is not None:
+            for state in self.backward_prefetch:
+                if state.group is not None:
+                    with state.group.use_training_state(TrainingState.PRE_BACKWARD):
+                        state.group.unshard(True)
+        return grad
+
+    def _final_callback(self) -> None:
+        ctx = self.ctx
+        ctx.iter_forward_root = None
+        for state in ctx.states:
+            state._modules_to_run.clear()
+            group = state.group
+            if group is not None:
+                if group.training_state != TrainingState.POST_BACKWARD:
+                    group.post_backward()
+                group.training_state = TrainingState.IDLE
+            state.training_state = TrainingState.IDLE
+            if ctx.is_last_backward and group is not None:
+                group.finalize_backward()
+        if ctx.is_last_backward:
+            ctx.finish_reductions()
+            ctx.post_forward_order.clear()
+        ctx.callback_queued = False

@@ -1,0 +1,135 @@
+"""The ``hp-train`` command: parse the config, start local ranks if needed, train."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from hp_trainer.config import ConfigManager, JobConfig
+
+__all__ = ["main", "needs_launcher", "nproc_for"]
+
+# Variables torch's launchers (torchrun / elastic agent) and Slurm-style setups export.
+_LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+
+def nproc_for(config: JobConfig) -> int:
+    """Local ranks to start for ``config`` when not under a launcher.
+
+    ``job.nproc_per_node`` when set, else the product of the parallel degrees (1 when
+    ``data_parallel_shard_degree`` is -1 and nothing else is set).
+
+    Args:
+        config: The configuration.
+
+    Returns:
+        The number of processes.
+
+    See Also:
+        ``torch.distributed.run``: ``--nproc-per-node``.
+    """
+    if config.job.nproc_per_node > 0:
+        return config.job.nproc_per_node
+    p = config.parallelism
+    others = (
+        p.data_parallel_replicate_degree
+        * p.tensor_parallel_degree
+        * p.context_parallel_degree
+        * p.pipeline_parallel_degree
+    )
+    shard = p.data_parallel_shard_degree
+    return others * (shard if shard > 0 else 1)
+
+
+def needs_launcher(config: JobConfig) -> bool:
+    """Whether ``hp-train`` must start worker processes itself.
+
+    Args:
+        config: The configuration.
+
+    Returns:
+        True when no launcher environment is present and more than one rank is wanted.
+
+    See Also:
+        ``torch.distributed.run``: the launcher ``hp-train`` uses.
+    """
+    under_launcher = any(name in os.environ for name in _LAUNCHER_ENV)
+    return not under_launcher and nproc_for(config) > 1
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    from torch.distributed.run import get_args_parser, run
+
+    launcher_args = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--local-ranks-filter=0",
+            "--module",
+            "hp_trainer.cli",
+            *argv,
+        ]
+    )
+    # one intra-op thread per rank unless the user chose otherwise (torchrun's own default)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        run(launcher_args)
+    except Exception as exc:  # torch's ChildFailedError already printed the failing rank
+        print(f"hp-train: a worker failed ({type(exc).__name__})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hp-train``.
+
+    ``hp-train --config debug`` trains the debug Llama 3 on as many local CPU/GPU ranks as the
+    parallel degrees need, starting them through ``torch.distributed.run`` when it is not
+    already running under a launcher (``torchrun``, Slurm + torchrun).
+
+    Args:
+        argv: Arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The process exit status.
+
+    See Also:
+        ``torchtitan.train.main``: TorchTitan's entry point (run via ``run_train.sh``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = ConfigManager().parse_args(args)
+    except ValueError as exc:
+        print(f"hp-train: error: {exc}", file=sys.stderr)
+        return 2
+    if needs_launcher(config):
+        nproc = nproc_for(config)
+        print(f"hp-train: starting {nproc} local ranks with torch.distributed.run", flush=True)
+        start = time.perf_counter()
+        status = _launch(nproc, args)
+        print(f"hp-train: finished in {time.perf_counter() - start:.1f} s", flush=True)
+        return status
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="[hp-train] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if config.job.print_config and rank == 0:
+        import json
+
+        print(json.dumps(config.to_dict(), indent=2))
+    from hp_trainer.trainer import Trainer
+
+    trainer = Trainer(config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

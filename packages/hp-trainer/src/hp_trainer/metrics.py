@@ -1,0 +1,267 @@
+"""Per-step metrics: console line with a progress bar, JSONL, TensorBoard and a loss plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from hp_dtensor import device as hp_device
+from hp_trainer.config import MetricsConfig
+
+__all__ = ["MetricsProcessor", "get_peak_flops", "logger"]
+
+logger = logging.getLogger("hp_trainer")
+"""The logger of hp-trainer (``hp_trainer``)."""
+
+# Dense bf16 peak FLOP/s of one device, matched against the device name.
+_PEAK_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("B200", 2.25e15),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("MI300X", 1307e12),
+    ("Ascend910B", 376e12),
+]
+
+
+def get_peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a device, looked up by name.
+
+    Args:
+        device_name: The device name (e.g. ``"NVIDIA H100 80GB HBM3"``).
+
+    Returns:
+        FLOP/s, or None when unknown (CPUs, unlisted devices).
+
+    See Also:
+        ``torchtitan.tools.utils.get_peak_flops``: TorchTitan's table.
+    """
+    compact = device_name.replace(" ", "")
+    for key, flops in _PEAK_FLOPS:
+        if key in compact:
+            return flops
+    return None
+
+
+def _device_name() -> str:
+    kind = hp_device.get_device_type()
+    if not hp_device.is_accelerator(kind):
+        return kind
+    module = getattr(torch, kind, None)
+    get_name = getattr(module, "get_device_name", None)
+    return str(get_name()) if get_name is not None else kind
+
+
+def _bar(fraction: float, width: int = 24) -> str:
+    filled = int(round(fraction * width))
+    return "[" + "#" * filled + "-" * (width - filled) + f"] {fraction * 100:5.1f}%"
+
+
+class MetricsProcessor:
+    """Collect and log per-step metrics.
+
+    Logs on the first step, every ``log_freq`` steps and the last step: a console line (rank 0
+    unless ``rank_0_only=False``) with a progress bar, a JSON object per line in
+    ``metrics.jsonl``, optional TensorBoard scalars; :meth:`close` saves ``loss.png``.
+
+    Tokens/s is per device (tokens this data-parallel rank processed / wall time / the number of
+    ranks that share a sample); MFU is achieved FLOP/s over the device peak (``"n/a"`` when the
+    peak is unknown, e.g. on CPUs, unless ``peak_flops`` is configured).
+
+    Args:
+        config: The ``[metrics]`` section.
+        run_folder: Output folder of the run.
+        rank: Global rank.
+        total_steps: Steps of the run (for the progress bar).
+        num_flops_per_token: Training FLOPs per token of the model.
+        non_data_parallel_size: Ranks sharing one sample (``cp * tp * pp``).
+        stream: Where console lines go (default ``sys.stdout``).
+
+    Raises:
+        ImportError: If TensorBoard is enabled but not installed.
+
+    See Also:
+        ``torchtitan.components.metrics.MetricsProcessor``: TorchTitan's metrics.
+    """
+
+    def __init__(
+        self,
+        config: MetricsConfig,
+        run_folder: Path,
+        rank: int,
+        total_steps: int,
+        num_flops_per_token: int,
+        non_data_parallel_size: int = 1,
+        *,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.config = config
+        self.run_folder = run_folder
+        self.rank = rank
+        self.total_steps = total_steps
+        self.num_flops_per_token = num_flops_per_token
+        self.non_data_parallel_size = non_data_parallel_size
+        self.stream = stream if stream is not None else sys.stdout
+        self.is_logging_rank = rank == 0 or not config.rank_0_only
+        self.history: list[dict[str, Any]] = []
+        self.device_name = _device_name()
+        self.peak_flops = config.peak_flops or get_peak_flops(self.device_name)
+        self._jsonl: TextIO | None = None
+        self._tb: Any = None
+        self._closed = False
+        self._tokens_since_log = 0
+        self._time_last_log = time.perf_counter()
+        self._start = self._time_last_log
+        if rank == 0:
+            run_folder.mkdir(parents=True, exist_ok=True)
+            if config.enable_jsonl:
+                self._jsonl = open(run_folder / "metrics.jsonl", "w")  # noqa: SIM115
+            if config.enable_tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError as exc:
+                    raise ImportError(
+                        "metrics.enable_tensorboard needs TensorBoard: "
+                        "pip install 'hp-trainer[tensorboard]'"
+                    ) from exc
+                self._tb = SummaryWriter(log_dir=str(run_folder / "tb"))
+
+    def should_log(self, step: int) -> bool:
+        """Whether ``step`` (1-based) is logged.
+
+        Args:
+            step: 1-based step.
+
+        Returns:
+            True on the first, every ``log_freq``-th and the last step.
+
+        See Also:
+            ``torchtitan.components.metrics.MetricsProcessor.should_log``.
+        """
+        return step == 1 or step % self.config.log_freq == 0 or step == self.total_steps
+
+    def add_tokens(self, num_tokens: int) -> None:
+        """Count tokens this rank processed since the last log.
+
+        Args:
+            num_tokens: Tokens of one micro-batch on this rank.
+
+        See Also:
+            ``torchtitan.components.metrics.MetricsProcessor.ntokens_since_last_log``.
+        """
+        self._tokens_since_log += num_tokens
+
+    def log(
+        self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Record one logged step.
+
+        Args:
+            step: 1-based step.
+            loss: Global mean loss of the step.
+            grad_norm: Total gradient norm before clipping.
+            lr: Learning rate used.
+            extra: More fields for the JSONL record.
+
+        Returns:
+            The record written.
+
+        See Also:
+            ``torchtitan.components.metrics.MetricsProcessor.log``.
+        """
+        now = time.perf_counter()
+        elapsed = max(now - self._time_last_log, 1e-9)
+        tps = self._tokens_since_log / elapsed / self.non_data_parallel_size
+        flops = tps * self.num_flops_per_token
+        mfu = 100.0 * flops / self.peak_flops if self.peak_flops else None
+        peak_mem = hp_device.peak_memory_bytes()
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_second": tps,
+            "tflops": flops / 1e12,
+            "mfu_percent": mfu,
+            "peak_memory_gib": peak_mem / 2**30,
+            "elapsed_s": now - self._start,
+        }
+        if extra:
+            record.update(extra)
+        self.history.append(record)
+        if self.rank == 0:
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(record) + "\n")
+                self._jsonl.flush()
+            if self._tb is not None:
+                for key in ("loss", "grad_norm", "lr", "tokens_per_second", "tflops"):
+                    self._tb.add_scalar(key, record[key], step)
+        if self.is_logging_rank:
+            mfu_text = f"{mfu:.2f}%" if mfu is not None else "n/a"
+            mem_name = "peak_rss" if not hp_device.is_accelerator() else "peak_mem"
+            line = (
+                f"step {step:5d}  loss {loss:8.4f}  grad_norm {grad_norm:7.4f}  lr {lr:.2e}  "
+                f"tps {tps:,.0f}  tflops {flops / 1e12:.3f}  mfu {mfu_text}  "
+                f"{mem_name} {peak_mem / 2**30:.2f}GiB"
+            )
+            if self.config.enable_progress_bar:
+                line = f"{_bar(step / self.total_steps)} {line}"
+            prefix = "" if self.config.rank_0_only else f"[rank{self.rank}] "
+            print(prefix + line, file=self.stream, flush=True)
+        self._tokens_since_log = 0
+        self._time_last_log = time.perf_counter()
+        return record
+
+    def close(self) -> Path | None:
+        """Close files and save the loss curve (rank 0).
+
+        Returns:
+            The path of ``loss.png`` when written, else None.
+
+        See Also:
+            ``torchtitan.components.metrics.MetricsProcessor.close``.
+        """
+        if self._closed:
+            return None
+        self._closed = True
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self.rank != 0 or not self.config.enable_plot or not self.history:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            logger.warning(
+                "loss plot skipped: it needs matplotlib (pip install 'hp-trainer[plot]')"
+            )
+            return None
+        steps = [r["step"] for r in self.history]
+        losses = [r["loss"] for r in self.history]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(steps, losses, marker="." if len(steps) < 60 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title(f"{self.run_folder.name}: training loss")
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        path = self.run_folder / "loss.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

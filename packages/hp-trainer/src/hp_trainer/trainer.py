@@ -1,0 +1,420 @@
+"""The training loop: build everything from a :class:`~hp_trainer.config.JobConfig` and train."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hp_dtensor import device as hp_device
+from hp_trainer._parallel_api import loss_parallel
+from hp_trainer.config import JobConfig
+from hp_trainer.data import (
+    HuggingFaceTokenizer,
+    ParallelAwareDataloader,
+    TokenizedDataset,
+    build_tokenizer,
+    load_documents,
+)
+from hp_trainer.metrics import MetricsProcessor, logger
+from hp_trainer.model_spec import ModelSpec, get_model_spec
+from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
+from hp_trainer.parallel_dims import ParallelDims
+
+__all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
+
+IGNORE_INDEX = -100
+
+
+def clip_grad_norm_(
+    parameters: list[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip gradients by their total norm; works for plain tensors and DTensors alike.
+
+    The norm of DTensor gradients (sharded by FSDP and/or TP) is reduced over their mesh, so
+    every rank sees the global norm and scales by the same factor.
+
+    Args:
+        parameters: Parameters whose ``.grad`` is clipped.
+        max_norm: Maximum total norm (<= 0: compute the norm only).
+        norm_type: p of the p-norm.
+        error_if_nonfinite: Raise on a NaN/inf norm.
+        foreach: Use multi-tensor kernels (None: torch's choice).
+
+    Returns:
+        The total norm before clipping (a plain scalar tensor).
+
+    See Also:
+        ``torch.nn.utils.clip_grad_norm_``: PyTorch's clipping;
+        ``torchtitan.distributed.utils.clip_grad_norm_``: TorchTitan's DTensor-aware one.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+    return total
+
+
+class Trainer:
+    """Build model, parallelism, optimizer, data and metrics from a config, then train.
+
+    Works in a process group started by a launcher (``torchrun``/``hp-train``: the group is
+    created from the environment), in one that already exists (tests), or alone (world size 1,
+    no process group). Steps: draw ``gradient_accumulation_steps`` micro-batches, all-reduce the
+    number of label tokens over data-parallel ranks, run forward/backward with the loss summed
+    and divided by that global count (FSDP's own gradient division is off), clip, step the
+    optimizer and LR schedule, log.
+
+    Args:
+        job_config: The configuration.
+
+    Raises:
+        ValueError: For configurations this release cannot train (context/pipeline/expert
+            parallel degrees > 1, checkpointing) or inconsistent sizes.
+
+    See Also:
+        ``torchtitan.train.Trainer``: TorchTitan's trainer.
+    """
+
+    def __init__(self, job_config: JobConfig) -> None:
+        self.job_config = job_config
+        cfg = job_config
+        par = cfg.parallelism
+        unsupported = {
+            "context_parallel_degree": par.context_parallel_degree,
+            "pipeline_parallel_degree": par.pipeline_parallel_degree,
+            "expert_parallel_degree": par.expert_parallel_degree,
+        }
+        for name, value in unsupported.items():
+            if value != 1:
+                raise ValueError(
+                    f"parallelism.{name} = {value}: the hp-trainer 0.1 loop trains dense models "
+                    "with FSDP/HSDP and TP only (CP, PP and EP land in wave 2); use 1"
+                )
+        if cfg.checkpoint.enable:
+            raise ValueError(
+                "checkpoint.enable = true: the checkpoint manager is not part of hp-trainer 0.1; "
+                "use false"
+            )
+
+        # -- distributed ---------------------------------------------------------------------
+        self._owns_process_group = False
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            hp_device.init_process_group()
+            self._owns_process_group = True
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device = hp_device.get_device()
+        self.parallel_dims = ParallelDims(
+            dp_replicate=par.data_parallel_replicate_degree,
+            dp_shard=par.data_parallel_shard_degree,
+            cp=par.context_parallel_degree,
+            tp=par.tensor_parallel_degree,
+            pp=par.pipeline_parallel_degree,
+            ep=par.expert_parallel_degree,
+            world_size=self.world_size,
+        )
+        dims = self.parallel_dims
+        self.dp_group: dist.ProcessGroup | None = None
+        self.dp_rank = 0
+        if self.world_size > 1:
+            dims.build_mesh(self.device.type)
+            dp_mesh = dims.get_mesh("dp")
+            self.dp_group = dp_mesh.get_group()
+            self.dp_rank = dp_mesh.get_local_rank()
+
+        training = cfg.training
+        if training.seq_len % dims.seq_len_divisor != 0:
+            raise ValueError(
+                f"training.seq_len = {training.seq_len} must be a multiple of "
+                f"{dims.seq_len_divisor} (tensor-parallel degree, for sequence parallelism)"
+            )
+        micro_global = training.local_batch_size * dims.dp_degree
+        global_batch = training.global_batch_size
+        if global_batch == -1:
+            global_batch = micro_global
+        if global_batch % micro_global != 0:
+            raise ValueError(
+                f"training.global_batch_size = {global_batch} must be a multiple of "
+                f"local_batch_size * dp degree = {micro_global}"
+            )
+        self.gradient_accumulation_steps = global_batch // micro_global
+        self.global_batch_size = global_batch
+        self.seed = training.seed if training.seed is not None else 0
+        if training.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+
+        # -- model -----------------------------------------------------------------------------
+        self.model_spec: ModelSpec = get_model_spec(cfg.model.name)
+        args = self.model_spec.model_args(cfg.model.flavor)
+        if getattr(args, "max_seq_len", training.seq_len) < training.seq_len:
+            args.max_seq_len = training.seq_len
+        self.tokenizer: HuggingFaceTokenizer = build_tokenizer(cfg.data.tokenizer_path)
+        if self.tokenizer.vocab_size > args.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self.tokenizer.vocab_size} ids but model "
+                f"{cfg.model.name}/{cfg.model.flavor} has vocab_size {args.vocab_size}"
+            )
+        torch.manual_seed(self.seed)
+        init_meta = cfg.model.init_device == "meta"
+        with torch.device("meta") if init_meta else contextlib.nullcontext():
+            model = self.model_spec.model_cls(args)
+        if not init_meta:
+            model.init_weights()  # type: ignore[operator]
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_flops_per_token = int(model.num_flops_per_token(training.seq_len))  # type: ignore[operator]
+        model = self.model_spec.parallelize_fn(model, dims, cfg)
+        if init_meta:
+            model.to_empty(device=self.device)
+            torch.manual_seed(self.seed)
+            model.init_weights(buffer_device=self.device)  # type: ignore[operator]
+        else:
+            model.to(self.device)
+        model.train()
+        self.model = model
+        self.model_parts = [model]
+        self.loss_parallel_enabled = dims.tp_enabled and not par.disable_loss_parallel
+
+        # -- optimizer, schedule, data, metrics -------------------------------------------------
+        self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, training.steps, cfg.lr_scheduler)
+        documents = load_documents(cfg.data.dataset, cfg.data.jsonl_text_field)
+        self.dataset = TokenizedDataset(documents, self.tokenizer, training.seq_len)
+        self.dataloader = ParallelAwareDataloader(
+            self.dataset,
+            self.dp_rank,
+            dims.dp_degree,
+            training.local_batch_size,
+            seed=self.seed,
+            shuffle=cfg.data.shuffle,
+        )
+        self.run_folder = cfg.run_folder
+        self.metrics = MetricsProcessor(
+            cfg.metrics,
+            self.run_folder,
+            self.rank,
+            training.steps,
+            self.num_flops_per_token,
+            dims.non_data_parallel_size,
+        )
+        self.step = 0
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self._stop_requested = False
+        self._log_startup()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _log_startup(self) -> None:
+        if self.rank != 0:
+            return
+        cfg = self.job_config
+        d = self.parallel_dims
+        tokens = self.global_batch_size * cfg.training.seq_len
+        logger.info(
+            "world %d on %s: dp_replicate %d x dp_shard %d x tp %d",
+            self.world_size,
+            self.metrics.device_name,
+            d.dp_replicate,
+            d.dp_shard,
+            d.tp,
+        )
+        logger.info(
+            "model %s/%s: %s parameters, %.2f MFLOP per token",
+            cfg.model.name,
+            cfg.model.flavor,
+            f"{self.num_params:,}",
+            self.num_flops_per_token / 1e6,
+        )
+        logger.info(
+            "data %s: %d samples of %d tokens; global batch %d (%d tokens/step), "
+            "gradient accumulation %d",
+            cfg.data.dataset,
+            len(self.dataset),
+            cfg.training.seq_len,
+            self.global_batch_size,
+            tokens,
+            self.gradient_accumulation_steps,
+        )
+        logger.info("outputs: %s", self.run_folder)
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        (self.run_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        return loss_parallel() if self.loss_parallel_enabled else contextlib.nullcontext()
+
+    def _all_reduce_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is not None and self.parallel_dims.dp_degree > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def _should_stop(self) -> bool:
+        flag = torch.tensor([1 if self._stop_requested else 0], device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def forward_backward_step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch.
+
+        Args:
+            inputs: ``(batch, seq)`` token ids.
+            labels: ``(batch, seq)`` next-token ids (``-100`` ignored).
+            global_valid_tokens: Label tokens of the whole step over all DP ranks.
+
+        Returns:
+            The detached loss contribution (sum over tokens / global count).
+
+        See Also:
+            ``torchtitan.train.Trainer.forward_backward_step``.
+        """
+        with self._loss_context():
+            logits = self.model(inputs)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(),
+                labels.flatten(0, 1),
+                reduction="sum",
+                ignore_index=IGNORE_INDEX,
+            )
+            loss = loss / global_valid_tokens
+            loss.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        return loss.detach()
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
+
+        Args:
+            batches: ``(inputs, labels)`` micro-batches of this rank.
+
+        Returns:
+            ``(global mean loss, total gradient norm before clipping)``.
+
+        Raises:
+            RuntimeError: If the loss or the gradient norm is not finite.
+
+        See Also:
+            ``torchtitan.train.Trainer.train_step``.
+        """
+        self.optimizers.zero_grad()
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        global_tokens = self._all_reduce_dp(
+            torch.tensor(float(local_tokens), device=self.device)
+        )
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            inputs = inputs.to(self.device)
+            labels = labels.to(self.device)
+            loss_sum += self.forward_backward_step(inputs, labels, global_tokens)
+            self.metrics.add_tokens(inputs.numel())
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm)
+        loss = float(self._all_reduce_dp(loss_sum).item())
+        norm = float(grad_norm.item())
+        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
+            raise RuntimeError(
+                f"non-finite training state at step {self.step}: loss {loss}, grad_norm {norm}"
+            )
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return loss, norm
+
+    def _batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        it = iter(self.dataloader)
+        while True:
+            yield [next(it) for _ in range(self.gradient_accumulation_steps)]
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._stop_requested = True
+
+    def train(self) -> list[float]:
+        """Run ``training.steps`` steps (fewer if SIGTERM arrives: then stop cleanly).
+
+        Returns:
+            The global mean loss of every step.
+
+        See Also:
+            ``torchtitan.train.Trainer.train``.
+        """
+        cfg = self.job_config.training
+        previous = None
+        with contextlib.suppress(ValueError):  # not the main thread: no handler
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        gc_enabled = gc.isenabled()
+        if cfg.gc_freq > 0:
+            gc.disable()
+            gc.collect(1)
+        start = time.perf_counter()
+        try:
+            batches = self._batches()
+            while self.step < cfg.steps:
+                if self._should_stop():
+                    if self.rank == 0:
+                        logger.warning("SIGTERM received: stopping after step %d", self.step)
+                    break
+                self.step += 1
+                if cfg.gc_freq > 0 and self.step % cfg.gc_freq == 0:
+                    gc.collect(1)
+                lr = self.lr_schedulers.get_last_lr()
+                loss, norm = self.train_step(next(batches))
+                self.losses.append(loss)
+                self.grad_norms.append(norm)
+                if self.metrics.should_log(self.step):
+                    self.metrics.log(self.step, loss, norm, lr)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if gc_enabled:
+                gc.enable()
+        plot = self.metrics.close()
+        if self.rank == 0:
+            logger.info(
+                "trained %d steps in %.1f s; outputs in %s%s",
+                self.step,
+                time.perf_counter() - start,
+                self.run_folder,
+                f" (loss curve: {plot.name})" if plot is not None else "",
+            )
+        return self.losses
+
+    def close(self) -> None:
+        """Release resources; destroys the process group if this trainer created it.
+
+        See Also:
+            ``torchtitan.train.Trainer.close``.
+        """
+        self.metrics.close()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+
+BaseTrainer = Trainer
+"""HyperParallel's ``BaseTrainer`` name for :class:`Trainer`."""
+
+LLMTrainer = Trainer
+"""HyperParallel's ``LLMTrainer`` name for :class:`Trainer`."""
