@@ -8,6 +8,7 @@ bitwise. Dimensions (10 -> 12 -> 7): the 7-row tensors shard unevenly at world s
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
-from torch.futures import Future
 
 import hp_dcp
 from hp_dtensor.testing import rank_seed, run_distributed
@@ -51,7 +51,7 @@ class Net(nn.Module):
 
 
 def build(layout: str, init_seed: int, lr: float) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """Build Net in ``layout`` on the current world; return it, AdamW, and the data-parallel rank."""
+    """Build Net in ``layout``; return it, its AdamW and the data-parallel rank."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(init_seed)
     model = Net()

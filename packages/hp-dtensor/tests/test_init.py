@@ -293,7 +293,9 @@ def _check_dtensor_init(shape: tuple[int, ...], kind: str) -> None:
     torch.manual_seed(5)
     reference = Net()
     torch.manual_seed(rank_seed(1))  # a different generator state on every rank before building
-    mesh = init_device_mesh("cpu", shape)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)])
+    if kind.startswith("mesh2_"):  # a 1-D mesh of 2 ranks: the "tp" axis of the 2x2 mesh
+        mesh, kind = mesh["tp"], kind.removeprefix("mesh2_")
     with init_empty_weights():
         model = Net()
     _distribute_params(model, mesh, _PLACEMENTS[kind])
@@ -316,21 +318,18 @@ def _check_dtensor_init(shape: tuple[int, ...], kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["shard0", "shard_last"])
-@distributed(world_size=2)
-def test_init_dtensor_ws2(kind: str) -> None:
-    _check_dtensor_init((2,), kind)
-
-
-@pytest.mark.parametrize("kind", ["shard0", "shard_last"])
 @distributed(world_size=3)
 def test_init_dtensor_ws3_uneven(kind: str) -> None:
     _check_dtensor_init((3,), kind)
 
 
-@pytest.mark.parametrize("kind", ["shard0", "2d", "strided"])
+@pytest.mark.parametrize(
+    ("shape", "kind"),
+    [((4,), "shard0"), ((2, 2), "2d"), ((2, 2), "strided"), ((2, 2), "mesh2_shard_last")],
+)
 @distributed(world_size=4)
-def test_init_dtensor_ws4_and_2x2(kind: str) -> None:
-    _check_dtensor_init((4,) if kind == "shard0" else (2, 2), kind)
+def test_init_dtensor_ws4_2x2_and_mesh2(shape: tuple[int, ...], kind: str) -> None:
+    _check_dtensor_init(shape, kind)
 
 
 @distributed(world_size=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,18 @@ import torch
 import torch.distributed as dist
 
 from hp_dtensor.testing import run_distributed
-from hp_trainer import ConfigManager, JobConfig, Trainer
+from hp_trainer import ConfigManager, JobConfig, Trainer, load_documents
+
+
+def _small_corpus(folder: Path) -> str:
+    """The first 400 documents of the shipped corpus (tokenizing all of it 4x per test is slow)."""
+    path = folder / "corpus.txt"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"corpus.{os.getpid()}.tmp"
+        tmp.write_text("\n".join(load_documents("tiny_stories_synth")[:400]) + "\n")
+        os.replace(tmp, path)
+    return str(path)
 
 
 def tiny_config(
@@ -39,21 +51,36 @@ def tiny_config(
                 "mixed_precision_reduce": "float32",
             },
             "parallelism": parallelism or {},
-            "optimizer": {"lr": 2e-3},
+            "optimizer": {"lr": 5e-3},
             "lr_scheduler": {"warmup_steps": 2, "decay_type": "cosine"},
             "metrics": {"log_freq": 5, "enable_plot": False, "enable_progress_bar": False},
+            "data": {"dataset": _small_corpus(folder)},
         }
     )
 
 
-def _train(folder: str, model: str, local_bs: int, global_bs: int, par: dict[str, Any]) -> Any:
+def _forget_old_meshes() -> None:
+    # DTensor caches sharding decisions keyed by mesh *equality*; the pool destroys the previous
+    # test's process groups, so a cached spec would point at a dead group of an equal mesh.
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    redistribute.clear_redistribute_planner_cache()
+
+
+def _train(
+    folder: str, model: str, local_bs: int, global_bs: int, par: dict[str, Any], ref: bool = False
+) -> Any:
+    _forget_old_meshes()
     cfg = tiny_config(
         Path(folder),
         model=model,
         local_batch_size=local_bs,
         global_batch_size=global_bs,
         parallelism=par,
-        run_name=f"r{dist.get_rank() if dist.is_initialized() else 0}",
+        run_name="ref" if ref else f"rank{dist.get_rank()}",
     )
     trainer = Trainer(cfg)
     losses = trainer.train()
@@ -68,26 +95,31 @@ _CASES = [
     (4, "llama3", 2, -1, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}),
     (4, "llama3", 2, -1, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
     (4, "qwen3", 2, -1, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
-    (2, "qwen3", 2, -1, {"tensor_parallel_degree": 2}),
 ]
 
 
 @pytest.mark.parametrize(
     ("ws", "model", "local_bs", "global_bs", "par"),
     _CASES,
-    ids=["fsdp3", "fsdp3-accum", "hsdp2x2", "fsdp2xtp2", "qwen3-fsdp2xtp2", "qwen3-tp2"],
+    ids=["fsdp3", "fsdp3-accum", "hsdp2x2", "fsdp2xtp2", "qwen3-fsdp2xtp2"],
 )
 def test_parallel_losses_match_single_process(
     tmp_path: Path, ws: int, model: str, local_bs: int, global_bs: int, par: dict[str, Any]
 ) -> None:
-    results = run_distributed(_train, ws, str(tmp_path), model, local_bs, global_bs, par, timeout=120)
+    results = run_distributed(
+        _train, ws, str(tmp_path), model, local_bs, global_bs, par, timeout=120
+    )
     dp = ws // par.get("tensor_parallel_degree", 1)
-    ref_losses, ref_norms, _ = _train(str(tmp_path / "ref"), model, local_bs * dp, global_bs, {})
+    ref_losses, ref_norms, _ = _train(str(tmp_path), model, local_bs * dp, global_bs, {}, ref=True)
     assert len(ref_losses) == 10
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it learns
     dp_ranks = set()
     for losses, norms, dp_rank in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-5
+        )
         dp_ranks.add(dp_rank)
     assert dp_ranks == set(range(dp))  # every data-parallel rank saw its own slice

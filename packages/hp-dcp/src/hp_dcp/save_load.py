@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
@@ -16,7 +17,6 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-from torch.futures import Future
 
 from hp_dcp.errors import (
     CheckpointCorruptionError,

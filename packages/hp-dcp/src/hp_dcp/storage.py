@@ -54,7 +54,11 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from hp_dcp._safe_pickle import check_byte_item, load_metadata
-from hp_dcp.errors import CheckpointCorruptionError, IncompleteCheckpointError
+from hp_dcp.errors import (
+    CheckpointCorruptionError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "CHECKSUM_FILE",
@@ -883,11 +887,23 @@ class FileSystemReader(StorageReader):
                     for req in group:
                         planner.load_bytes(req, io.BytesIO(data))
                     continue
-                tensor = torch.load(
-                    io.BytesIO(data),
-                    map_location="cpu",
-                    weights_only=not self.allow_unsafe_pickle,
-                )
+                try:
+                    tensor = torch.load(
+                        io.BytesIO(data),
+                        map_location="cpu",
+                        weights_only=not self.allow_unsafe_pickle,
+                    )
+                except pickle.UnpicklingError as exc:
+                    # A damaged file is reported as such before anything else.
+                    self._verify(crc_fut, expected_crc, path, offset, length, key)
+                    raise UnsafeCheckpointError(
+                        f"tensor item {key!r} in {path} is not a plain torch.save'd tensor: "
+                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}. "
+                        "Load it knowingly with allow_unsafe_pickle=True."
+                    ) from exc
+                except Exception:
+                    self._verify(crc_fut, expected_crc, path, offset, length, key)
+                    raise
                 self._verify(crc_fut, expected_crc, path, offset, length, key)
                 for req in group:
                     src = tensor

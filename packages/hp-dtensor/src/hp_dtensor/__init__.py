@@ -24,6 +24,7 @@ from torch.distributed.tensor.experimental import implicit_replication, local_ma
 
 from hp_dtensor import device
 from hp_dtensor.__about__ import __version__
+from hp_dtensor.dispatch import SkipDTensorDispatch, register_sharding_rule, sharding_rule
 from hp_dtensor.init import (
     get_init_fn,
     init_empty_weights,
@@ -31,6 +32,7 @@ from hp_dtensor.init import (
     init_parameters,
     register_init_fn,
 )
+from hp_dtensor.layout import Layout, distribute_with_layout, from_local_with_layout
 from hp_dtensor.mesh import (
     flatten_axes,
     get_current_mesh,
@@ -39,22 +41,39 @@ from hp_dtensor.mesh import (
     mesh_axis_size,
     use_mesh,
 )
+from hp_dtensor.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 __all__ = [
     "CommDebugMode",
     "DTensor",
     "DeviceMesh",
+    "Layout",
     "Partial",
     "Placement",
     "Replicate",
     "Shard",
+    "SkipDTensorDispatch",
+    "StateDictOptions",
     "__version__",
     "device",
     "distribute_module",
     "distribute_tensor",
+    "distribute_with_layout",
     "flatten_axes",
+    "from_local_with_layout",
     "get_current_mesh",
     "get_init_fn",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
     "get_submesh",
     "implicit_replication",
     "init_device_mesh",
@@ -66,5 +85,10 @@ __all__ = [
     "mesh_axis_size",
     "register_init_fn",
     "register_sharding",
+    "register_sharding_rule",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+    "sharding_rule",
     "use_mesh",
 ]

@@ -109,11 +109,15 @@ _DISPATCH_KEY_BY_DEVICE: dict[str, str] = {
 _NPU_MODULE_NAME = "torch_npu"
 
 
-def _logged_once(key: str, _seen: set[str] = set()) -> bool:  # noqa: B006
+# Log-once flags (which CPU fallbacks were already reported at debug level).
+_LOGGED: set[str] = set()
+
+
+def _logged_once(key: str) -> bool:
     """Return True the first time ``key`` is seen in this process (a log-once flag set)."""
-    if key in _seen:
+    if key in _LOGGED:
         return False
-    _seen.add(key)
+    _LOGGED.add(key)
     return True
 
 
@@ -192,7 +196,11 @@ def _device_type_of(device: str | torch.device | None) -> str:
     if isinstance(device, torch.device):
         return device.type
     if isinstance(device, str):
-        return torch.device(device).type
+        # parse by hand: torch.device("npu") fails unless torch_npu is imported
+        kind = device.split(":", 1)[0].strip()
+        if not kind:
+            raise ValueError(f"empty device type in {device!r}")
+        return kind
     raise TypeError(f"expected a device type string or torch.device, got {type(device).__name__}")
 
 

@@ -15,6 +15,7 @@ See Also:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,7 +42,10 @@ Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 def _copy_containers(obj: Any, *, clone_tensors: bool = False) -> Any:
     """Copy dicts, lists and tuples recursively; keep (or clone) the tensors they hold."""
     if isinstance(obj, dict):
-        return {k: _copy_containers(v, clone_tensors=clone_tensors) for k, v in obj.items()}
+        new = copy.copy(obj)  # keeps the type (OrderedDict) and attributes such as _metadata
+        for key, value in obj.items():
+            new[key] = _copy_containers(value, clone_tensors=clone_tensors)
+        return new
     if isinstance(obj, list):
         return [_copy_containers(v, clone_tensors=clone_tensors) for v in obj]
     if isinstance(obj, tuple):

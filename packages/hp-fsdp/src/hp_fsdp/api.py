@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hp_dtensor.device import get_device, get_device_type, is_accelerator, pin_memory_available
 from hp_fsdp.mesh_info import mesh_info_from_mesh
+from hp_fsdp.param import MANAGED_FLAG as _MANAGED_FLAG
 from hp_fsdp.param_group import ParamGroup, resolve_reshard_after_forward
 from hp_fsdp.policies import (
     CPUOffloadPolicy,
@@ -308,6 +309,12 @@ def _managed_params(
         for param in module.parameters(recurse=False):
             if param in ignored or param in seen_params:
                 continue
+            if getattr(param, _MANAGED_FLAG, False):
+                raise ValueError(
+                    f"a parameter of {type(module).__name__} is already sharded by another "
+                    "fully_shard unit (a tied parameter?); put all modules that share a "
+                    "parameter in one unit, e.g. fully_shard([module_a, module_b])"
+                )
             seen_params.add(param)
             params.append(param)
         for buffer in module.buffers(recurse=False):

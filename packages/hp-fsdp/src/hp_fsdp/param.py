@@ -32,7 +32,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from hp_fsdp.mesh_info import MeshInfo
 
-__all__ = ["ParamModuleInfo", "ShardedParam", "ShardedState"]
+__all__ = ["MANAGED_FLAG", "ParamModuleInfo", "ShardedParam", "ShardedState"]
+
+#: Attribute set on an original parameter (and its sharded replacement) once a unit owns it.
+MANAGED_FLAG = "_hp_fsdp_managed"
 
 
 class ShardedState(enum.Enum):
@@ -196,6 +199,8 @@ class ShardedParam:
             DTensor(local, self._spec, requires_grad=param.requires_grad),
             requires_grad=param.requires_grad,
         )
+        setattr(param, MANAGED_FLAG, True)
+        setattr(self.sharded_param, MANAGED_FLAG, True)
         self._set_on_modules(self.sharded_param)
         self.state = ShardedState.SHARDED
         self.orig_dtype: torch.dtype = param.dtype

@@ -13,31 +13,32 @@ from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import define_op
+from hp_kernels._library import call_below_autograd, define_op, needs_autograd
 
 __all__ = ["merge_attention_partials"]
 
 
-def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Return ``(c_a, c_b, lse)`` with ``c_x = exp(lse_x - lse)`` (0 where both are -inf)."""
-    m = torch.maximum(lse_a, lse_b)
-    empty = torch.isneginf(m)
-    m_safe = torch.where(empty, torch.zeros_like(m), m)
-    wa = torch.exp(lse_a - m_safe)
-    wb = torch.exp(lse_b - m_safe)
-    total = wa + wb
-    lse = m_safe + torch.log(total)
-    denom = torch.where(empty, torch.ones_like(total), total)
-    return wa / denom, wb / denom, lse
+def _compute_dtype(out: torch.Tensor, lse: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(out.dtype, lse.dtype), torch.float32)
+
+
+def _weight_b(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(w_b, d)``: ``w_b = exp(lse_b - lse) = sigmoid(lse_b - lse_a)``, ``d`` finite."""
+    # Both -inf gives NaN: treat as equal (the row is zeroed by the caller).
+    d = torch.nan_to_num(lse_b - lse_a, nan=0.0)
+    return torch.sigmoid(d), d
 
 
 @define_op("merge_attention_partials")
 def _merge_op(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    compute = torch.promote_types(torch.promote_types(out_a.dtype, lse_a.dtype), torch.float32)
-    ca, cb, lse = _weights(lse_a.to(compute), lse_b.to(compute))
-    out = ca.unsqueeze(-1) * out_a.to(compute) + cb.unsqueeze(-1) * out_b.to(compute)
+    compute = _compute_dtype(out_a, lse_a)
+    la, lb = lse_a.to(compute), lse_b.to(compute)
+    w_b, d = _weight_b(la, lb)
+    out = torch.lerp(out_a.to(compute), out_b.to(compute), w_b.unsqueeze(-1))
+    lse = torch.maximum(la, lb) + torch.log1p(torch.exp(-d.abs()))
+    out = out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)
     return out.to(out_a.dtype), lse.to(lse_a.dtype)
 
 
@@ -56,12 +57,17 @@ def _merge_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _merge_backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) -> Any:
     out_a, lse_a, out_b, lse_b, out = ctx.saved_tensors
-    compute = torch.promote_types(torch.promote_types(out_a.dtype, lse_a.dtype), torch.float32)
-    ca, cb, _ = _weights(lse_a.to(compute), lse_b.to(compute))
+    compute = _compute_dtype(out_a, lse_a)
+    la, lb = lse_a.to(compute), lse_b.to(compute)
+    cb, _ = _weight_b(la, lb)
+    empty = torch.isneginf(torch.maximum(la, lb))
+    cb = cb.masked_fill(empty, 0.0)
+    ca = (1 - cb).masked_fill_(empty, 0.0)
     go = torch.zeros_like(out, dtype=compute) if g_out is None else g_out.to(compute)
     gl = torch.zeros_like(ca) if g_lse is None else g_lse.to(compute)
     o = out.to(compute)
-    # d out / d lse_a = c_a * (o_a - out); d lse / d lse_a = c_a.
+    # out = c_a o_a + c_b o_b with c_x = exp(lse_x - lse):
+    # d out / d lse_a = c_a (o_a - out) and d lse / d lse_a = c_a (likewise for b).
     g_lse_a = ca * (gl + (go * (out_a.to(compute) - o)).sum(-1))
     g_lse_b = cb * (gl + (go * (out_b.to(compute) - o)).sum(-1))
     g_out_a = ca.unsqueeze(-1) * go
@@ -124,4 +130,8 @@ def merge_attention_partials(
             f"partials disagree in dtype: out {out_a.dtype} vs {out_b.dtype}, "
             f"lse {lse_a.dtype} vs {lse_b.dtype}"
         )
-    return cast(tuple[torch.Tensor, torch.Tensor], _merge_op(out_a, lse_a, out_b, lse_b))
+    if needs_autograd(out_a, lse_a, out_b, lse_b):
+        result = _merge_op(out_a, lse_a, out_b, lse_b)
+    else:
+        result = call_below_autograd(_merge_op, out_a, lse_a, out_b, lse_b)
+    return cast(tuple[torch.Tensor, torch.Tensor], result)

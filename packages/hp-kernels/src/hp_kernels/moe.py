@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import define_op
+from hp_kernels._library import call_below_autograd, define_op, needs_autograd
 
 __all__ = ["permute_tokens", "unpermute_tokens"]
 
@@ -113,8 +113,24 @@ def permute_tokens(
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    result = _permute_tokens_op(tokens, idx.to(torch.int64), num_experts)
+    args = (tokens, idx.to(torch.int64), num_experts)
+    if needs_autograd(tokens):
+        result = _permute_tokens_op(*args)
+    else:
+        result = call_below_autograd(_permute_tokens_op, *args)
     return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], result)
+
+
+def _per_choice(
+    permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """``[T, k, ...]`` view of the rows back in (token, choice) order."""
+    inverse = torch.empty_like(sorted_indices)
+    inverse[sorted_indices] = torch.arange(
+        sorted_indices.numel(), device=sorted_indices.device, dtype=sorted_indices.dtype
+    )
+    rows = permuted_tokens.index_select(0, inverse)
+    return rows.view(permuted_tokens.shape[0] // topk, topk, *permuted_tokens.shape[1:])
 
 
 @define_op("unpermute_tokens")
@@ -124,15 +140,13 @@ def _unpermute_tokens_op(
     probs: torch.Tensor | None,
     topk: int,
 ) -> torch.Tensor:
-    unsorted = torch.empty_like(permuted_tokens).index_copy_(0, sorted_indices, permuted_tokens)
-    num_tokens = permuted_tokens.shape[0] // topk
-    per_choice = unsorted.view(num_tokens, topk, *permuted_tokens.shape[1:])
-    if probs is not None:
-        weights = probs.to(permuted_tokens.dtype).reshape(
-            num_tokens, topk, *([1] * (permuted_tokens.dim() - 1))
-        )
-        per_choice = per_choice * weights
-    return per_choice.sum(1)
+    per_choice = _per_choice(permuted_tokens, sorted_indices, topk)
+    num_tokens = per_choice.shape[0]
+    if probs is None:
+        return per_choice.sum(1)
+    weights = probs.to(permuted_tokens.dtype).reshape(num_tokens, 1, topk)
+    flat = per_choice.reshape(num_tokens, topk, -1)
+    return torch.bmm(weights, flat).view(num_tokens, *permuted_tokens.shape[1:])
 
 
 @_unpermute_tokens_op.register_fake
@@ -149,7 +163,6 @@ def _unpermute_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     permuted_tokens, sorted_indices, probs, topk = inputs
     ctx.topk = topk
     ctx.has_probs = probs is not None
-    ctx.probs_dtype = probs.dtype if probs is not None else None
     if probs is not None:
         ctx.save_for_backward(permuted_tokens, sorted_indices, probs)
     else:
@@ -158,21 +171,22 @@ def _unpermute_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _unpermute_backward(ctx: Any, g_out: torch.Tensor) -> tuple[Any, ...]:
     topk = ctx.topk
-    extra = [1] * (g_out.dim() - 1)
-    g_choice = g_out.unsqueeze(1).expand(g_out.shape[0], topk, *g_out.shape[1:])
+    num_tokens = g_out.shape[0]
+    g_flat = g_out.reshape(num_tokens, 1, -1)
     g_probs = None
     if ctx.has_probs:
         permuted_tokens, sorted_indices, probs = ctx.saved_tensors
-        weights = probs.to(g_out.dtype).reshape(g_out.shape[0], topk, *extra)
-        g_choice = g_choice * weights
-        unsorted = torch.empty_like(permuted_tokens).index_copy_(0, sorted_indices, permuted_tokens)
-        prod = unsorted.view(g_out.shape[0], topk, -1) * g_out.reshape(g_out.shape[0], 1, -1)
-        g_probs = prod.sum(-1).to(ctx.probs_dtype).reshape(probs.shape)
+        weights = probs.to(g_out.dtype).reshape(num_tokens, topk, 1)
+        g_choice = weights * g_flat  # [T, k, H]
+        per_choice = _per_choice(permuted_tokens, sorted_indices, topk).reshape(
+            num_tokens, topk, -1
+        )
+        g_probs = torch.bmm(per_choice, g_flat.transpose(1, 2)).to(probs.dtype).reshape(probs.shape)
     else:
         (sorted_indices,) = ctx.saved_tensors
-    g_flat = g_choice.reshape(g_out.shape[0] * topk, *g_out.shape[1:])
-    g_perm = g_flat.index_select(0, sorted_indices)
-    return g_perm, None, g_probs, None
+        g_choice = g_flat.expand(num_tokens, topk, g_flat.shape[-1])
+    rows = g_choice.reshape(num_tokens * topk, *g_out.shape[1:])
+    return rows.index_select(0, sorted_indices), None, g_probs, None
 
 
 _unpermute_tokens_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
@@ -233,5 +247,9 @@ def unpermute_tokens(
         )
     if probs is not None and probs.numel() != n:
         raise ValueError(f"probs must have T * k = {n} elements, got shape {tuple(probs.shape)}")
-    result = _unpermute_tokens_op(permuted_tokens, sorted_indices.to(torch.int64), probs, topk)
+    args = (permuted_tokens, sorted_indices.to(torch.int64), probs, topk)
+    if needs_autograd(permuted_tokens, probs):
+        result = _unpermute_tokens_op(*args)
+    else:
+        result = call_below_autograd(_unpermute_tokens_op, *args)
     return cast(torch.Tensor, result)

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import define_op
+from hp_kernels._library import call_below_autograd, define_op, needs_autograd
 
 __all__ = [
     "gradient_divide_factors",
@@ -41,28 +41,19 @@ def _chunk_shape(shape: Sequence[int], dim: int, world_size: int) -> list[int]:
     return chunk
 
 
-def _write_chunks(
-    grad: torch.Tensor, dim: int, world_size: int, dst: torch.Tensor, chunk: list[int]
-) -> None:
-    """Copy ``grad``'s ``world_size`` chunks (cast, padded) into ``dst`` of shape ``[ws, cn]``."""
-    target = dst.view(dst.shape[0], *chunk)
-    if dim != 0:
-        split = [*grad.shape[:dim], world_size, chunk[dim], *grad.shape[dim + 1 :]]
-        target.copy_(grad.reshape(split).movedim(dim, 0))
-        return
-    rows = chunk[0]
-    d0 = grad.shape[0]
-    full = d0 // rows if rows else 0
-    if full:
-        target[:full].copy_(grad[: full * rows].view(full, *chunk))
-    if full < world_size:
-        rem = d0 - full * rows
-        if rem:
-            target[full, :rem].copy_(grad[full * rows :])
-            target[full, rem:].zero_()
-            target[full + 1 :].zero_()
-        else:
-            target[full:].zero_()
+def _arranged(grad: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
+    """A view of ``grad`` whose dim-0 chunks are its ``world_size`` shards on ``dim``.
+
+    Dim 0 is returned as is (``torch._chunk_cat`` pads it). For ``dim != 0`` the shard index is
+    moved to the front without a copy: ``[world_size, ..., d / world_size, ...]``, whose chunk
+    ``r`` is ``torch.chunk(grad, world_size, dim)[r]`` in its natural order (torch FSDP2 builds
+    the same rows with a materialized ``cat(chunk(grad, ws, dim), 0)``).
+    """
+    if dim == 0:
+        return grad
+    shape = list(grad.shape)
+    split = [*shape[:dim], world_size, shape[dim] // world_size, *shape[dim + 1 :]]
+    return grad.reshape(split).movedim(dim, 0)
 
 
 def _copy_in(
@@ -72,16 +63,12 @@ def _copy_in(
     out: torch.Tensor,
     predivide_factor: float | None,
 ) -> None:
-    per_rank = out.numel() // world_size
-    out2d = out.view(world_size, per_rank)
-    offset = 0
+    arranged = [
+        _arranged(g, d % g.dim(), world_size) for g, d in zip(grads, shard_dims, strict=True)
+    ]
     with torch.no_grad():
-        for grad, dim in zip(grads, shard_dims, strict=True):
-            d = dim % grad.dim()
-            chunk = _chunk_shape(grad.shape, d, world_size)
-            cn = math.prod(chunk)
-            _write_chunks(grad, d, world_size, out2d[:, offset : offset + cn], chunk)
-            offset += cn
+        # One native kernel: pads dim 0, casts to out's dtype, concatenates chunk-wise.
+        torch._chunk_cat(arranged, 0, world_size, out=out.view(world_size, -1))
         if predivide_factor is not None and predivide_factor != 1:
             out.div_(predivide_factor)
 
@@ -279,8 +266,10 @@ def reduce_scatter_copy_in(
         raise ValueError(f"all gradients must be on one device, got {sorted(map(str, devices))}")
     pre = None if predivide_factor is None else float(predivide_factor)
     if out is None:
-        result = _reduce_scatter_copy_in_op(list(grads), dims, world_size, dtype, pre)
-        return cast(torch.Tensor, result)
+        args = (list(grads), dims, world_size, dtype, pre)
+        if needs_autograd(*grads):
+            return cast(torch.Tensor, _reduce_scatter_copy_in_op(*args))
+        return cast(torch.Tensor, call_below_autograd(_reduce_scatter_copy_in_op, *args))
     numel = world_size * _per_rank_numel(shapes, dims, world_size)
     if out.dtype != dtype:
         raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
@@ -466,7 +455,7 @@ def post_reduce(
 
     Raises:
         ValueError: On a zero ``divide_factor``, a size mismatch, or ``inplace`` combined with a
-            cast or an accumulation.
+            cast, an accumulation, or an input that requires grad.
 
     Example:
         >>> import torch
@@ -489,10 +478,15 @@ def post_reduce(
             raise ValueError(
                 "inplace=True needs out_dtype None (or the input dtype) and no accumulate_into"
             )
+        if needs_autograd(reduced_shard) and not torch.compiler.is_compiling():
+            raise ValueError("inplace=True is not differentiable; got a tensor that requires grad")
         _post_reduce_inplace_op(reduced_shard, div, sc)
         return reduced_shard
     if accumulate_into is None:
-        return cast(torch.Tensor, _post_reduce_op(reduced_shard, div, sc, out_dtype))
+        if needs_autograd(reduced_shard):
+            return cast(torch.Tensor, _post_reduce_op(reduced_shard, div, sc, out_dtype))
+        result = call_below_autograd(_post_reduce_op, reduced_shard, div, sc, out_dtype)
+        return cast(torch.Tensor, result)
     if accumulate_into.numel() != reduced_shard.numel() or not accumulate_into.is_contiguous():
         raise ValueError(
             f"accumulate_into must be contiguous with {reduced_shard.numel()} elements, got "

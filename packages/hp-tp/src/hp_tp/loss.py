@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,97 @@ __all__ = ["loss_parallel"]
 _REDUCTIONS = ("none", "mean", "sum")
 
 
+def _log_softmax_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Log-softmax over the last dim of ``x``, whose columns are split over ``group``."""
+    if x.numel() > 0:
+        x_max = torch.amax(x, dim=-1, keepdim=True)
+        dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = x - x_max
+    else:
+        shifted = x
+    sum_exp = torch.sum(torch.exp(shifted), dim=-1, keepdim=True)
+    dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+    return shifted - torch.log(sum_exp)
+
+
+class _Picked(NamedTuple):
+    per_token: torch.Tensor  # -w[t] * log_probs[t] per row, 0 where ignored
+    total_weight: torch.Tensor  # the denominator of the mean
+    owned: torch.Tensor  # whether this rank holds the target column of each row
+    gather_index: torch.Tensor  # local target column ([M, 1]; 0 where not owned)
+    valid: torch.Tensor  # target != ignore_index
+    w_target: torch.Tensor | None  # weight of each row's target
+
+
+def _pick_targets(
+    log_probs: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    class_start: int,
+    group: dist.ProcessGroup,
+) -> _Picked:
+    """The negative (weighted) log-probability of each row's target: one all-reduce."""
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, 0)
+    local_index = safe_target - class_start
+    owned = (local_index >= 0) & (local_index < log_probs.shape[-1])
+    gather_index = torch.where(owned, local_index, 0).unsqueeze(-1)
+    picked = torch.gather(log_probs, -1, gather_index).squeeze(-1)
+    w_target = None
+    if weight is not None:
+        w_target = weight.to(log_probs.dtype)[safe_target]
+        picked = picked * w_target
+    picked = torch.where(owned, picked, 0.0)
+    dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
+    per_token = torch.where(valid, -picked, 0.0)
+    if w_target is not None:
+        total_weight = torch.where(valid, w_target, 0.0).sum()
+    else:
+        total_weight = valid.sum().to(log_probs.dtype)
+    return _Picked(per_token, total_weight, owned, gather_index, valid, w_target)
+
+
+def _reduce(picked: _Picked, reduction: str) -> torch.Tensor:
+    if reduction == "sum":
+        return picked.per_token.sum()
+    if reduction == "mean":
+        return picked.per_token.sum() / picked.total_weight
+    return picked.per_token
+
+
+def _save_picked(ctx: Any, picked: _Picked, reduction: str, *extra: torch.Tensor) -> None:
+    ctx.save_for_backward(
+        picked.owned, picked.gather_index, picked.valid, picked.total_weight, *extra
+    )
+    ctx.w_target = picked.w_target
+    ctx.reduction = reduction
+
+
+def _row_grad_and_neg_one_hot(
+    ctx: Any, grad_out: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row upstream gradient ``[M, 1]`` and the local ``-1``-at-target matrix."""
+    owned, gather_index, valid, total_weight = ctx.saved_tensors[:4]
+    g = grad_out.to(like.dtype)
+    if ctx.reduction == "mean":
+        g = g / total_weight
+    if g.dim() == 0:
+        g = g.expand(valid.shape)
+    if ctx.w_target is not None:
+        g = g * ctx.w_target
+    g = torch.where(valid, g, 0.0).unsqueeze(-1)
+    one_hot = torch.zeros_like(like)
+    one_hot.scatter_(-1, gather_index, torch.where(owned, -1.0, 0.0).unsqueeze(-1).to(one_hot))
+    return g, one_hot
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of local logit columns ``[N, V_local]`` against global class ids ``[N]``."""
+    """Cross-entropy of local logit columns ``[N, V_local]`` against global class ids ``[N]``.
+
+    The same arithmetic, in the same order, as PyTorch's loss-parallel handlers, so the results
+    are bitwise equal; the backward is fused (no communication).
+    """
 
     @staticmethod
     def forward(
@@ -46,81 +135,84 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         class_start: int,
         group: dist.ProcessGroup,
     ) -> torch.Tensor:
-        x = logits
-        compute_dtype = torch.promote_types(x.dtype, torch.float32)
-        x = x.to(compute_dtype)
-        n_local = x.shape[-1]
-        if x.numel() > 0:
-            x_max = torch.amax(x, dim=-1, keepdim=True)
-            dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=group)
-            shifted = x - x_max
-        else:
-            shifted = x
-        sum_exp = torch.sum(torch.exp(shifted), dim=-1, keepdim=True)
-        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
-        log_probs = shifted - torch.log(sum_exp)
-
-        valid = target != ignore_index
-        safe_target = torch.where(valid, target, 0)
-        local_index = safe_target - class_start
-        owned = (local_index >= 0) & (local_index < n_local)
-        gather_index = torch.where(owned, local_index, 0).unsqueeze(-1)
-        picked = torch.gather(log_probs, -1, gather_index).squeeze(-1)
-        if weight is not None:
-            w_target = weight.to(compute_dtype)[safe_target]
-            picked = picked * w_target
-        picked = torch.where(owned, picked, 0.0)
-        dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-        per_token = torch.where(valid, -picked, 0.0)
-
-        if weight is not None:
-            total_weight = torch.where(valid, w_target, 0.0).sum()
-        else:
-            total_weight = valid.sum().to(compute_dtype)
-        if reduction == "sum":
-            result = per_token.sum()
-        elif reduction == "mean":
-            result = per_token.sum() / total_weight
-        else:
-            result = per_token
-
-        ctx.save_for_backward(log_probs, owned, gather_index, valid, total_weight)
-        ctx.w_target = w_target if weight is not None else None
-        ctx.reduction = reduction
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        log_probs = _log_softmax_last(x, group)
+        picked = _pick_targets(log_probs, target, weight, ignore_index, class_start, group)
+        _save_picked(ctx, picked, reduction, log_probs)
         ctx.input_dtype = logits.dtype
-        return result.to(logits.dtype)
+        return _reduce(picked, reduction).to(logits.dtype)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (grad_out,) = grads
-        log_probs, owned, gather_index, valid, total_weight = ctx.saved_tensors
-        g = grad_out.to(log_probs.dtype)
-        if ctx.reduction == "mean":
-            g = g / total_weight
-        if g.dim() == 0:
-            g = g.expand(valid.shape)
-        if ctx.w_target is not None:
-            g = g * ctx.w_target
-        g = torch.where(valid, g, 0.0).unsqueeze(-1)
-        one_hot = torch.zeros_like(log_probs)
-        one_hot.scatter_(-1, gather_index, torch.where(owned, -1.0, 0.0).unsqueeze(-1).to(one_hot))
+        log_probs = ctx.saved_tensors[4]
+        g, one_hot = _row_grad_and_neg_one_hot(ctx, grads[0], log_probs)
         grad_logits = (one_hot + torch.exp(log_probs)) * g
         return grad_logits.to(ctx.input_dtype), None, None, None, None, None, None
+
+
+class _VocabParallelLogSoftmax(torch.autograd.Function):
+    """Log-softmax over the last dim of local columns; the backward all-reduces one row sum."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = _log_softmax_last(x, group)
+        ctx.save_for_backward(out)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (out,) = ctx.saved_tensors
+        g = grads[0]
+        row_sum = g.sum(dim=-1, keepdim=True)
+        dist.all_reduce(row_sum, op=dist.ReduceOp.SUM, group=ctx.group)
+        return g - torch.exp(out) * row_sum, None
+
+
+class _VocabParallelNLL(torch.autograd.Function):
+    """Negative log-likelihood of local log-probability columns; no communication backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        log_probs: torch.Tensor,
+        target: torch.Tensor,
+        weight: torch.Tensor | None,
+        ignore_index: int,
+        reduction: str,
+        class_start: int,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        picked = _pick_targets(log_probs, target, weight, ignore_index, class_start, group)
+        _save_picked(ctx, picked, reduction)
+        ctx.shape = log_probs.shape
+        ctx.dtype = log_probs.dtype
+        return _reduce(picked, reduction)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        like = torch.empty(ctx.shape, dtype=ctx.dtype, device=grads[0].device)
+        g, one_hot = _row_grad_and_neg_one_hot(ctx, grads[0], like)
+        return one_hot * g, None, None, None, None, None, None
 
 
 def _class_dim(ndim: int) -> int:
     return 0 if ndim == 1 else 1
 
 
-def _sharded_class_mesh_dim(input: DTensor) -> int | None:
-    """The mesh dim sharding the class dimension of ``input``, or None when none does."""
-    cdim = _class_dim(input.ndim)
+def _sharded_mesh_dim(input: DTensor, dim: int) -> int | None:
+    """The mesh dim sharding tensor dim ``dim`` of ``input``, or None when none does."""
     dims = [
         i
         for i, p in enumerate(input.placements)
-        if isinstance(p, Shard) and p.dim % input.ndim == cdim
+        if isinstance(p, Shard) and p.dim % input.ndim == dim % input.ndim
     ]
     return dims[0] if len(dims) == 1 else None
+
+
+def _sharded_class_mesh_dim(input: DTensor) -> int | None:
+    """The mesh dim sharding the class dimension of ``input``, or None when none does."""
+    return _sharded_mesh_dim(input, _class_dim(input.ndim))
 
 
 def _local_target(target: Any, mesh: DeviceMesh) -> torch.Tensor:
@@ -131,7 +223,91 @@ def _local_target(target: Any, mesh: DeviceMesh) -> torch.Tensor:
         return local
     if isinstance(target, torch.Tensor):
         return target
-    raise TypeError(f"cross_entropy target must be a tensor, got {type(target).__name__}")
+    raise TypeError(f"the loss target must be a tensor, got {type(target).__name__}")
+
+
+class _ClassSharded(NamedTuple):
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    class_start: int
+    flat: torch.Tensor  # local input, classes last, rows flattened: [M, V_local]
+    flat_target: torch.Tensor  # [M]
+    target_shape: torch.Size
+    weight: torch.Tensor | None
+
+
+def _class_sharded(
+    fn: str,
+    input: DTensor,
+    target: Any,
+    weight: Any,
+    size_average: Any,
+    reduce: Any,
+    reduction: str,
+) -> _ClassSharded:
+    """Validate the arguments of a class-sharded loss and take the local pieces."""
+    if size_average is not None or reduce is not None:
+        raise ValueError(
+            f"loss_parallel {fn} does not support the deprecated size_average/reduce arguments; "
+            "use reduction='none'|'mean'|'sum'"
+        )
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    mesh = input.device_mesh
+    mesh_dim = _sharded_class_mesh_dim(input)
+    assert mesh_dim is not None
+    for i, p in enumerate(input.placements):
+        if i != mesh_dim and not isinstance(p, Replicate):
+            raise ValueError(
+                f"loss_parallel {fn} needs its input sharded on the class dimension on one mesh "
+                f"dim and replicated on the others, got placements {tuple(input.placements)}"
+            )
+    local_target = _local_target(target, mesh)
+    if local_target.is_floating_point():
+        raise ValueError(
+            f"loss_parallel {fn} needs class-index targets (an integer tensor), got "
+            "floating-point class probabilities"
+        )
+    cdim = _class_dim(input.ndim)
+    n_classes = input.shape[cdim]
+    expected = tuple(input.shape[:cdim]) + tuple(input.shape[cdim + 1 :])
+    if tuple(local_target.shape) != expected:
+        raise ValueError(
+            f"{fn} target of shape {tuple(local_target.shape)} does not match input of shape "
+            f"{tuple(input.shape)} (expected target shape {expected})"
+        )
+    local_weight: torch.Tensor | None = None
+    if weight is not None:
+        full_w = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        if not isinstance(full_w, torch.Tensor) or tuple(full_w.shape) != (n_classes,):
+            raise ValueError(
+                f"{fn} weight must be a tensor of shape ({n_classes},), got "
+                f"{getattr(full_w, 'shape', full_w)!r}"
+            )
+        local_weight = full_w
+    local = input.to_local()
+    moved = local.movedim(cdim, -1)
+    return _ClassSharded(
+        mesh=mesh,
+        group=mesh.get_group(mesh_dim),
+        class_start=_shard_start(n_classes, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)),
+        flat=moved.reshape(-1, moved.shape[-1]),
+        flat_target=local_target.reshape(-1),
+        target_shape=local_target.shape,
+        weight=local_weight,
+    )
+
+
+def _shard_start(n: int, n_shards: int, coord: int) -> int:
+    """Offset of shard ``coord`` of a dim of size ``n`` (torch's ``Shard``: ceil-sized chunks)."""
+    chunk = -(-n // n_shards)
+    return min(coord * chunk, n)
+
+
+def _loss_dtensor(loss: torch.Tensor, info: _ClassSharded, reduction: str) -> DTensor:
+    if reduction == "none":
+        loss = loss.reshape(info.target_shape)
+    return DTensor.from_local(loss, info.mesh, [Replicate()] * info.mesh.ndim, run_check=False)
 
 
 def _vocab_parallel_cross_entropy(
@@ -144,68 +320,78 @@ def _vocab_parallel_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ) -> DTensor:
-    if size_average is not None or reduce is not None:
-        raise ValueError(
-            "loss_parallel does not support the deprecated size_average/reduce arguments; "
-            "use reduction='none'|'mean'|'sum'"
-        )
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if label_smoothing != 0.0:
         raise ValueError(f"loss_parallel supports label_smoothing=0.0 only, got {label_smoothing}")
-    mesh = input.device_mesh
-    mesh_dim = _sharded_class_mesh_dim(input)
+    info = _class_sharded("cross_entropy", input, target, weight, size_average, reduce, reduction)
+    loss = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        info.flat,
+        info.flat_target,
+        info.weight,
+        ignore_index,
+        reduction,
+        info.class_start,
+        info.group,
+    )
+    return _loss_dtensor(loss, info, reduction)
+
+
+def _vocab_parallel_nll_loss(
+    input: DTensor,
+    target: Any,
+    weight: Any = None,
+    size_average: Any = None,
+    ignore_index: int = -100,
+    reduce: Any = None,
+    reduction: str = "mean",
+) -> DTensor:
+    info = _class_sharded("nll_loss", input, target, weight, size_average, reduce, reduction)
+    loss = _VocabParallelNLL.apply(  # type: ignore[no-untyped-call]
+        info.flat,
+        info.flat_target,
+        info.weight,
+        ignore_index,
+        reduction,
+        info.class_start,
+        info.group,
+    )
+    return _loss_dtensor(loss, info, reduction)
+
+
+def _vocab_parallel_log_softmax(
+    input: DTensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None
+) -> DTensor:
+    assert dim is not None
+    mesh_dim = _sharded_mesh_dim(input, dim)
     assert mesh_dim is not None
     for i, p in enumerate(input.placements):
         if i != mesh_dim and not isinstance(p, Replicate):
             raise ValueError(
-                "loss_parallel needs logits sharded on the class dimension on one mesh dim and "
+                "loss_parallel log_softmax needs its input sharded on `dim` on one mesh dim and "
                 f"replicated on the others, got placements {tuple(input.placements)}"
             )
-    local_target = _local_target(target, mesh)
-    if local_target.is_floating_point():
-        raise ValueError(
-            "loss_parallel needs class-index targets (an integer tensor), got floating-point "
-            "class probabilities"
-        )
-    cdim = _class_dim(input.ndim)
-    n_classes = input.shape[cdim]
-    expected = tuple(input.shape[:cdim]) + tuple(input.shape[cdim + 1 :])
-    if tuple(local_target.shape) != expected:
-        raise ValueError(
-            f"cross_entropy target of shape {tuple(local_target.shape)} does not match input "
-            f"of shape {tuple(input.shape)} (expected target shape {expected})"
-        )
-    local_weight: torch.Tensor | None = None
-    if weight is not None:
-        full_w = weight.full_tensor() if isinstance(weight, DTensor) else weight
-        if not isinstance(full_w, torch.Tensor) or tuple(full_w.shape) != (n_classes,):
-            raise ValueError(
-                f"cross_entropy weight must be a tensor of shape ({n_classes},), got "
-                f"{getattr(full_w, 'shape', full_w)!r}"
-            )
-        local_weight = full_w
-    # The class offset of this rank's slice: torch's Shard puts the larger chunks first.
-    group = mesh.get_group(mesh_dim)
-    coord = mesh.get_local_rank(mesh_dim)
-    n_shards = mesh.size(mesh_dim)
-    chunk = -(-n_classes // n_shards)
-    class_start = min(coord * chunk, n_classes)
-
     local = input.to_local()
-    moved = local.movedim(cdim, -1)
-    flat = moved.reshape(-1, moved.shape[-1])
-    flat_target = local_target.reshape(-1)
-    loss = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        flat, flat_target, local_weight, ignore_index, reduction, class_start, group
+    if dtype is not None:
+        local = local.to(dtype)
+    moved = local.movedim(dim, -1)
+    out = _VocabParallelLogSoftmax.apply(  # type: ignore[no-untyped-call]
+        moved, input.device_mesh.get_group(mesh_dim)
     )
-    if reduction == "none":
-        loss = loss.reshape(local_target.shape)
-    return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    shape = tuple(input.shape)
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * max(shape[i + 1], 1)
+    return DTensor.from_local(
+        out.movedim(-1, dim).contiguous(),
+        input.device_mesh,
+        input.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(stride),
+    )
 
 
 class _LossParallelMode(TorchFunctionMode):
-    """Routes class-sharded ``cross_entropy`` calls to the vocabulary-parallel implementation."""
+    """Routes class-sharded loss calls to the vocabulary-parallel implementations."""
 
     def __torch_function__(
         self,
@@ -215,13 +401,29 @@ class _LossParallelMode(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if func is F.cross_entropy:
+        handler = _HANDLERS.get(func)
+        if handler is not None:
             input = args[0] if args else kwargs.get("input")
-            if isinstance(input, DTensor) and _sharded_class_mesh_dim(input) is not None:
+            if isinstance(input, DTensor) and _handles(func, input, args, kwargs):
                 if not args:
                     kwargs.pop("input")
-                return _vocab_parallel_cross_entropy(*args, **kwargs)
+                return handler(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _handles(func: Any, input: DTensor, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call to ``func`` on ``input`` is one loss_parallel computes itself."""
+    if func is F.log_softmax:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return dim is not None and _sharded_mesh_dim(input, dim) is not None
+    return _sharded_class_mesh_dim(input) is not None
+
+
+_HANDLERS: dict[Any, Callable[..., DTensor]] = {
+    F.cross_entropy: _vocab_parallel_cross_entropy,
+    F.nll_loss: _vocab_parallel_nll_loss,
+    F.log_softmax: _vocab_parallel_log_softmax,
+}
 
 
 @contextlib.contextmanager
@@ -236,7 +438,10 @@ def loss_parallel() -> Iterator[None]:
     and ``"none"``. The target holds class indices, as a local tensor (the same on every rank of
     the class-sharding dimension) or a DTensor. No rank ever holds more than its slice of the
     logits; the forward issues three all-reduces of ``[tokens]``-sized tensors and the backward
-    none. The backward may run inside or after the block.
+    none. The backward may run inside or after the block. The two halves of cross-entropy work
+    too: ``F.log_softmax(x, dim)`` on a DTensor sharded on ``dim`` returns the log-probabilities
+    sharded alike (its backward all-reduces one row sum), and ``F.nll_loss`` on class-sharded
+    log-probabilities returns the replicated loss. Calls on other inputs run unchanged.
 
     Yields:
         None.

@@ -516,7 +516,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"invalid config value {where} = {value!r}: expected a number") from None
+            raise ValueError(
+                f"invalid config value {where} = {value!r}: expected a number"
+            ) from None
     if inner is str:
         if not isinstance(value, str | int | float) or isinstance(value, bool):
             raise ValueError(f"invalid config value {where} = {value!r}: expected a string")
@@ -743,8 +745,10 @@ class ConfigManager:
             if eq:
                 value: Any = inline
                 i += 1
-            elif field_tp is not None and _unwrap_optional(field_tp)[0] is bool and (
-                i + 1 >= len(argv) or argv[i + 1].startswith("--")
+            elif (
+                field_tp is not None
+                and _unwrap_optional(field_tp)[0] is bool
+                and (i + 1 >= len(argv) or argv[i + 1].startswith("--"))
             ):
                 value = True
                 i += 1

@@ -203,9 +203,7 @@ def load_documents(dataset: str, text_field: str = "text") -> list[str]:
     """
     path = BUILTIN_DATASETS.get(dataset, Path(dataset))
     if path.is_dir():
-        files = sorted(
-            p for p in path.iterdir() if any(s in p.name for s in (".txt", ".jsonl"))
-        )
+        files = sorted(p for p in path.iterdir() if any(s in p.name for s in (".txt", ".jsonl")))
     elif path.is_file():
         files = [path]
     else:

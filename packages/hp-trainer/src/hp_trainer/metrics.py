@@ -162,7 +162,12 @@ class MetricsProcessor:
         self._tokens_since_log += num_tokens
 
     def log(
-        self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, Any] | None = None
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Record one logged step.
 

@@ -69,8 +69,7 @@ class ModelSpec:
 
         if flavor not in self.flavors:
             raise ValueError(
-                f"model {self.name!r} has no flavor {flavor!r}; flavors: "
-                + ", ".join(self.flavors)
+                f"model {self.name!r} has no flavor {flavor!r}; flavors: " + ", ".join(self.flavors)
             )
         return copy.deepcopy(self.flavors[flavor])
 

@@ -141,7 +141,7 @@ def lr_factor(step: int, total_steps: int, config: LRSchedulerConfig) -> float:
     stable_end = total_steps - decay_steps
     if decay_steps == 0 or s <= stable_end:
         return 1.0
-    progress = min((s - stable_end) / decay_steps, 1.0)
+    progress = min((s - stable_end) / (decay_steps + 1), 1.0)
     if config.decay_type in ("linear", "wsd"):
         curve = 1.0 - progress
     elif config.decay_type == "sqrt":
@@ -169,8 +169,7 @@ class LRSchedulersContainer:
         self.total_steps = total_steps
         self.config = config
         self.schedulers = [
-            LambdaLR(opt, lambda step: lr_factor(step, total_steps, config))
-            for opt in optimizers
+            LambdaLR(opt, lambda step: lr_factor(step, total_steps, config)) for opt in optimizers
         ]
 
     def step(self) -> None:

@@ -322,9 +322,7 @@ class Trainer:
         """
         self.optimizers.zero_grad()
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = self._all_reduce_dp(
-            torch.tensor(float(local_tokens), device=self.device)
-        )
+        global_tokens = self._all_reduce_dp(torch.tensor(float(local_tokens), device=self.device))
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
             inputs = inputs.to(self.device)

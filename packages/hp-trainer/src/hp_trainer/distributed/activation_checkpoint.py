@@ -83,5 +83,3 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
     for i, (name, block) in enumerate(list(layers.items())):
         if (i + 1) % every == 0 or every == 1:
             layers.register_module(name, _wrap(block, ac_config))
-
-

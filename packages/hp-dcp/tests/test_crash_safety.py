@@ -1,0 +1,226 @@
+"""Crash safety: interrupted saves are never taken for complete ones; damage is detected and named;
+loading never runs code from the checkpoint."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as tdcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+import hp_dcp
+from hp_dcp.storage import INCOMPLETE_MARKER, staging_dir
+
+WORKER = Path(__file__).with_name("_killed_save_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _plain_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(6, 5, generator=g),
+        "b": {"c": torch.randn(3, generator=g).to(torch.bfloat16), "lr": 0.25},
+        "tag": "step-3",
+    }
+
+
+def _empty_like(sd: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "a": torch.zeros_like(sd["a"]),
+        "b": {"c": torch.zeros_like(sd["b"]["c"]), "lr": 0.0},
+        "tag": "",
+    }
+
+
+def test_sigkilled_rank_leaves_previous_checkpoint_and_rejects_partial(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), port, str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    try:
+        assert procs[1].wait(timeout=60) == -signal.SIGKILL
+        # The coordinator cannot commit without rank 1: it fails (or is stopped) uncommitted.
+        try:
+            procs[0].wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            procs[0].kill()
+            procs[0].wait()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out0 = procs[0].stdout.read().decode() if procs[0].stdout else ""
+    assert "first save committed" in out0
+    assert "second save unexpectedly finished" not in out0
+    # The previous checkpoint is intact and loads (rank 0 rows 1.0, rank 1 rows 2.0).
+    target: dict[str, Any] = {"w": torch.zeros(6, 4), "step": 0}
+    hp_dcp.load(target, checkpoint_id=path)
+    assert torch.equal(target["w"], torch.cat([torch.full((3, 4), 1.0), torch.full((3, 4), 2.0)]))
+    assert target["step"] == 1
+    hp_dcp.verify_checkpoint(path)
+    # The interrupted save's directory is rejected with a clear message.
+    partial = staging_dir(path)
+    assert (partial / INCOMPLETE_MARKER).exists()
+    with pytest.raises(hp_dcp.IncompleteCheckpointError, match="did not finish on every rank"):
+        hp_dcp.load({"w": torch.zeros(6, 4), "step": 0}, checkpoint_id=partial)
+
+
+class _CrashBeforeCommit(hp_dcp.FileSystemWriter):
+    def finish(self, metadata: Metadata, results: Any) -> None:
+        raise OSError("simulated crash before the commit")
+
+
+def test_interrupted_first_save_is_rejected_not_missing(tmp_path: Path) -> None:
+    path = tmp_path / "new"
+    with pytest.raises(CheckpointException, match="simulated crash"):
+        hp_dcp.save(_plain_state(0), storage_writer=_CrashBeforeCommit(path), no_dist=True)
+    assert not path.exists()
+    with pytest.raises(hp_dcp.IncompleteCheckpointError, match="interrupted") as info:
+        hp_dcp.load(_empty_like(_plain_state(0)), checkpoint_id=path)
+    assert str(staging_dir(path)) in str(info.value)
+    # torch DCP does not see a checkpoint there either.
+    assert not (path / ".metadata").exists()
+    # A later save commits and replaces the leftover.
+    hp_dcp.save(_plain_state(0), checkpoint_id=path, no_dist=True)
+    assert not staging_dir(path).exists()
+
+
+def test_overwrite_replaces_whole_checkpoint_and_refuses_foreign_dirs(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    hp_dcp.save(_plain_state(0), checkpoint_id=path, no_dist=True)
+    hp_dcp.save(_plain_state(1), checkpoint_id=path, no_dist=True)
+    got = _empty_like(_plain_state(1))
+    hp_dcp.load(got, checkpoint_id=path, no_dist=True)
+    assert torch.equal(got["a"], _plain_state(1)["a"])
+    assert got["tag"] == "step-3"
+    assert got["b"]["lr"] == 0.25
+    with pytest.raises(FileExistsError, match="overwrite=False"):
+        hp_dcp.save(
+            _plain_state(2),
+            storage_writer=hp_dcp.FileSystemWriter(path, overwrite=False),
+            no_dist=True,
+        )
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="refuses to replace"):
+        hp_dcp.save(_plain_state(0), checkpoint_id=foreign, no_dist=True)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("which", ["data", "metadata"])
+def test_flipped_byte_detected_and_file_named(tmp_path: Path, which: str) -> None:
+    path = tmp_path / "c"
+    hp_dcp.save(_plain_state(0), checkpoint_id=path, no_dist=True)
+    victim = path / ("__0_0.distcp" if which == "data" else ".metadata")
+    data = bytearray(victim.read_bytes())
+    data[len(data) - 200 if which == "data" else len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    with pytest.raises(hp_dcp.CheckpointCorruptionError, match=victim.name) as info:
+        hp_dcp.load(_empty_like(_plain_state(0)), checkpoint_id=path, no_dist=True)
+    assert "checksum mismatch" in str(info.value)
+    with pytest.raises(hp_dcp.CheckpointCorruptionError, match=victim.name):
+        hp_dcp.verify_checkpoint(path)
+
+
+def test_truncated_file_detected(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    hp_dcp.save(_plain_state(0), checkpoint_id=path, no_dist=True)
+    victim = path / "__0_0.distcp"
+    victim.write_bytes(victim.read_bytes()[:-10])
+    with pytest.raises(hp_dcp.CheckpointCorruptionError, match=r"__0_0\.distcp"):
+        hp_dcp.load(_empty_like(_plain_state(0)), checkpoint_id=path, no_dist=True)
+
+
+class Custom:
+    """An arbitrary Python object a torch-written checkpoint may pickle."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_torch_checkpoint_with_arbitrary_object_rejected_with_opt_in(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    tdcp.save({"w": torch.ones(3), "obj": Custom(7)}, checkpoint_id=path, no_dist=True)
+    target: dict[str, Any] = {"w": torch.zeros(3), "obj": None}
+    with pytest.raises(hp_dcp.UnsafeCheckpointError, match="allow_unsafe_pickle=True") as info:
+        hp_dcp.load(target, checkpoint_id=path, no_dist=True)
+    assert "'obj'" in str(info.value)
+    hp_dcp.load(target, checkpoint_id=path, no_dist=True, allow_unsafe_pickle=True)
+    assert isinstance(target["obj"], Custom)
+    assert target["obj"].x == 7
+    assert torch.equal(target["w"], torch.ones(3))
+    # Or allow just that class.
+    target = {"w": torch.zeros(3), "obj": None}
+    with torch.serialization.safe_globals([Custom]):
+        hp_dcp.load(target, checkpoint_id=path, no_dist=True)
+    assert target["obj"].x == 7
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_never_executes_code(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    tdcp.save({"w": torch.ones(3)}, checkpoint_id=path, no_dist=True)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    md.planner_data = {"evil": _Boom()}
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(hp_dcp.UnsafeCheckpointError, match=r"posix\.system|os\.system"):
+        hp_dcp.load({"w": torch.zeros(3)}, checkpoint_id=path, no_dist=True)
+
+
+def test_torch_written_checkpoint_round_trip_and_torch_reads_ours(tmp_path: Path) -> None:
+    sd = _plain_state(4)
+    tdcp.save(sd, checkpoint_id=tmp_path / "t", no_dist=True)
+    got = _empty_like(sd)
+    hp_dcp.load(got, checkpoint_id=tmp_path / "t", no_dist=True)
+    assert torch.equal(got["a"], sd["a"])
+    assert torch.equal(got["b"]["c"], sd["b"]["c"])
+    assert got["b"]["lr"] == 0.25
+    hp_dcp.save(sd, checkpoint_id=tmp_path / "h", no_dist=True)
+    got = _empty_like(sd)
+    tdcp.load(got, checkpoint_id=tmp_path / "h", no_dist=True)
+    assert torch.equal(got["a"], sd["a"])
+    assert got["tag"] == "step-3"
+
+
+def test_bad_arguments_raise_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        hp_dcp.save({"a": torch.ones(1)})
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        hp_dcp.load({"a": torch.ones(1)})
+    with pytest.raises(ValueError, match="use_collectives"):
+        hp_dcp.save({"a": torch.ones(1)}, checkpoint_id=tmp_path / "x", use_collectives=False)
+    with pytest.raises(ValueError, match="TORCH_SAVE"):
+        hp_dcp.FileSystemWriter(
+            tmp_path, serialization_format=tdcp.filesystem.SerializationFormat.SAFETENSORS
+        )
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hp_dcp.load({"a": torch.ones(1)}, checkpoint_id=tmp_path / "nothing", no_dist=True)
