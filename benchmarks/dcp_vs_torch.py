@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -33,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import hp_dcp
+from hp_dcp._checksum import CRC32_BACKEND
 
 
 def make_state(total_mb: int) -> dict[str, Any]:
@@ -56,10 +58,11 @@ def empty_like(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else 0.0 for k, v in sd.items()}
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Return (wall seconds, CPU seconds of this process) of one call."""
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def run_once(sd: dict[str, Any], root: Path, order: list[str], reps: int) -> dict[str, Any]:
@@ -68,26 +71,29 @@ def run_once(sd: dict[str, Any], root: Path, order: list[str], reps: int) -> dic
         "torch": (tdcp.save, tdcp.load),
         "torch2": (tdcp.save, tdcp.load),
     }
-    times: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in order}
+    ops = ("save", "load", "save_cpu", "load_cpu")
+    times: dict[str, dict[str, list[float]]] = {k: {op: [] for op in ops} for k in order}
     for rep in range(reps + 1):  # rep 0 is the warm-up
         for name in order:
             save, load = impls[name]
             path = root / f"{name}_{rep}"
-            ts = _timed(lambda: save(sd, checkpoint_id=path, no_dist=True))
+            ts = _timed(functools.partial(save, sd, checkpoint_id=path, no_dist=True))
             target = empty_like(sd)
-            tl = _timed(lambda: load(target, checkpoint_id=path, no_dist=True))
+            tl = _timed(functools.partial(load, target, checkpoint_id=path, no_dist=True))
             assert torch.equal(target["layers.0.weight"], sd["layers.0.weight"])
             shutil.rmtree(path)
             if rep:
-                times[name]["save"].append(ts)
-                times[name]["load"].append(tl)
+                times[name]["save"].append(ts[0])
+                times[name]["load"].append(tl[0])
+                times[name]["save_cpu"].append(ts[1])
+                times[name]["load_cpu"].append(tl[1])
     return {k: {op: statistics.median(v) for op, v in d.items()} for k, d in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=300)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -98,7 +104,7 @@ def main() -> None:
         a = run_once(sd, Path(tmp), ["hp", "torch", "torch2"], args.reps)
         b = run_once(sd, Path(tmp), ["torch2", "torch", "hp"], args.reps)
     rows = {}
-    for op in ("save", "load"):
+    for op in ("save", "load", "save_cpu", "load_cpu"):
         ours = math.sqrt((a["hp"][op] / a["torch"][op]) * (b["hp"][op] / b["torch"][op]))
         noise = math.sqrt((a["torch2"][op] / a["torch"][op]) * (b["torch2"][op] / b["torch"][op]))
         rows[op] = {
@@ -112,6 +118,7 @@ def main() -> None:
         "state_dict_mb": round(nbytes / 2**20, 1),
         "tensors": sum(isinstance(v, torch.Tensor) for v in sd.values()),
         "reps": args.reps,
+        "crc32_backend": CRC32_BACKEND,
         "torch": torch.__version__,
         "required_max_ratio": 1.1,
         "results": rows,
@@ -124,7 +131,8 @@ def main() -> None:
         f"State dict: {result['state_dict_mb']} MB in {result['tensors']} tensors plus scalars; "
         f"median of {args.reps} runs per implementation, order swapped, geometric mean.",
         "hp-dcp includes CRC-32 per item, the checksum sidecar, the rename commit, and verified,",
-        "allow-list loading.",
+        f"allow-list loading (CRC-32 backend: {CRC32_BACKEND}). Rows ending in _cpu compare the",
+        "process CPU time instead of the wall clock (steadier on a shared machine).",
         "",
         "| op | ours / torch | torch / torch (noise) | hp median s | torch median s |",
         "|---|---|---|---|---|",

@@ -228,8 +228,8 @@ def _cases(device: torch.device) -> dict[str, tuple[Callable[[], Any], Callable[
         weighted = permuted * probs.reshape(-1)[order].unsqueeze(1)
         return out.index_add_(0, order // 2, weighted)
 
-    oa, ob = (torch.randn(2, 4, 32, 64, generator=gen).to(device) for _ in range(2))
-    la, lb = (torch.randn(2, 4, 32, generator=gen).to(device) for _ in range(2))
+    oa, ob = (torch.randn(2, 8, 128, 64, generator=gen).to(device) for _ in range(2))
+    la, lb = (torch.randn(2, 8, 128, generator=gen).to(device) for _ in range(2))
 
     def merge_ours() -> Any:
         return hk.merge_attention_partials(oa, la, ob, lb)
@@ -248,7 +248,7 @@ def _cases(device: torch.device) -> dict[str, tuple[Callable[[], Any], Callable[
         "post_reduce inplace (div only)": (post_ours_fair, post_torch_fair),
         "permute_tokens (512 x 256, top-2 of 8)": (perm_ours, perm_torch),
         "unpermute_tokens (weighted)": (unperm_ours, unperm_torch),
-        "merge_attention_partials (2x4x32x64)": (merge_ours, merge_torch),
+        "merge_attention_partials (2x8x128x64)": (merge_ours, merge_torch),
     }
 
 

@@ -7,9 +7,10 @@ copies live in the same processes (gloo, one intra-op thread per rank) and are s
 alternately (forward, ``loss_parallel`` cross-entropy, backward, SGD) after a discarded warm-up.
 The per-rank median of each implementation is taken (the slowest rank counts), the run is
 repeated with the build and call order swapped, and the figure is the geometric mean of the two
-``ours / torch`` ratios (below 1 means ours is faster). A ``torch vs torch`` row shows the noise
-floor. Collectives per step are counted with ``CommDebugMode``. Absolute times only mean
-something on a quiet machine or a GPU.
+``ours / torch`` ratios (below 1 means ours is faster); the same figure is given for the CPU time
+the ranks' processes spend per step, which other load on a shared machine disturbs less. A
+``torch vs torch`` row shows the noise floor. Collectives per step are counted with
+``CommDebugMode``. Absolute times only mean something on a quiet machine or a GPU.
 
 Usage::
 
@@ -135,11 +136,16 @@ def step(impl: str, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) ->
     return float(loss.detach().to_local())
 
 
-def time_pair(pair: tuple[str, str], mesh: Any, steps: int, warmup: int) -> dict[str, float]:
-    """Median step time of each implementation of ``pair`` built and called in that order."""
+def time_pair(
+    pair: tuple[str, str], mesh: Any, steps: int, warmup: int
+) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) step seconds of each implementation of ``pair``, built and called in
+    that order. CPU time (all threads of the rank's process) is less sensitive to other load on
+    a shared machine than wall time."""
     built = {impl: build(impl, mesh) for impl in pair}
     gen = torch.Generator().manual_seed(1)
-    times: dict[str, list[float]] = {impl: [] for impl in pair}
+    wall: dict[str, list[float]] = {impl: [] for impl in pair}
+    cpu: dict[str, list[float]] = {impl: [] for impl in pair}
     for i in range(warmup + steps):
         batch = (
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
@@ -147,14 +153,18 @@ def time_pair(pair: tuple[str, str], mesh: Any, steps: int, warmup: int) -> dict
         )
         for impl in pair:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(impl, *built[impl], batch)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if i >= warmup:
-                times[impl].append(dt)
-    medians = torch.tensor([statistics.median(times[impl]) for impl in pair], dtype=torch.float64)
+                wall[impl].append(dt)
+                cpu[impl].append(dc)
+    medians = torch.tensor(
+        [[statistics.median(wall[impl]), statistics.median(cpu[impl])] for impl in pair],
+        dtype=torch.float64,
+    )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    return dict(zip(pair, medians.tolist(), strict=True))
+    return {impl: (row[0], row[1]) for impl, row in zip(pair, medians.tolist(), strict=True)}
 
 
 def count_collectives(impl: str, mesh: Any) -> int:
@@ -181,13 +191,15 @@ def worker(rank: int, ws: int, init_file: str, steps: int, warmup: int, out_file
         for ours, theirs in (("ours", "torch"), ("torch2", "torch")):
             a = time_pair((ours, theirs), mesh, steps, warmup)
             b = time_pair((theirs, ours), mesh, steps, warmup)
-            r1, r2 = a[ours] / a[theirs], b[ours] / b[theirs]
+            r1, r2 = a[ours][0] / a[theirs][0], b[ours][0] / b[theirs][0]
+            c1, c2 = a[ours][1] / a[theirs][1], b[ours][1] / b[theirs][1]
             rows[ours] = {
                 "ratio": math.sqrt(r1 * r2),
                 "ours_first": r1,
                 "torch_first": r2,
-                "ours_median_ms": 1e3 * statistics.mean([a[ours], b[ours]]),
-                "torch_median_ms": 1e3 * statistics.mean([a[theirs], b[theirs]]),
+                "cpu_ratio": math.sqrt(c1 * c2),
+                "ours_median_ms": 1e3 * statistics.mean([a[ours][0], b[ours][0]]),
+                "torch_median_ms": 1e3 * statistics.mean([a[theirs][0], b[theirs][0]]),
             }
         counts = {impl: count_collectives(impl, mesh) for impl in ("ours", "torch")}
         if rank == 0:
@@ -246,11 +258,13 @@ def main() -> None:
         f"seq {SEQ}, batch {BATCH}; TP + SP + loss_parallel, SGD. {cfg['device']}/gloo, 1 thread "
         f"per rank, {args.steps} alternating steps per order after {args.warmup} warm-up, torch "
         f"{torch.__version__}, {os.cpu_count()} CPU cores. Ratio = ours / torch (below 1: ours "
-        "faster), geometric mean of both build/call orders; slowest rank's median.",
+        "faster), geometric mean of both build/call orders; slowest rank's median; the CPU-time "
+        "ratio is the same statistic on the CPU time of the ranks' processes (less disturbed by "
+        "other load on a shared machine).",
         "",
-        "| tp | pair | ratio | ours first | torch first | ours median (ms) | torch median (ms) "
-        "| collectives/step ours | torch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| tp | pair | ratio (wall) | ours first | torch first | ratio (CPU time) "
+        "| ours median (ms) | torch median (ms) | collectives/step ours | torch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ws, res in results["tp"].items():
         for name, row in res["rows"].items():
@@ -258,8 +272,8 @@ def main() -> None:
             counts = res["collectives"]
             lines.append(
                 f"| {ws} | {label} | {row['ratio']:.3f} | {row['ours_first']:.3f} | "
-                f"{row['torch_first']:.3f} | {row['ours_median_ms']:.1f} | "
-                f"{row['torch_median_ms']:.1f} | "
+                f"{row['torch_first']:.3f} | {row['cpu_ratio']:.3f} | "
+                f"{row['ours_median_ms']:.1f} | {row['torch_median_ms']:.1f} | "
                 + (f"{counts['ours']} | {counts['torch']} |" if name == "ours" else "| |")
             )
     (args.out / "tp.md").write_text("\n".join(lines) + "\n")

@@ -7,27 +7,26 @@ import os
 import pickle
 import signal
 import socket
-import subprocess
-import sys
+import warnings
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as tdcp
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 import hp_dcp
 from hp_dcp.storage import INCOMPLETE_MARKER, staging_dir
-
-WORKER = Path(__file__).with_name("_killed_save_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plain_state(seed: int) -> dict[str, Any]:
@@ -47,35 +46,61 @@ def _empty_like(sd: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class _DyingWriter(hp_dcp.FileSystemWriter):
+    """Rank 1 dies by SIGKILL after writing its files, before the coordinator can commit."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        if self.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fut
+
+
+def _rank_state(value: float) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,))
+    local = torch.full((3, 4), value + dist.get_rank())
+    return {"w": DTensor.from_local(local, mesh, [Shard(0)]), "step": int(value)}
+
+
+def _killed_save_rank(rank: int, port: str, path: str, log: str) -> None:
+    """One rank of a 2-rank job: commit a checkpoint, then start overwriting it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    hp_dcp.save(_rank_state(1.0), checkpoint_id=path)
+    dist.barrier()
+    Path(f"{log}.{rank}").write_text("first save committed\n")
+    hp_dcp.save(_rank_state(2.0), storage_writer=_DyingWriter(path))
+    Path(f"{log}.{rank}").write_text("second save unexpectedly finished\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_sigkilled_rank_leaves_previous_checkpoint_and_rejects_partial(tmp_path: Path) -> None:
-    path = tmp_path / "ckpt"
-    port = str(_free_port())
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    path, log, port = tmp_path / "ckpt", str(tmp_path / "log"), str(_free_port())
+    # Own processes, forked (no re-import of torch), never the warm pool.
+    ctx = mp.get_context("fork")
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), port, str(path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for r in range(2)
+        ctx.Process(target=_killed_save_rank, args=(r, port, str(path), log)) for r in range(2)
     ]
+    for p in procs:
+        p.start()
     try:
-        assert procs[1].wait(timeout=60) == -signal.SIGKILL
-        # The coordinator cannot commit without rank 1: it fails (or is stopped) uncommitted.
-        try:
-            procs[0].wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            procs[0].kill()
-            procs[0].wait()
+        procs[1].join(timeout=60)
+        assert procs[1].exitcode == -signal.SIGKILL
+        # The coordinator cannot commit without rank 1: it waits in the gather (or fails).
+        procs[0].join(timeout=3)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.wait()
-    out0 = procs[0].stdout.read().decode() if procs[0].stdout else ""
-    assert "first save committed" in out0
-    assert "second save unexpectedly finished" not in out0
+            p.join()
+    assert Path(f"{log}.0").read_text() == "first save committed\n"
     # The previous checkpoint is intact and loads (rank 0 rows 1.0, rank 1 rows 2.0).
     target: dict[str, Any] = {"w": torch.zeros(6, 4), "step": 0}
     hp_dcp.load(target, checkpoint_id=path)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -135,15 +133,11 @@ def test_key_map_hook_and_progress_bar(tmp_path: Path, capsys: Any) -> None:
     )
 
 
-def test_inspect_lists_and_extracts(tmp_path: Path) -> None:
+def test_inspect_lists_and_extracts(tmp_path: Path, capsys: Any) -> None:
     sd: dict[str, Any] = {"w": torch.arange(12.0).reshape(3, 4), "opt": {"lr": 0.5}}
     hp_dcp.save(sd, checkpoint_id=tmp_path / "c", no_dist=True)
-    out = subprocess.run(
-        [sys.executable, "-m", "hp_dcp.cli", "inspect", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split()[:6] == ["key", "kind", "dtype", "shape", "chunks", "layout"]
     w_line = next(line for line in lines if line.startswith("w "))

@@ -225,6 +225,40 @@ def test_four_to_two_and_hp_written_to_torch(saved: tuple[str, Any, Any]) -> Non
         assert_same_state(rank_result["fsdp_ws4->fsdp (torch load)"], s4["fsdp"], "hp->torch")
 
 
+def _hf_round_trip(root: str) -> dict[str, Any]:
+    """Save an FSDP model as two consolidated HF files, read them back into TP."""
+    model, opt, dp_rank = build("fsdp", init_seed=0, lr=0.01)
+    train_step(model, opt, dp_rank)
+    mapping = {"w1.weight": 1, "w1.bias": 1, "w2.weight": 2, "w2.bias": 2}
+    writer = hp_dcp.HuggingFaceStorageWriter(
+        f"{root}/hf", fqn_to_index_mapping=mapping, save_distributed=True, enable_consolidation=True
+    )
+    hp_dcp.save(get_model_state_dict(model), storage_writer=writer)
+    want = get_model_state_dict(model, options=FULL)
+    dist.barrier()
+    tp_model, _, _ = build("tp", init_seed=5, lr=0.01)
+    sd = get_model_state_dict(tp_model)
+    hp_dcp.load(sd, storage_reader=hp_dcp.HuggingFaceStorageReader(f"{root}/hf"))
+    tp_model.load_state_dict(sd)
+    return {"want": want, "got": get_model_state_dict(tp_model, options=FULL)}
+
+
+def test_hf_storage_distributed_save_and_reshard_load(saved: tuple[str, Any, Any]) -> None:
+    root = saved[0]
+    results = run_distributed(_hf_round_trip, 2, root)
+    want = results[0]["want"]
+    for r in results:
+        assert r["got"].keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(r["got"][k], v), k
+    files = sorted(p.name for p in (Path(root) / "hf").glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    offline = hp_dcp.load_hf_safetensors(Path(root) / "hf")
+    assert offline.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(offline[k], v), k
+
+
 def test_flipped_byte_is_named_on_every_rank(saved: tuple[str, Any, Any]) -> None:
     root = saved[0]
     victim = Path(root) / "a" / "__1_0.distcp"

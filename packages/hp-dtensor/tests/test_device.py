@@ -86,6 +86,12 @@ def test_cpu_streams_and_events_are_logged_no_ops(caplog: pytest.LogCaptureFixtu
     assert sum("streams are no-ops" in m for m in messages) == 1  # logged once, at debug level
     assert sum("events are no-ops" in m for m in messages) == 1
     assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "hp_dtensor.device")
+    with pytest.raises(RuntimeError, match="event timing needs an accelerator"):
+        event.elapsed_time(device.Event())
+    with caplog.at_level(logging.DEBUG, logger="hp_dtensor.device"):
+        device.empty_cache()
+        device.empty_cache()
+    assert sum("empty_cache is a no-op" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_cpu_memory_stats_track_peak_rss() -> None:

@@ -155,19 +155,6 @@ def test_opcheck_all_gather_ops() -> None:
     )
 
 
-def test_compile_fullgraph_round_trip() -> None:
-    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        _, out = hk.all_gather_copy_in([a, b], [6, 4], 2, 0, torch.float32)
-        out[10:].zero_()
-        o1, o2 = torch.empty(12), torch.empty(8)
-        hk.all_gather_copy_out(out, [6, 4], 2, [o1, o2])
-        return hk.unpadded_views(o1, [2, 3], [4, 3], 0, 2).sum() + o2.sum()
-
-    a, b = torch.randn(2, 3), torch.randn(3)
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(a, b), fn(a, b))
-
-
 def test_fake_tensor_shapes() -> None:
     with torch._subclasses.fake_tensor.FakeTensorMode():
         inp, out = hk.all_gather_copy_in(

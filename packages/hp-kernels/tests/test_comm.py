@@ -9,6 +9,7 @@ uneven dim 0.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -41,6 +42,25 @@ def test_torch_comm_classes_are_accepted() -> None:
     assert buf.dtype == torch.bfloat16
     with pytest.raises(TypeError, match="abstract"):
         hk.AllReduce()  # type: ignore[abstract]
+
+
+def test_call_contract_matches_torch_signatures() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+    def params(fn: object) -> list[tuple[str, object, object]]:
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+        return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+    for ours, theirs in [
+        (hk.Comm.allocate, _fsdp_api.Comm.allocate),
+        (hk.AllGather.__call__, _fsdp_api.AllGather.__call__),
+        (hk.ReduceScatter.__call__, _fsdp_api.ReduceScatter.__call__),
+        (hk.DefaultAllGather.__call__, _fsdp_api.AllGather.__call__),
+        (hk.DefaultReduceScatter.__call__, _fsdp_api.ReduceScatter.__call__),
+        (hk.Bf16AllToAllReduceScatter.__call__, _fsdp_api.ReduceScatter.__call__),
+        (hk.DefaultAllGather.allocate, _fsdp_api.Comm.allocate),
+    ]:
+        assert params(ours) == params(theirs), (ours, theirs)
 
 
 @distributed(world_size=WS)
@@ -125,19 +145,23 @@ def _placement(param: nn.Parameter) -> Shard:
     return Shard(1) if param.shape == (7, 6) else Shard(0)
 
 
-@pytest.mark.parametrize("mixed", [False, True])
+_POLICIES = {
+    "fp32": (None, None),
+    "bf16-fp32": (torch.bfloat16, torch.float32),
+    "fp16": (torch.float16, torch.float16),
+}
+
+
+@pytest.mark.parametrize("policy", list(_POLICIES))
 @distributed(world_size=WS)
-def test_fused_fsdp_path_bitwise_equals_torch_fully_shard(mixed: bool) -> None:
+def test_fused_fsdp_path_bitwise_equals_torch_fully_shard(policy: str) -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same model everywhere
     model = _Net()
     replica = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (ws,))
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed
-        else MixedPrecisionPolicy()
-    )
+    param_dtype_or_none, reduce_dtype_or_none = _POLICIES[policy]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype_or_none, reduce_dtype=reduce_dtype_or_none)
     fully_shard(model, mesh=mesh, shard_placement_fn=_placement, mp_policy=mp)
     torch.manual_seed(rank_seed(0))  # different data on each rank
     x = torch.randn(4, 6)
@@ -148,7 +172,8 @@ def test_fused_fsdp_path_bitwise_equals_torch_fully_shard(mixed: bool) -> None:
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(fp.sharded_param)] for fp in fsdp_params]
     full = dict(replica.named_parameters())
-    param_dtype = torch.bfloat16 if mixed else torch.float32
+    param_dtype = param_dtype_or_none or torch.float32
+    reduce_dtype = reduce_dtype_or_none or torch.float32
     shards, splits, padded_shapes, dims = [], [], [], []
     for name in order:
         p = full[name]
@@ -172,10 +197,15 @@ def test_fused_fsdp_path_bitwise_equals_torch_fully_shard(mixed: bool) -> None:
     compute = copy.deepcopy(replica).to(param_dtype)
     compute(x.to(param_dtype)).square().sum().backward()
     grads = [dict(compute.named_parameters())[n].grad for n in order]
-    rs_in = hk.reduce_scatter_copy_in(grads, dims, ws, torch.float32)
-    rs_out = torch.empty(rs_in.numel() // ws)
-    hk.DefaultReduceScatter()(rs_out, rs_in, dist.group.WORLD, dist.ReduceOp.AVG)
-    reduced = hk.post_reduce(rs_out, out_dtype=torch.float32)
+    if reduce_dtype == torch.float16:  # torch: SUM with a pre/post division split
+        pre, post = hk.gradient_divide_factors(ws, reduce_dtype)
+        op = dist.ReduceOp.SUM
+    else:  # fp32/bf16: AVG, no extra division
+        pre, post, op = None, None, dist.ReduceOp.AVG
+    rs_in = hk.reduce_scatter_copy_in(grads, dims, ws, reduce_dtype, predivide_factor=pre)
+    rs_out = torch.empty(rs_in.numel() // ws, dtype=reduce_dtype)
+    hk.DefaultReduceScatter()(rs_out, rs_in, dist.group.WORLD, op)
+    reduced = hk.post_reduce(rs_out, divide_factor=post, out_dtype=torch.float32)
     offset = 0
     for name, fp in zip(order, fsdp_params, strict=True):
         local = fp.sharded_param.grad._local_tensor

@@ -56,3 +56,26 @@ def test_register_device_kernel_errors() -> None:
         hk.has_device_kernel("post_reduce", "not_a_device")
     with pytest.raises(TypeError, match="device_type"):
         hk.has_device_kernel("post_reduce", "")
+
+
+def test_eager_fast_path_only_where_the_dispatcher_would_run_the_reference() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hp_kernels._library import can_call_reference
+    from hp_kernels.attention import _merge_op
+
+    x = torch.ones(2)
+    assert can_call_reference(_merge_op, [x])
+    assert not can_call_reference(_merge_op, [torch.empty(2, device="meta")])
+    with FakeTensorMode():
+        assert not can_call_reference(_merge_op, [x])
+    # Both paths give the same result.
+    g = [torch.randn(5, 4), torch.randn(2, 6)]
+    direct = torch.ops.hp_kernels.reduce_scatter_copy_in.default(g, [0, 1], 3, torch.bfloat16, 2.0)
+    wrapped = hk.reduce_scatter_copy_in(g, [0, 1], 3, torch.bfloat16, predivide_factor=2.0)
+    assert torch.equal(direct, wrapped)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = hk.reduce_scatter_copy_in(
+            [mode.from_tensor(t) for t in g], [0, 1], 3, torch.bfloat16, predivide_factor=2.0
+        )
+        assert fake.shape == direct.shape

@@ -79,7 +79,7 @@ def test_moe_gradcheck_float64() -> None:
     assert torch.autograd.gradcheck(fn, (tokens, probs, weight))
 
 
-def test_moe_opcheck_and_compile() -> None:
+def test_moe_opcheck() -> None:
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randn(6, 4, generator=gen, requires_grad=True)
     idx = torch.randint(0, 3, (6, 2), generator=gen)
@@ -90,16 +90,6 @@ def test_moe_opcheck_and_compile() -> None:
         torch.ops.hp_kernels.unpermute_tokens.default,
         (permuted.requires_grad_(), sorted_indices, probs, 2),
     )
-
-    def fn(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        x, s, _ = hk.permute_tokens(t, idx, 3)
-        return hk.unpermute_tokens(x * 2, s, p)
-
-    eager = fn(tokens.detach(), probs.detach())
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(
-        tokens.detach(), probs.detach()
-    )
-    assert torch.equal(eager, compiled)
 
 
 def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -149,7 +139,7 @@ def test_merge_handles_empty_sides_and_low_precision() -> None:
         hk.merge_attention_partials(o, lse, ob, lse)
 
 
-def test_merge_gradcheck_opcheck_compile() -> None:
+def test_merge_gradcheck_opcheck() -> None:
     gen = torch.Generator().manual_seed(4)
     args = [
         torch.randn(2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True),
@@ -160,11 +150,3 @@ def test_merge_gradcheck_opcheck_compile() -> None:
     assert torch.autograd.gradcheck(lambda *a: hk.merge_attention_partials(*a), tuple(args))
     f32 = [a.detach().float().requires_grad_() for a in args]
     torch.library.opcheck(torch.ops.hp_kernels.merge_attention_partials.default, tuple(f32))
-
-    def fn(oa, la, ob, lb):
-        out, lse = hk.merge_attention_partials(oa, la, ob, lb)
-        return out.sum(-1) + lse
-
-    eager = fn(*f32)
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*f32)
-    torch.testing.assert_close(compiled, eager)

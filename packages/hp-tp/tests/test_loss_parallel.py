@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_tp
-from hp_dtensor.testing import run_distributed
+from hp_dtensor.testing import distributed
 
 N, V, IGNORE = 7, 10, 3
 
@@ -70,6 +70,13 @@ CONFIGS: list[dict[str, Any]] = [
     {"reduction": "mean", "ignore_index": IGNORE, "weight": True},
     {"reduction": "none", "weight": True},
 ]
+# label smoothing, which torch's loss_parallel rejects: compared with the single process only
+SMOOTHED: list[dict[str, Any]] = [
+    {"label_smoothing": 0.2},
+    {"label_smoothing": 0.1, "reduction": "sum", "ignore_index": IGNORE, "weight": True},
+    {"label_smoothing": 0.3, "reduction": "none", "ignore_index": IGNORE},
+    {"label_smoothing": 0.15, "reduction": "mean", "ignore_index": IGNORE, "weight": True},
+]
 
 
 def run_loss_cases() -> None:
@@ -95,6 +102,16 @@ def run_loss_cases() -> None:
                 torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5, msg=f"{what} {cfg}")
                 # same arithmetic in the same order as torch's handlers: bitwise equal
                 assert torch.equal(o, t), (what, cfg, (o - t).abs().max())
+        for cfg in SMOOTHED:
+            kw = dict(cfg)
+            if kw.pop("weight", False):
+                kw["weight"] = weight
+            shape = target.shape if kw.get("reduction") == "none" else ()
+            upstream = torch.rand(shape) + 0.5
+            ref = loss_and_grad(None, logits, target, upstream, **kw)
+            ours = loss_and_grad(hp_tp, logits, target, upstream, **kw)
+            for r, o, what in zip(ref, ours, ("loss", "grad"), strict=True):
+                torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5, msg=f"{what} {cfg}")
 
 
 def run_module_form_and_memory() -> None:
@@ -139,16 +156,18 @@ def run_module_form_and_memory() -> None:
     # what loss_parallel does not support is an error, not a silently wrong number
     with hp_tp.loss_parallel():
         with pytest.raises(ValueError, match="label_smoothing"):
-            F.cross_entropy(x, target, label_smoothing=0.1)
+            F.cross_entropy(x, target, label_smoothing=1.5)
         with pytest.raises(ValueError, match="class-index targets"):
             F.cross_entropy(x, torch.rand(N, V))
         with pytest.raises(ValueError, match="does not match"):
             F.cross_entropy(x, target[:-1])
 
 
+@distributed(world_size=3)
 def test_loss_parallel_matches_cross_entropy_and_torch() -> None:
-    run_distributed(run_loss_cases, 3)
+    run_loss_cases()
 
 
+@distributed(world_size=3)
 def test_loss_parallel_module_form_memory_and_errors() -> None:
-    run_distributed(run_module_form_and_memory, 3)
+    run_module_form_and_memory()

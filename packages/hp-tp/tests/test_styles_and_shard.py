@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import hp_tp
+from hp_dtensor import init_parameters
 from hp_dtensor.layout import Layout
-from hp_dtensor.testing import fake_world, rank_seed, run_distributed
+from hp_dtensor.testing import distributed, fake_world, rank_seed
 
 D, H, S, B = 12, 24, 6, 2
 
@@ -119,6 +120,30 @@ def run_routed() -> None:
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-5, msg=name)
 
+    # column-wise embedding (the embedding dim split), gathered by a PrepareModuleOutput wrapper
+    torch.manual_seed(3)
+    emb_ref = nn.Sequential(nn.Embedding(10, D))
+    emb = hp_tp.parallelize_module(
+        copy.deepcopy(emb_ref),
+        mesh,
+        {
+            "0": hp_tp.ColwiseParallel(use_local_output=False),
+            "": hp_tp.PrepareModuleOutput(
+                output_layouts=Shard(-1), desired_output_layouts=Replicate()
+            ),
+        },
+    )
+    assert emb[0].weight.placements == (Shard(1),)
+    ids = torch.randint(0, 10, (B, S))
+    out, out_ref = emb(ids), emb_ref(ids)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    (out * out_ref.detach()).sum().backward()
+    (out_ref * out_ref.detach()).sum().backward()
+    torch.testing.assert_close(
+        grads_full(emb)["0.weight"], grads_full(emb_ref)["0.weight"], rtol=1e-5, atol=1e-5
+    )
+
 
 # ------------------------------------------------------------------------------------------
 # shard_module and DFunction
@@ -167,13 +192,14 @@ def run_shard_module() -> None:
     ref = Mixer()
     model = copy.deepcopy(ref)
     plan = hp_tp.ShardingPlan(
-        plan={"w": Replicate(), "proj.*": tp("tp", "None"), "proj.bias": Shard(0)},
+        plan={"w": Replicate(), "proj.*": Shard(0), "proj.weight": tp("None", "tp")},
         input_plan={"input": (Shard(0),), "head.input": (Replicate(),)},
         output_plan={"output": Replicate()},
         return_local_tensor=[""],
     )
     hp_tp.shard_module(model, mesh, plan)
-    assert model.proj.weight.placements == (Shard(0),)
+    assert model.proj.weight.placements == (Shard(1),)  # the exact FQN wins over "proj.*"
+    assert model.proj.bias.placements == (Shard(0),)
     assert model.head.weight.placements == (Replicate(),)  # not in the plan: replicated
     torch.manual_seed(2)
     x = torch.randn(B * ws, D)  # the global batch; each rank feeds its own rows
@@ -211,18 +237,61 @@ def run_dfunction_direct() -> None:
         LocalMatmul.apply(x_local)
 
 
-@pytest.mark.parametrize("ws", [2, 3])
-def test_noparallel_prepare_styles_and_custom_module(ws: int) -> None:
-    run_distributed(run_routed, ws)
+def run_meta_init() -> None:
+    """Build on meta, parallelize, then materialize only the local shards (TorchTitan's flow)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Embedding(D, D), nn.Linear(D, H), nn.LayerNorm(H), nn.Linear(H, D))
+
+    with torch.device("meta"):
+        model = build()
+    plan = {
+        "0": hp_tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "1": hp_tp.ColwiseParallel(input_layouts=Shard(1)),
+        "2": hp_tp.NoParallel(input_layout=Shard(-1), output_layout=Shard(-1)),
+        "3": hp_tp.RowwiseParallel(),
+    }
+    hp_tp.parallelize_module(model, mesh, plan)
+    assert all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)
+    init_parameters(model)
+    torch.manual_seed(0)
+    ref = build()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert isinstance(p, DTensor)
+        assert not p.is_meta
+        assert torch.equal(p.full_tensor(), q.detach()), name
 
 
-@pytest.mark.parametrize("ws", [2, 3])
-def test_shard_module_with_dfunction_matches_single_process(ws: int) -> None:
-    run_distributed(run_shard_module, ws)
+@distributed(world_size=3)
+def test_meta_parallelize_then_init_parameters() -> None:
+    run_meta_init()
 
 
+@distributed(world_size=2)
+def test_noparallel_prepare_styles_and_custom_module_two_ranks() -> None:
+    run_routed()
+
+
+@distributed(world_size=3)
+def test_noparallel_prepare_styles_and_custom_module_three_ranks() -> None:
+    run_routed()
+
+
+@distributed(world_size=2)
+def test_shard_module_with_dfunction_two_ranks() -> None:
+    run_shard_module()
+
+
+@distributed(world_size=3)
+def test_shard_module_with_dfunction_three_ranks() -> None:
+    run_shard_module()
+
+
+@distributed(world_size=3)
 def test_dfunction_local_arguments_and_partial_gradient() -> None:
-    run_distributed(run_dfunction_direct, 3)
+    run_dfunction_direct()
 
 
 # ------------------------------------------------------------------------------------------
@@ -249,6 +318,13 @@ def test_hp_tp_does_not_use_torch_styles() -> None:
             assert not issubclass(obj, torch_tp.ParallelStyle), name
 
 
+class ForgetfulColwise(hp_tp.ColwiseParallel):
+    """Places the weight but forgets the bias: an error, not a half-sharded module."""
+
+    def param_placements(self, module: nn.Module) -> dict[str, Any]:
+        return {"weight": Shard(0)}
+
+
 def test_errors() -> None:
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,))
@@ -263,6 +339,10 @@ def test_errors() -> None:
             hp_tp.parallelize_module(model, mesh, {"1": hp_tp.ColwiseParallel()})
         with pytest.raises(TypeError, match="got Conv1d"):
             hp_tp.parallelize_module(model[1], mesh, hp_tp.RowwiseParallel())
+        lin = nn.Linear(8, 8)
+        with pytest.raises(ValueError, match=r"and none for \['bias'\]"):
+            hp_tp.parallelize_module(lin, mesh, ForgetfulColwise())
+        assert not isinstance(lin.weight, DTensor)
         with pytest.raises(TypeError, match="parallelize_plan must be"):
             hp_tp.parallelize_module(model, mesh, {"0": torch_tp.ColwiseParallel()})
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -295,4 +375,7 @@ def test_errors() -> None:
         layout = Layout((2, 2), ("dp", "tp"))
         with pytest.raises(ValueError, match="device matrix"):
             hp_tp.shard_module(m, mesh, hp_tp.ShardingPlan(plan={"0.weight": layout("tp", "None")}))
+        tp = Layout((4,), ("tp",))
+        with pytest.raises(ValueError, match="describes a 2-D tensor"):
+            hp_tp.shard_module(m, mesh, hp_tp.ShardingPlan(plan={"0.bias": tp("tp", "None")}))
         assert not isinstance(m[0].weight, DTensor)

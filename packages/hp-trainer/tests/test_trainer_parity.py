@@ -91,8 +91,8 @@ def _train(
 _CASES = [
     # (world size, model, per-rank batch, global batch, parallelism)
     (3, "llama3", 2, -1, {"data_parallel_shard_degree": 3}),
-    (3, "llama3", 2, 12, {"data_parallel_shard_degree": 3}),  # 2 accumulation steps
-    (4, "llama3", 2, -1, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}),
+    # HSDP with 2 gradient-accumulation micro-batches per step
+    (4, "llama3", 2, 16, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}),
     (4, "llama3", 2, -1, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
     (4, "qwen3", 2, -1, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
 ]
@@ -101,7 +101,7 @@ _CASES = [
 @pytest.mark.parametrize(
     ("ws", "model", "local_bs", "global_bs", "par"),
     _CASES,
-    ids=["fsdp3", "fsdp3-accum", "hsdp2x2", "fsdp2xtp2", "qwen3-fsdp2xtp2"],
+    ids=["fsdp3", "hsdp2x2-accum2", "fsdp2xtp2", "qwen3-fsdp2xtp2"],
 )
 def test_parallel_losses_match_single_process(
     tmp_path: Path, ws: int, model: str, local_bs: int, global_bs: int, par: dict[str, Any]
@@ -123,3 +123,32 @@ def test_parallel_losses_match_single_process(
         )
         dp_ranks.add(dp_rank)
     assert dp_ranks == set(range(dp))  # every data-parallel rank saw its own slice
+
+
+def _train_meta(folder: str) -> Any:
+    _forget_old_meshes()
+    cfg = tiny_config(Path(folder), run_name=f"meta{dist.get_rank()}", parallelism={})
+    cfg.model.init_device = "meta"
+    trainer = Trainer(cfg)
+    losses = trainer.train()
+    trainer.close()
+    return losses
+
+
+def test_meta_init_single_process_matches_cpu_init(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, run_name="meta", steps=3)
+    cfg.model.init_device = "meta"
+    meta = Trainer(cfg)
+    cpu = Trainer(tiny_config(tmp_path, run_name="cpu", steps=3))
+    for (name, a), b in zip(
+        meta.model.state_dict().items(), cpu.model.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(a, b, msg=name)
+    torch.testing.assert_close(meta.model.rope_cache, cpu.model.rope_cache)
+    torch.testing.assert_close(meta.train(), cpu.train())
+
+
+def test_meta_init_under_fsdp_trains(tmp_path: Path) -> None:
+    results = run_distributed(_train_meta, 2, str(tmp_path), timeout=120)
+    torch.testing.assert_close(torch.tensor(results[0]), torch.tensor(results[1]))
+    assert results[0][-1] < results[0][0] - 0.5

@@ -4,6 +4,11 @@ See Also:
     ``torch.distributed.checkpoint``: PyTorch's distributed checkpointing.
 """
 
+from torch.distributed.checkpoint.hf_storage import (
+    HuggingFaceStorageReader,
+    HuggingFaceStorageWriter,
+)
+
 from hp_dcp.__about__ import __version__
 from hp_dcp.convert import (
     CheckpointEntry,
@@ -20,6 +25,15 @@ from hp_dcp.errors import (
 from hp_dcp.huggingface import HF_INDEX_FILE, load_hf_safetensors, save_hf_safetensors
 from hp_dcp.save_load import async_save, load, save
 from hp_dcp.storage import FileSystemReader, FileSystemWriter, verify_checkpoint
+from hp_dtensor.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 __all__ = [
     "HF_INDEX_FILE",
@@ -27,17 +41,26 @@ __all__ = [
     "CheckpointEntry",
     "FileSystemReader",
     "FileSystemWriter",
+    "HuggingFaceStorageReader",
+    "HuggingFaceStorageWriter",
     "IncompleteCheckpointError",
+    "StateDictOptions",
     "UnsafeCheckpointError",
     "__version__",
     "async_save",
     "dcp_to_hf",
     "describe_checkpoint",
     "extract_tensor",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
     "hf_to_dcp",
     "load",
     "load_hf_safetensors",
     "save",
     "save_hf_safetensors",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
     "verify_checkpoint",
 ]

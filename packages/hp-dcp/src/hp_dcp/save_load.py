@@ -7,15 +7,17 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
 )
+from torch.distributed.checkpoint.state_dict_saver import async_save as _torch_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from hp_dcp.errors import (
@@ -71,7 +73,7 @@ def _unwrap(exc: BaseException, reader: object) -> BaseException | None:
 
 
 def save(
-    state_dict: STATE_DICT_TYPE,
+    state_dict: dict[str, Any],
     *,
     checkpoint_id: str | os.PathLike[str] | None = None,
     storage_writer: StorageWriter | None = None,
@@ -114,7 +116,7 @@ def save(
     """
     writer = _default_writer(checkpoint_id, storage_writer, use_collectives, "save")
     try:
-        return tdcp.save(
+        metadata: Metadata = _torch_save(
             state_dict,
             checkpoint_id=checkpoint_id,
             storage_writer=writer,
@@ -128,10 +130,11 @@ def save(
         if own is not None:
             raise own from exc
         raise
+    return metadata
 
 
 def async_save(
-    state_dict: STATE_DICT_TYPE,
+    state_dict: dict[str, Any],
     *,
     checkpoint_id: str | os.PathLike[str] | None = None,
     storage_writer: StorageWriter | None = None,
@@ -172,7 +175,7 @@ def async_save(
         ``torch.distributed.checkpoint.async_save``: PyTorch's asynchronous DCP save.
     """
     writer = _default_writer(checkpoint_id, storage_writer, use_collectives, "async_save")
-    return tdcp.async_save(
+    return _torch_async_save(
         state_dict,
         checkpoint_id=checkpoint_id,
         storage_writer=writer,
@@ -240,7 +243,7 @@ def load(
     if isinstance(storage_reader, FileSystemReader):
         check_checkpoint_dir(checkpoint_id if checkpoint_id is not None else storage_reader.path)
     try:
-        tdcp.load(
+        _torch_load(
             state_dict,
             checkpoint_id=checkpoint_id,
             storage_reader=storage_reader,

@@ -4,7 +4,8 @@ A checkpoint written here is a plain DCP directory (``.metadata`` plus ``__<rank
 files holding ``torch.save`` blobs) that ``torch.distributed.checkpoint.FileSystemReader`` reads
 as is. Two files are added next to them and ignored by PyTorch:
 
-* ``.hp_dcp_checksums.json``: a CRC-32 per stored item (computed while the bytes are written),
+* ``.hp_dcp_checksums.json``: a CRC-32 per stored item (computed on the bytes as they are written;
+  hardware-accelerated with the optional ``isal`` package),
   the size of every file, and the DTensor layout (mesh shape, placements) of every tensor.
 * while the save runs, ``.hp_dcp_incomplete``: the marker of an unfinished save.
 
@@ -15,16 +16,16 @@ never replaces (or looks like) a complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
+import mmap
 import os
 import pickle
 import shutil
 import uuid
-import zlib
 from collections.abc import Sequence
-from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -53,7 +54,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from hp_dcp._checksum import crc32
 from hp_dcp._safe_pickle import check_byte_item, load_metadata
+from hp_dcp._tensor_blob import decode_tensor
 from hp_dcp.errors import (
     CheckpointCorruptionError,
     IncompleteCheckpointError,
@@ -81,9 +84,9 @@ _METADATA_FILE = ".metadata"
 _DCP_VERSION = "1.0.0"
 _SIDECAR_FORMAT = "hp-dcp-checksums"
 _RESULT_KEY = "\x00hp_dcp_file_checksums"
-# Writes at least this large compute their CRC on a helper thread while the bytes are copied
-# to the page cache (zlib releases the GIL), hiding most of the checksum cost.
-_OVERLAP_BYTES = 1 << 20
+# Items start at multiples of this, so the (64-byte aligned) tensor records inside each
+# torch.save archive are aligned in the file, and in a memory map of it.
+_ALIGN = 64
 
 
 def staging_dir(path: str | os.PathLike[str]) -> Path:
@@ -203,10 +206,9 @@ def read_checksums(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 class _ChecksumStream(io.RawIOBase):
     """A write-only stream computing a running CRC-32 of everything written through it."""
 
-    def __init__(self, raw: BinaryIO, pool: ThreadPoolExecutor | None) -> None:
+    def __init__(self, raw: BinaryIO) -> None:
         super().__init__()
         self._raw = raw
-        self._pool = pool
         self.crc = 0
 
     def writable(self) -> bool:
@@ -214,13 +216,8 @@ class _ChecksumStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        if self._pool is not None and view.nbytes >= _OVERLAP_BYTES:
-            fut = self._pool.submit(zlib.crc32, view, self.crc)
-            written = self._raw.write(view)
-            self.crc = fut.result()
-        else:
-            self.crc = zlib.crc32(view, self.crc)
-            written = self._raw.write(view)
+        self.crc = crc32(view, self.crc)
+        written = self._raw.write(view)
         return view.nbytes if written is None else written
 
     def tell(self) -> int:
@@ -282,8 +279,8 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
     * every rank writes into ``.<name>.hp-dcp-partial``; the coordinator writes ``.metadata``
       and the checksum sidecar and renames the directory to ``path`` only after all ranks
       finished, so a crash mid-save leaves the previous checkpoint at ``path`` untouched;
-    * a CRC-32 of every stored item, computed on the bytes as they are written (on a helper
-      thread for large writes), verified by :class:`FileSystemReader`;
+    * a CRC-32 of every stored item, computed on the bytes as they are written, verified by
+      :class:`FileSystemReader`;
     * the DTensor layout of every tensor in the sidecar (``hp-dcp inspect`` shows it).
 
     An existing checkpoint at ``path`` is replaced as a whole directory (``overwrite=True``);
@@ -469,15 +466,12 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         jobs = [(f"{prefix}{i}{DEFAULT_SUFFIX}", bucket) for i, bucket in enumerate(buckets)]
         results: list[WriteResult] = []
         files: dict[str, Any] = {}
-        with ThreadPoolExecutor(max(1, self.thread_count) * 2) as pool:
-            if self.thread_count > 1 and len(jobs) > 1:
-                futs = [
-                    pool.submit(self._write_file, staging, name, items, planner, None)
-                    for name, items in jobs
-                ]
+        if self.thread_count > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(self.thread_count) as pool:
+                futs = [pool.submit(self._write_file, staging, n, it, planner) for n, it in jobs]
                 outs = [f.result() for f in futs]
-            else:
-                outs = [self._write_file(staging, n, it, planner, pool) for n, it in jobs]
+        else:
+            outs = [self._write_file(staging, n, it, planner) for n, it in jobs]
         for (name, _), (file_results, file_info) in zip(jobs, outs, strict=True):
             results.extend(file_results)
             files[name] = file_info
@@ -501,16 +495,18 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         name: str,
         items: list[WriteItem],
         planner: SavePlanner,
-        pool: ThreadPoolExecutor | None,
     ) -> tuple[list[WriteResult], dict[str, Any]]:
         results: list[WriteResult] = []
         checks: list[list[int]] = []
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
         with (staging / name).open("wb") as raw:
-            stream = _ChecksumStream(cast(BinaryIO, raw), pool)
+            stream = _ChecksumStream(cast(BinaryIO, raw))
             for item in ordered:
                 data = planner.resolve_data(item)
+                pad = -raw.tell() % _ALIGN
+                if pad:  # aligned items let the reader view tensor bytes in place
+                    raw.write(b"\0" * pad)
                 offset = stream.tell()
                 stream.crc = 0
                 if item.type == WriteItemType.BYTE_IO:
@@ -521,7 +517,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
                         tensor = tensor.cpu()
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()
-                    torch.save(tensor, stream)
+                    torch.save(tensor, cast(BinaryIO, stream))
                 length = stream.tell() - offset
                 checks.append([offset, length, stream.crc])
                 results.append(
@@ -566,7 +562,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         staging = staging_dir(self.path)
         blob = pickle.dumps(metadata)
         _write_synced(staging / _METADATA_FILE, blob, self.sync_files)
-        files[_METADATA_FILE] = {"size": len(blob), "crc32": zlib.crc32(blob)}
+        files[_METADATA_FILE] = {"size": len(blob), "crc32": crc32(blob)}
         sidecar = {
             "format": _SIDECAR_FORMAT,
             "version": 1,
@@ -647,9 +643,9 @@ class FileSystemReader(StorageReader):
     by hp-dcp and by PyTorch. ``.metadata`` is read with an allow-list unpickler, tensors with
     ``torch.load(weights_only=True)`` and byte items are checked with PyTorch's ``weights_only``
     allow-list before the planner sees them. When the checkpoint carries hp-dcp's checksum
-    sidecar, every item read is verified against its CRC-32 (on a helper thread, overlapped with
-    decoding) and file sizes are checked; a mismatch raises :class:`CheckpointCorruptionError`
-    naming the file. Checkpoints written by PyTorch have no sidecar and are read unverified.
+    sidecar, every item read is verified against its CRC-32 and file sizes are checked; a
+    mismatch raises :class:`CheckpointCorruptionError` naming the file.
+    Checkpoints written by PyTorch have no sidecar and are read unverified.
 
     Args:
         path: the checkpoint directory.
@@ -725,7 +721,7 @@ class FileSystemReader(StorageReader):
             blob = md_path.read_bytes()
             if self._checksums is not None:
                 expected = self._checksums["files"].get(_METADATA_FILE)
-                if expected is None or expected.get("crc32") != zlib.crc32(blob):
+                if expected is None or expected.get("crc32") != crc32(blob):
                     raise _crc_mismatch(md_path, 0, len(blob), "the DCP metadata")
             metadata = load_metadata(
                 blob, str(md_path), allow_unsafe_pickle=self.allow_unsafe_pickle
@@ -829,9 +825,8 @@ class FileSystemReader(StorageReader):
                 )
             per_file.setdefault(info.relative_path, []).append((req, info))
         files = self._checksums["files"] if self._checksums is not None else None
-        with ThreadPoolExecutor(1) as pool:
-            for rel in sorted(per_file):
-                self._read_file(rel, per_file[rel], planner, files, pool)
+        for rel in sorted(per_file):
+            self._read_file(rel, per_file[rel], planner, files)
 
     def _read_file(
         self,
@@ -839,7 +834,6 @@ class FileSystemReader(StorageReader):
         reqs: list[tuple[ReadItem, Any]],
         planner: LoadPlanner,
         files: dict[str, Any] | None,
-        pool: ThreadPoolExecutor,
     ) -> None:
         path = self.path / rel
         expected_items: dict[int, tuple[int, int]] | None = None
@@ -853,84 +847,97 @@ class FileSystemReader(StorageReader):
         groups: dict[tuple[int, int], list[ReadItem]] = {}
         for req, info in reqs:
             groups.setdefault((int(info.offset), int(info.length)), []).append(req)
-        with path.open("rb", buffering=0) as f:
-            if files is not None:
-                size = os.fstat(f.fileno()).st_size
-                if size != files[rel]["size"]:
-                    raise CheckpointCorruptionError(
-                        f"checkpoint file {path} has {size} bytes, the save wrote "
-                        f"{files[rel]['size']}: the file was truncated or changed"
-                    )
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if files is not None and size != files[rel]["size"]:
+                raise CheckpointCorruptionError(
+                    f"checkpoint file {path} has {size} bytes, the save wrote "
+                    f"{files[rel]['size']}: the file was truncated or changed"
+                )
+            if size == 0:
+                raise CheckpointCorruptionError(f"checkpoint file {path} is empty")
+            # A private (copy-on-write) mapping: items are viewed in place, never modified.
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        view = memoryview(mm)
+        try:
             for (offset, length), group in sorted(groups.items()):
-                f.seek(offset)
-                data = f.read(length)
-                if len(data) != length:
+                if offset + length > size:
                     raise CheckpointCorruptionError(
                         f"checkpoint file {path} ends before byte {offset + length}"
                     )
-                crc_fut: _ThreadFuture[int] | None = None
-                expected_crc = 0
-                if expected_items is not None:
-                    rec = expected_items.get(offset)
-                    if rec is None or rec[0] != length:
-                        raise CheckpointCorruptionError(
-                            f"checkpoint file {path}: no checksum recorded for bytes "
-                            f"{offset}..{offset + length}"
-                        )
-                    expected_crc = rec[1]
-                    crc_fut = pool.submit(zlib.crc32, data)
-                key = group[0].storage_index.fqn
-                if group[0].type == LoadItemType.BYTE_IO:
-                    self._verify(crc_fut, expected_crc, path, offset, length, key)
-                    if not self.allow_unsafe_pickle:
-                        check_byte_item(data, key, str(path))
-                    for req in group:
-                        planner.load_bytes(req, io.BytesIO(data))
-                    continue
+                blob = view[offset : offset + length]
                 try:
-                    tensor = torch.load(
-                        io.BytesIO(data),
-                        map_location="cpu",
-                        weights_only=not self.allow_unsafe_pickle,
-                    )
-                except pickle.UnpicklingError as exc:
-                    # A damaged file is reported as such before anything else.
-                    self._verify(crc_fut, expected_crc, path, offset, length, key)
-                    raise UnsafeCheckpointError(
-                        f"tensor item {key!r} in {path} is not a plain torch.save'd tensor: "
-                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}. "
-                        "Load it knowingly with allow_unsafe_pickle=True."
-                    ) from exc
-                except Exception:
-                    self._verify(crc_fut, expected_crc, path, offset, length, key)
-                    raise
-                self._verify(crc_fut, expected_crc, path, offset, length, key)
-                for req in group:
-                    src = tensor
-                    for dim, (start, size) in enumerate(
-                        zip(req.storage_offsets, req.lengths, strict=True)
-                    ):
-                        src = src.narrow(dim, start, size)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != src.size():
-                        raise CheckpointCorruptionError(
-                            f"item {key!r} in {path}: stored chunk gives shape "
-                            f"{tuple(src.size())}, destination expects {tuple(target.size())}"
-                        )
-                    target.copy_(src)
-                    planner.commit_tensor(req, target)
+                    self._read_item(path, blob, offset, group, planner, expected_items)
+                finally:
+                    blob.release()
+        finally:
+            view.release()
+            with contextlib.suppress(BufferError):  # a tensor still views it: GC closes it
+                mm.close()
 
-    @staticmethod
-    def _verify(
-        fut: _ThreadFuture[int] | None,
-        expected: int,
+    def _read_item(
+        self,
         path: Path,
+        blob: memoryview,
         offset: int,
-        length: int,
-        key: str,
+        group: list[ReadItem],
+        planner: LoadPlanner,
+        expected_items: dict[int, tuple[int, int]] | None,
     ) -> None:
-        if fut is not None and fut.result() != expected:
-            raise _crc_mismatch(path, offset, length, f"item {key!r}")
+        length = len(blob)
+        key = group[0].storage_index.fqn
+        if expected_items is not None:
+            rec = expected_items.get(offset)
+            if rec is None or rec[0] != length:
+                raise CheckpointCorruptionError(
+                    f"checkpoint file {path}: no checksum recorded for bytes "
+                    f"{offset}..{offset + length}"
+                )
+            if crc32(blob) != rec[1]:
+                raise _crc_mismatch(path, offset, length, f"item {key!r}")
+        if group[0].type == LoadItemType.BYTE_IO:
+            data = bytes(blob)
+            if not self.allow_unsafe_pickle:
+                check_byte_item(data, key, str(path))
+            for req in group:
+                planner.load_bytes(req, io.BytesIO(data))
+            return
+        tensor = decode_tensor(blob)
+        if tensor is None:
+            tensor = self._torch_load(blob, path, key)
+        for req in group:
+            src = tensor
+            for dim, (start, size) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                src = src.narrow(dim, start, size)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != src.size():
+                raise CheckpointCorruptionError(
+                    f"item {key!r} in {path}: stored chunk gives shape "
+                    f"{tuple(src.size())}, destination expects {tuple(target.size())}"
+                )
+            target.copy_(src)
+            planner.commit_tensor(req, target)
+        del tensor, src
+
+    def _torch_load(self, blob: memoryview, path: Path, key: str) -> torch.Tensor:
+        try:
+            loaded = torch.load(
+                io.BytesIO(bytes(blob)),
+                map_location="cpu",
+                weights_only=not self.allow_unsafe_pickle,
+            )
+        except pickle.UnpicklingError as exc:
+            text = str(exc).strip()
+            raise UnsafeCheckpointError(
+                f"tensor item {key!r} in {path} is not a plain torch.save'd tensor "
+                f"({text.splitlines()[0] if text else type(exc).__name__}); loading it could "
+                "execute arbitrary code. Load it knowingly with allow_unsafe_pickle=True."
+            ) from exc
+        if not isinstance(loaded, torch.Tensor):
+            raise CheckpointCorruptionError(
+                f"item {key!r} in {path} holds a {type(loaded).__name__}, expected a tensor"
+            )
+        return loaded
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -985,10 +992,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
             raise CheckpointCorruptionError(
                 f"checkpoint file {file} has {len(blob)} bytes, the save wrote {entry['size']}"
             )
-        if "crc32" in entry and zlib.crc32(blob) != entry["crc32"]:
+        if "crc32" in entry and crc32(blob) != entry["crc32"]:
             raise _crc_mismatch(file, 0, len(blob), "whole file")
         for offset, length, crc in entry.get("items", []):
-            if zlib.crc32(memoryview(blob)[offset : offset + length]) != crc:
+            if crc32(memoryview(blob)[offset : offset + length]) != crc:
                 raise _crc_mismatch(file, offset, length, "stored item")
         checked.append(name)
     return checked

@@ -50,6 +50,7 @@ __all__ = [
     "destroy_process_group",
     "device_count",
     "dispatch_key_for",
+    "empty_cache",
     "get_default_backend",
     "get_device",
     "get_device_type",
@@ -204,7 +205,7 @@ def _device_type_of(device: str | torch.device | None) -> str:
     raise TypeError(f"expected a device type string or torch.device, got {type(device).__name__}")
 
 
-def device_count(device_type: str | None = None) -> int:
+def device_count(device_type: str | torch.device | None = None) -> int:
     """Return the number of devices of a type visible to this process (1 for the CPU).
 
     Args:
@@ -279,7 +280,7 @@ def pin_memory_available() -> bool:
     return is_accelerator()
 
 
-def get_default_backend(device_type: str | None = None) -> str:
+def get_default_backend(device_type: str | torch.device | None = None) -> str:
     """Return the collective backend for a device type (gloo, nccl or hccl).
 
     Args:
@@ -302,7 +303,7 @@ def get_default_backend(device_type: str | None = None) -> str:
     return backend
 
 
-def dispatch_key_for(device_type: str | None = None) -> str:
+def dispatch_key_for(device_type: str | torch.device | None = None) -> str:
     """Return the dispatcher key for kernels of a device type (``"CPU"``, ``"CUDA"``, ...).
 
     Args:
@@ -452,6 +453,9 @@ class Event:
 
         Args:
             stream: the stream.
+
+        See Also:
+            ``torch.Event.record``: the wrapped call.
         """
         if self._event is not None:
             native = stream.native if stream is not None else None
@@ -462,18 +466,54 @@ class Event:
 
         Args:
             stream: the stream; the current one by default.
+
+        See Also:
+            ``torch.Event.wait``: the wrapped call.
         """
         if self._event is not None:
             native = stream.native if stream is not None else None
             self._event.wait(native)
 
     def synchronize(self) -> None:
-        """Block the host until the event completes."""
+        """Block the host until the event completes.
+
+        See Also:
+            ``torch.Event.synchronize``: the wrapped call.
+        """
         if self._event is not None:
             self._event.synchronize()
 
+    def elapsed_time(self, end: Event) -> float:
+        """Return the milliseconds between this event and ``end`` (both recorded with timing).
+
+        Args:
+            end: the later event.
+
+        Returns:
+            The elapsed time in milliseconds.
+
+        Raises:
+            RuntimeError: on the CPU: device timing needs an accelerator (use
+                ``time.perf_counter`` there).
+
+        See Also:
+            ``torch.Event.elapsed_time``: the wrapped call.
+        """
+        if self._event is None or end.native is None:
+            raise RuntimeError(
+                "event timing needs an accelerator; on the CPU use time.perf_counter()"
+            )
+        return float(self._event.elapsed_time(end.native))
+
     def query(self) -> bool:
-        """Return True when all work recorded before the event has completed."""
+        """Return True when all work recorded before the event has completed.
+
+        Returns:
+            Whether the event completed (always True on the CPU).
+
+        See Also:
+            ``torch.Event.query``: the wrapped call.
+        """
         return True if self._event is None else bool(self._event.query())
 
 
@@ -512,6 +552,9 @@ class Stream:
 
         Args:
             other: the stream to wait for.
+
+        See Also:
+            ``torch.Stream.wait_stream``: the wrapped call.
         """
         if self._stream is not None and other.native is not None:
             self._stream.wait_stream(other.native)
@@ -521,6 +564,9 @@ class Stream:
 
         Args:
             event: the event.
+
+        See Also:
+            ``torch.Stream.wait_event``: the wrapped call.
         """
         if self._stream is not None and event.native is not None:
             self._stream.wait_event(event.native)
@@ -533,13 +579,20 @@ class Stream:
 
         Returns:
             The recorded event.
+
+        See Also:
+            ``torch.Stream.record_event``: the wrapped call.
         """
         event = event if event is not None else Event(self.device_type)
         event.record(self)
         return event
 
     def synchronize(self) -> None:
-        """Block the host until the stream's work completes."""
+        """Block the host until the stream's work completes.
+
+        See Also:
+            ``torch.Stream.synchronize``: the wrapped call.
+        """
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -654,6 +707,20 @@ def peak_memory_bytes(device: str | torch.device | None = None) -> int:
         ``torch.accelerator.max_memory_allocated``: PyTorch's accelerator peak.
     """
     return memory_stats(device)["peak_allocated"]
+
+
+def empty_cache() -> None:
+    """Release the accelerator allocator's cached blocks (nothing is cached on the CPU).
+
+    On the CPU this is PyTorch's fallback (nothing to release), logged once at debug level.
+
+    See Also:
+        ``torch.accelerator.empty_cache``: PyTorch's generic call.
+    """
+    if is_accelerator():
+        torch.accelerator.empty_cache()
+        return
+    _debug_once("empty_cache", "empty_cache is a no-op on the CPU (no caching allocator)")
 
 
 def reset_peak_memory_stats(device: str | torch.device | None = None) -> None:

@@ -27,7 +27,22 @@ def _to_local(value: Any) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-class SkipDTensorDispatch(TorchFunctionMode):
+class _LocalShardMode(TorchFunctionMode):
+    """The torch-function mode behind :class:`SkipDTensorDispatch`."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        args = tree_map(_to_local, tuple(args))
+        kwargs = tree_map(_to_local, kwargs or {})
+        return func(*args, **kwargs)
+
+
+class SkipDTensorDispatch:
     """A context in which ops on DTensors run on their local tensors and return plain tensors.
 
     Semantics inside the ``with`` block:
@@ -39,7 +54,7 @@ class SkipDTensorDispatch(TorchFunctionMode):
       raw per-rank partial values, ``.shape`` is the local shape;
     - in-place ops on a DTensor write its local shard;
     - ops without DTensor arguments are not affected; blocks nest; on exit DTensor dispatch is
-      back to normal.
+      back to normal. The flag is a torch-function mode (per thread), nothing global.
 
     Example:
         .. code-block:: python
@@ -51,17 +66,17 @@ class SkipDTensorDispatch(TorchFunctionMode):
         ``torch.distributed.tensor.experimental.local_map``: torch's per-function equivalent.
     """
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        args = tree_map(_to_local, tuple(args))
-        kwargs = tree_map(_to_local, kwargs)
-        return func(*args, **kwargs)
+    def __init__(self) -> None:
+        self._modes: list[_LocalShardMode] = []
+
+    def __enter__(self) -> SkipDTensorDispatch:
+        mode = _LocalShardMode()
+        mode.__enter__()  # type: ignore[no-untyped-call]
+        self._modes.append(mode)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._modes.pop().__exit__(*exc_info)  # type: ignore[no-untyped-call]
 
 
 def _overloads(op: OpOverload | Sequence[OpOverload]) -> list[OpOverload]:

@@ -19,12 +19,15 @@ See Also:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -43,22 +46,29 @@ BUFFER_INIT_METHOD = "reset_buffers"
 """Name of the buffer protocol method: ``module.reset_buffers()`` recomputes its own buffers."""
 
 InitFn = Callable[[nn.Module], None]
-_M = TypeVar("_M", bound=nn.Module)
+T = TypeVar("T", bound=nn.Module)
 
 # Registry keyed by class (allowed global state: not keyed by id(), no pending communication).
-_INIT_FNS: dict[type[nn.Module], InitFn] = {}
+# Each entry: (initializer, runs after the module's children).
+_INIT_FNS: dict[type[nn.Module], tuple[InitFn, bool]] = {}
 
 
-def register_init_fn(module_type: type[nn.Module], fn: InitFn | None = None) -> Any:
+def register_init_fn(
+    module_type: type[nn.Module], fn: InitFn | None = None, *, after_children: bool = False
+) -> Any:
     """Register the initializer of a module class for :func:`init_parameters`.
 
     ``fn(module)`` must initialize, in place, every parameter and buffer that ``module`` owns
-    directly (not those of its children). It takes precedence over ``reset_parameters``. Can be
-    used as a decorator: ``@register_init_fn(MyNorm)``. The most specific class in the MRO wins.
+    directly. It takes precedence over ``reset_parameters``. Can be used as a decorator:
+    ``@register_init_fn(MyNorm)``. The most specific class in the MRO wins.
 
     Args:
         module_type: an ``nn.Module`` subclass.
         fn: the initializer; omitted when used as a decorator.
+        after_children: run it after the module's children were initialized (for constructors
+            that build their children first and then initialize their own tensors, such as
+            ``nn.MultiheadAttention``); it may then also write its children's tensors, which are
+            materialized by then (keyword-only extension).
 
     Returns:
         ``fn`` (or a decorator that registers and returns its argument).
@@ -75,10 +85,21 @@ def register_init_fn(module_type: type[nn.Module], fn: InitFn | None = None) -> 
     def register(function: InitFn) -> InitFn:
         if not callable(function):
             raise TypeError(f"the initializer must be callable, got {function!r}")
-        _INIT_FNS[module_type] = function
+        _INIT_FNS[module_type] = (function, after_children)
         return function
 
     return register if fn is None else register(fn)
+
+
+def _lookup(module: nn.Module) -> tuple[InitFn | None, bool]:
+    for cls in type(module).__mro__:
+        entry = _INIT_FNS.get(cls)
+        if entry is not None:
+            return entry
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return (lambda m: m.reset_parameters()), False
+    return None, False
 
 
 def get_init_fn(module: nn.Module) -> InitFn | None:
@@ -93,14 +114,15 @@ def get_init_fn(module: nn.Module) -> InitFn | None:
     See Also:
         ``torch.nn.Module.reset_parameters``: the initializer PyTorch layers define.
     """
-    for cls in type(module).__mro__:
-        fn = _INIT_FNS.get(cls)
-        if fn is not None:
-            return fn
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        return lambda m: m.reset_parameters()  # type: ignore[operator]
-    return None
+    return _lookup(module)[0]
+
+
+def _init_multihead_attention(module: nn.Module) -> None:
+    # torch builds out_proj first, then runs _reset_parameters (which also zeroes out_proj.bias)
+    module._reset_parameters()  # type: ignore[operator]
+
+
+register_init_fn(nn.MultiheadAttention, _init_multihead_attention, after_children=True)
 
 
 @contextlib.contextmanager
@@ -212,12 +234,32 @@ def _materialize(full: torch.Tensor, like: torch.Tensor, device: torch.device) -
         target = torch.device(mesh.device_type)
         if target.type != DEVICE_TYPE_CPU:
             target = get_device()
-        sharded = distribute_tensor(full, mesh, like.placements, src_data_rank=None)
-        local = sharded._local_tensor.to(target).contiguous()
+        local = _local_shard(full, mesh, like.placements).to(target)
         return DTensor.from_local(
             local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
         )
     return full.to(device)
+
+
+def _local_shard(
+    full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> torch.Tensor:
+    """This rank's shard of ``full``, cut on the host without communication.
+
+    The same split as ``distribute_tensor(full, mesh, placements, src_data_rank=None)``, which
+    would first move the full tensor to the mesh's device.
+    """
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not part of the mesh
+        return full.new_empty(0)
+    local = full
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard | _StridedShard):
+            pieces, _ = placement._split_tensor(
+                local, mesh.size(axis), with_padding=False, contiguous=True
+            )
+            local = pieces[coordinate[axis]]
+    return local.clone(memory_format=torch.contiguous_format)
 
 
 def _scratch(tensor: torch.Tensor) -> torch.Tensor:
@@ -226,20 +268,38 @@ def _scratch(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _as_parameter(value: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
-    param = nn.Parameter(value, requires_grad=like.requires_grad)
+    """A parameter holding ``value`` with ``like``'s ``requires_grad`` and Python attributes."""
+    cls = type(like)
+    if issubclass(cls, nn.Parameter) and cls is not nn.Parameter and not isinstance(value, DTensor):
+        param = cls(value, requires_grad=like.requires_grad)
+    else:
+        param = nn.Parameter(value, requires_grad=like.requires_grad)
+    _keep_attributes(param, like)
     return param
 
 
+def _keep_attributes(new: torch.Tensor, old: torch.Tensor) -> None:
+    """Copy user attributes of ``old`` (tags set by engines) that ``new`` lacks.
+
+    ``torch.utils.swap_tensors`` exchanges the ``__dict__`` of the two objects, so without this
+    attributes set on a meta parameter would be lost.
+    """
+    for key, value in vars(old).items():
+        if key not in vars(new):
+            setattr(new, key, value)
+
+
 def init_parameters(
-    module: _M,
+    module: T,
     *,
     device: torch.device | str | None = None,
-) -> _M:
+) -> T:
     """Materialize meta parameters and buffers with single-process values, keeping local shards.
 
     **Contract.** After ``torch.manual_seed(s); init_parameters(m)``, the global value of every
     parameter and buffer of ``m`` equals the one obtained by ``torch.manual_seed(s)`` followed by
-    each module's initializer replayed in registration pre-order (``m.named_modules()``) in one
+    each module's initializer replayed in registration pre-order (``m.named_modules()``; a module
+    whose initializer was registered with ``after_children=True`` runs after its children) in one
     CPU process. A module's initializer is the function registered with
     :func:`register_init_fn` for its class, else its ``reset_parameters()``; it is followed by its
     ``reset_buffers()`` when the module defines one (the buffer protocol). For modules built from
@@ -291,15 +351,38 @@ def init_parameters(
     # Within this call only: the objects already materialized (first holder owns the value).
     done: dict[int, torch.Tensor] = {}
     keep_alive: list[torch.Tensor] = []
+    visited: set[nn.Module] = set()
     with torch.no_grad():
-        for prefix, sub in module.named_modules():
-            _init_one(sub, prefix, target, done, keep_alive)
+        _visit(module, "", target, done, keep_alive, visited)
     return module
+
+
+def _visit(
+    module: nn.Module,
+    prefix: str,
+    device: torch.device,
+    done: dict[int, torch.Tensor],
+    keep_alive: list[torch.Tensor],
+    visited: set[nn.Module],
+) -> None:
+    """Registration pre-order (``named_modules``), or post-order for ``after_children`` fns."""
+    if module in visited:
+        return
+    visited.add(module)
+    init_fn, after_children = _lookup(module)
+    if not after_children:
+        _init_one(module, prefix, init_fn, device, done, keep_alive)
+    for name, child in module._modules.items():
+        if child is not None:
+            _visit(child, _qualified(prefix, name), device, done, keep_alive, visited)
+    if after_children:
+        _init_one(module, prefix, init_fn, device, done, keep_alive)
 
 
 def _init_one(
     module: nn.Module,
     prefix: str,
+    init_fn: InitFn | None,
     device: torch.device,
     done: dict[int, torch.Tensor],
     keep_alive: list[torch.Tensor],
@@ -310,7 +393,6 @@ def _init_one(
     own += [("buffer", name, b) for name, b in module._buffers.items() if b is not None]
     if not own:
         return
-    init_fn = get_init_fn(module)
     reset_buffers = getattr(module, BUFFER_INIT_METHOD, None)
     has_buffer_init = callable(reset_buffers)
     needs = [(kind, name, t) for kind, name, t in own if _is_meta(t) and id(t) not in done]
@@ -365,8 +447,10 @@ def _init_one(
                 module._buffers[name] = original
     for kind, name, original in own:
         key = id(original)
-        if key in done:
-            continue  # a tied tensor: its first holder owns the value
+        if key in done:  # a tied tensor: its first holder owns the value
+            if done[key] is not original:  # it was replaced, not swapped: re-point this holder
+                setattr(module, name, done[key])
+            continue
         if not _is_meta(original):
             continue  # already materialized: keep its values
         full = results[(kind, name)].detach()
@@ -380,23 +464,30 @@ def _init_one(
         del full
         if kind == "param":
             assert isinstance(original, nn.Parameter)
-            _swap(original, _as_parameter(value, original))
+            value = _as_parameter(value, original)
+        elif type(original) is not type(value):
+            raise ValueError(
+                f"cannot materialize a buffer of type {type(original).__name__} from "
+                f"{type(value).__name__}"
+            )
         else:
-            _replace_buffer(original, value)
-        done[key] = original
+            _keep_attributes(value, original)
+        if _swap(original, value):
+            done[key] = original
+        else:  # weakly referenced: replace it in its slot (module __setattr__ hooks see it)
+            setattr(module, name, value)
+            done[key] = value
         keep_alive.append(original)
 
 
-def _replace_buffer(original: torch.Tensor, value: torch.Tensor) -> None:
-    """Give buffer ``original`` the contents of ``value`` while keeping the Python object."""
-    if type(original) is not type(value):
-        raise ValueError(
-            f"cannot materialize a buffer of type {type(original).__name__} from "
-            f"{type(value).__name__}"
-        )
-    _swap(original, value)
+def _swap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Give ``a`` the contents of ``b`` while keeping the Python object ``a``.
 
-
-def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Exchange two tensors' contents, keeping both Python objects."""
+    Returns:
+        False when ``a`` has weak references (``nn.LSTM`` keeps some to its parameters), which
+        ``torch.utils.swap_tensors`` refuses; the caller then replaces the tensor in its slot.
+    """
+    if weakref.getweakrefcount(a) > 0:
+        return False
     torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]
+    return True

@@ -332,7 +332,7 @@ class Layout:
 
     @property
     def tensor_map(self) -> tuple[tuple[str, ...], ...]:
-        """Per tensor dim, the aliases sharding it, major first (empty: not sharded).
+        """The aliases sharding each tensor dim, major first; an empty tuple for an unsharded dim.
 
         Raises:
             ValueError: on a device layout (not called yet).
@@ -403,6 +403,9 @@ class Layout:
         Returns:
             ``mesh_shape``, ``alias_name``, ``rank_list`` and, for tensor layouts, ``tensor_map``
             (per dim ``"None"``, an alias, or a list of aliases) and ``partial``.
+
+        See Also:
+            ``torch.distributed.tensor.DTensor.placements``: torch's (non-dict) description.
         """
         data: dict[str, Any] = {
             "mesh_shape": list(self._mesh_shape),

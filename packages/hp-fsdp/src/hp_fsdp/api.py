@@ -15,7 +15,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from hp_dtensor.device import get_device, get_device_type, is_accelerator, pin_memory_available
+from hp_dtensor.device import (
+    DEVICE_TYPE_CPU,
+    get_device,
+    get_device_type,
+    is_accelerator,
+    pin_memory_available,
+)
 from hp_fsdp.mesh_info import mesh_info_from_mesh
 from hp_fsdp.param import MANAGED_FLAG as _MANAGED_FLAG
 from hp_fsdp.param_group import ParamGroup, resolve_reshard_after_forward
@@ -454,7 +460,7 @@ def fully_shard(
     if mesh is None:
         mesh = _default_mesh()
     mesh_info = mesh_info_from_mesh(mesh)
-    device = get_device() if is_accelerator(mesh.device_type) else torch.device("cpu")
+    device = get_device() if is_accelerator(mesh.device_type) else torch.device(DEVICE_TYPE_CPU)
     auto = reshard_after_forward is None
     resolved = resolve_reshard_after_forward(
         True if reshard_after_forward is None else reshard_after_forward, mesh_info.shard_size

@@ -18,9 +18,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from hp_kernels.all_gather import all_gather_copy_in, all_gather_copy_out
-from hp_kernels.reduce_scatter import reduce_scatter_copy_in
+from hp_kernels import (
+    all_gather_copy_in,
+    all_gather_copy_out,
+    gradient_divide_factors,
+    reduce_scatter_copy_in,
+)
 
 __all__ = [
     "AllGatherResult",
@@ -96,7 +101,7 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
     if result.work is not None:
         result.work.wait()
         result.work = None
-    with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+    with _unsafe_preserve_version_counter(tuple(outs)):
         all_gather_copy_out(result.output, result.split_sizes, result.world_size, outs)
 
 
@@ -123,8 +128,6 @@ def divide_factors(
         if data_parallel_size == 1:
             return None, None, dist.ReduceOp.SUM
         return None, None, dist.ReduceOp.AVG
-    from hp_kernels.reduce_scatter import gradient_divide_factors
-
     pre, post = gradient_divide_factors(data_parallel_size, reduce_dtype)
     return (
         None if pre is None or pre == 1 else float(pre),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -61,6 +62,11 @@ class ParamModuleInfo:
     module: nn.Module
     name: str
     shared: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def _make_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """Wrap a local tensor as a DTensor without checks or autograd (torch's fast path)."""
+    return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
 
 
 def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
@@ -196,7 +202,7 @@ class ShardedParam:
         self._padded_shard = padded.view(-1)
         local = padded.narrow(shard_dim, 0, length)
         self.sharded_param = nn.Parameter(
-            DTensor(local, self._spec, requires_grad=param.requires_grad),
+            _make_dtensor(local, self._spec, param.requires_grad),
             requires_grad=param.requires_grad,
         )
         setattr(param, MANAGED_FLAG, True)
@@ -251,7 +257,8 @@ class ShardedParam:
                     "fully_shard; assign a DTensor with the same placements instead"
                 )
             self.sharded_param = current
-        local = self.sharded_param._local_tensor
+        sharded = cast(DTensor, self.sharded_param)
+        local = sharded._local_tensor
         if local.is_meta:
             return
         padded = self._padded_shard
@@ -270,8 +277,8 @@ class ShardedParam:
             if self.pin_memory and not new_padded.is_pinned():
                 new_padded = new_padded.pin_memory()
         self._padded_shard = new_padded.view(-1)
-        self.sharded_param._local_tensor = new_padded.narrow(self.shard_dim, 0, length)
-        self._spec = self.sharded_param._spec
+        sharded._local_tensor = new_padded.narrow(self.shard_dim, 0, length)
+        self._spec = sharded._spec
 
     # ----------------------------------------------------------------- all-gather
     def all_gather_input(self) -> torch.Tensor:
@@ -373,10 +380,10 @@ class ShardedParam:
     def accumulate_unsharded_grad_if_needed(self) -> None:
         """Add the new unsharded gradient into the reduce-dtype accumulator, if one exists."""
         param = self._unsharded_param
-        if self.unsharded_accumulated_grad is not None and param is not None:
-            if param.grad is not None:
-                self.unsharded_accumulated_grad += param.grad
-                param.grad = None
+        acc = self.unsharded_accumulated_grad
+        if acc is not None and param is not None and param.grad is not None:
+            acc += param.grad
+            param.grad = None
 
     def to_accumulated_grad_if_needed(self) -> None:
         """Move an unsharded gradient into a reduce-dtype accumulator (mixed precision)."""
@@ -419,7 +426,7 @@ class ShardedParam:
                 spec.placements,
                 tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype),
             )
-        return DTensor(local, spec, requires_grad=False)
+        return _make_dtensor(local, spec, False)
 
     def __repr__(self) -> str:
         return f"ShardedParam(fqn={self.fqn!r}, size={tuple(self.orig_size)})"

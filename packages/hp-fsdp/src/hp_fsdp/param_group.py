@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META
 from hp_fsdp.collectives import (
     AllGatherResult,
     divide_factors,
@@ -31,6 +33,7 @@ from hp_fsdp.collectives import (
 from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
 from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_kernels import post_reduce
 
 if TYPE_CHECKING:
     from hp_fsdp.root_state import RootContext
@@ -197,8 +200,6 @@ class PendingReduction:
 
     @torch.no_grad()
     def _write_grads(self) -> None:
-        from hp_kernels.reduce_scatter import post_reduce
-
         output = self._output
         orig_dtype = self.group.orig_dtype
         post_divide = self._post_divide
@@ -213,8 +214,8 @@ class PendingReduction:
             )
             offset += param.padded_sharded_numel
             sharded = param.sharded_param
-            if param.offload_to_cpu and new_grad.device.type != "cpu":
-                new_grad = new_grad.to("cpu", non_blocking=False)
+            if param.offload_to_cpu and new_grad.device.type != DEVICE_TYPE_CPU:
+                new_grad = new_grad.to(DEVICE_TYPE_CPU, non_blocking=False)
             if sharded.grad is not None:
                 grad = sharded.grad
                 if not isinstance(grad, DTensor):
@@ -264,7 +265,7 @@ class ParamGroup:
         infos = _param_module_infos(params, modules)
         self.params = [
             ShardedParam(p, info, mesh_info, device, dim, offload, pin)
-            for p, info, dim in zip(params, infos, shard_dims)
+            for p, info, dim in zip(params, infos, shard_dims, strict=True)
         ]
         self.modules = modules
         self.mesh_info = mesh_info
@@ -310,7 +311,7 @@ class ParamGroup:
             return
         for param in self.params:
             param.reset_sharded_param()
-        on_meta = [p.fqn for p in self.params if p.sharded_param.device.type == "meta"]
+        on_meta = [p.fqn for p in self.params if p.sharded_param.device.type == DEVICE_TYPE_META]
         if on_meta:
             raise RuntimeError(
                 f"fully_shard parameters must be materialized before training, but {on_meta} "
@@ -318,7 +319,7 @@ class ParamGroup:
                 "them (e.g. hp_dtensor.init_parameters) first"
             )
         if isinstance(self.offload_policy, CPUOffloadPolicy):
-            off_cpu = [p.fqn for p in self.params if p.sharded_param.device.type != "cpu"]
+            off_cpu = [p.fqn for p in self.params if p.sharded_param.device.type != DEVICE_TYPE_CPU]
             if off_cpu:
                 raise RuntimeError(
                     f"CPU offload needs the sharded parameters on the CPU, but {off_cpu} are not"
@@ -400,7 +401,7 @@ class ParamGroup:
         if regroup:
             with (
                 torch.no_grad(),
-                torch.autograd._unsafe_preserve_version_counter(tuple(t for _, _, t in regroup)),
+                _unsafe_preserve_version_counter(tuple(t for _, _, t in regroup)),
             ):
                 for param, staging, target in regroup:
                     blocks = staging.view(world_size, *param.padded_sharded_size).unbind(0)
@@ -425,12 +426,11 @@ class ParamGroup:
         if self.training_state == TrainingState.FORWARD:
             if self.reshard_after_forward is False:
                 return
-            if self.post_forward_info is not None and not isinstance(self.reshard_after_forward, bool):
+            info = self.post_forward_info
+            if info is not None and not isinstance(self.reshard_after_forward, bool):
                 if self.is_unsharded:
                     for param in self.params:
-                        param.to_sharded_post_forward(
-                            self.post_forward_info.size, self.post_forward_info.rank
-                        )
+                        param.to_sharded_post_forward(info.size, info.rank)
                     self.sharded_state = ShardedState.SHARDED_POST_FORWARD
                 return
         self.to_sharded()
@@ -490,8 +490,10 @@ class ParamGroup:
         ]
         if not positions:
             return args, kwargs
-        outs = _PostBackwardTrigger.apply(self, *(leaves[i] for i in positions))
-        for i, out in zip(positions, outs):
+        outs = _PostBackwardTrigger.apply(  # type: ignore[no-untyped-call]
+            self, *(leaves[i] for i in positions)
+        )
+        for i, out in zip(positions, outs, strict=True):
             leaves[i] = out
         new_args, new_kwargs = tree_unflatten(leaves, spec)
         return new_args, new_kwargs
@@ -501,7 +503,7 @@ class ParamGroup:
         if torch._C._current_graph_task_id() == -1:
             self.reshard()
             ctx = self.ctx
-            if ctx is not None:
+            if ctx is not None and torch.is_grad_enabled():  # no backward follows a no_grad pass
                 self._post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
         self.training_state = TrainingState.IDLE

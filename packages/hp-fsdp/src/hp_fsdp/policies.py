@@ -11,6 +11,7 @@ See Also:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,6 +72,11 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
+def _cast_any(value: object) -> Any:
+    """Return ``value`` typed as ``Any`` (for reading fields of torch's policy objects)."""
+    return value
+
+
 def _torch_policy_classes() -> tuple[type, type, type]:
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -98,11 +104,12 @@ def to_mp_policy(policy: object) -> MixedPrecisionPolicy:
         return policy
     torch_mp, _, _ = _torch_policy_classes()
     if isinstance(policy, torch_mp):
+        fields = _cast_any(policy)
         return MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype,
-            reduce_dtype=policy.reduce_dtype,
-            output_dtype=policy.output_dtype,
-            cast_forward_inputs=policy.cast_forward_inputs,
+            param_dtype=fields.param_dtype,
+            reduce_dtype=fields.reduce_dtype,
+            output_dtype=fields.output_dtype,
+            cast_forward_inputs=bool(fields.cast_forward_inputs),
         )
     raise TypeError(
         f"mp_policy must be a MixedPrecisionPolicy (hp_fsdp's or torch's), got "
@@ -129,7 +136,7 @@ def to_offload_policy(policy: object) -> OffloadPolicy:
         return policy
     _, torch_offload, torch_cpu_offload = _torch_policy_classes()
     if isinstance(policy, torch_cpu_offload):
-        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+        return CPUOffloadPolicy(pin_memory=bool(_cast_any(policy).pin_memory))
     if isinstance(policy, torch_offload):
         return OffloadPolicy()
     raise TypeError(

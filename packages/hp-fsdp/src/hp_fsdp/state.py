@@ -192,8 +192,6 @@ class FSDPState:
             args, kwargs = self._root_pre_forward(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
         if group is not None:
-            if self.is_root is None:
-                group.lazy_init(None)
             args, kwargs = group.pre_forward(args, kwargs)
         if first_in_pass:
             self._forward_prefetch()
@@ -232,8 +230,7 @@ class FSDPState:
             ctx.current_forward_order = []
             for state in ctx.states:
                 if state.group is not None and state.group.has_pending_all_gather:
-                    if not state.group.is_unsharded:
-                        state.group.drop_pending_all_gather()
+                    state.group.drop_pending_all_gather()
             ctx.iter_forward_root = None
         return self._cast_output(output)
 
@@ -272,7 +269,7 @@ class FSDPState:
 
         def register(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.requires_grad:
-                tensor.register_hook(self._pre_backward)
+                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
             return tensor
 
         tree_map_only(torch.Tensor, register, output)

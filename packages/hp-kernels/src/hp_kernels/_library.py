@@ -1,10 +1,6 @@
 """Private op-definition helpers shared by the op modules: namespace, dispatch names, ``Op``.
 
-hp-kernels depends only on torch, so it does not import ``hp_dtensor.device``. The only
-dispatch name it needs is PyTorch's generic out-of-tree backend slot, ``"privateuseone"``,
-which is where Ascend's ``torch_npu`` (and any other PrivateUse1 backend) registers itself.
-Registering under this generic name is import-safe on every build of torch: the backend-specific
-name only exists once the plugin has renamed the slot.
+Device-type and dispatch-key names come from :mod:`hp_kernels._dispatch_keys`.
 
 Ops are defined with ``torch.library.Library.define`` and their reference kernel registered under
 ``CompositeExplicitAutograd`` (every device, including meta), rather than with
@@ -23,19 +19,27 @@ from typing import Any
 
 import torch
 
+from hp_kernels._dispatch_keys import META_DEVICE_TYPE, REFERENCE_DISPATCH_KEY
+
 __all__: list[str] = []
 
 #: ``torch.library`` namespace of every op in this package (``torch.ops.hp_kernels.*``).
 NAMESPACE = "hp_kernels"
-
-#: PyTorch's device type for the PrivateUse1 dispatch key (out-of-tree accelerators).
-PRIVATEUSE1_DEVICE_TYPE = "privateuseone"
 
 #: The library object that owns the ``hp_kernels`` namespace (kept alive for the process).
 LIB = torch.library.Library(NAMESPACE, "DEF")  # type: ignore[no-untyped-call]
 
 #: The pure-torch reference kernel of every op, by op name (filled at import by ``define_op``).
 REFERENCE_KERNELS: dict[str, Callable[..., Any]] = {}
+
+#: Every op handle, by op name (filled at import by ``define_op``).
+OPS: dict[str, Op] = {}
+
+
+def forget_registrations() -> None:
+    """Drop the per-op records of device-kernel registrations (after a new registration)."""
+    for op in OPS.values():
+        op.overridden.clear()
 
 
 def qualname(name: str) -> str:
@@ -54,10 +58,26 @@ def module_available(name: str) -> bool:
 class Op:
     """Handle of one ``hp_kernels`` op: call it, and register its fake and autograd kernels."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, reference: Callable[..., Any]) -> None:
         self.name = name
         self.qualname = qualname(name)
+        self.reference = reference
         self.overload: torch._ops.OpOverload = getattr(torch.ops.hp_kernels, name).default
+        # device type -> whether a device-specific kernel is registered (refreshed by
+        # ``forget_registrations`` whenever ``register_device_kernel`` registers one).
+        self.overridden: dict[str, bool] = {}
+
+    def has_override(self, device_type: str) -> bool:
+        """Whether a kernel is registered for ``device_type`` itself (not the reference)."""
+        known = self.overridden.get(device_type)
+        if known is None:
+            known = bool(
+                torch._C._dispatch_has_kernel_for_dispatch_key(
+                    self.qualname, _dispatch_key_of(device_type)
+                )
+            )
+            self.overridden[device_type] = known
+        return known
 
     def __call__(self, *args: Any) -> Any:
         return self.overload(*args)
@@ -83,9 +103,11 @@ def define_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Calla
     def wrap(fn: Callable[..., Any]) -> Op:
         schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
         LIB.define(name + schema)  # type: ignore[no-untyped-call]
-        LIB.impl(name, fn, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        LIB.impl(name, fn, REFERENCE_DISPATCH_KEY)  # type: ignore[no-untyped-call]
         REFERENCE_KERNELS[name] = fn
-        return Op(name)
+        op = Op(name, fn)
+        OPS[name] = op
+        return op
 
     return wrap
 
@@ -97,6 +119,52 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     if not torch.is_grad_enabled():
         return False
     return any(t is not None and t.requires_grad for t in tensors)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+#: Dispatch key name per device type (a pure function of the type string, so safe to memoise).
+_DISPATCH_KEY_OF: dict[str, str] = {}
+
+
+def _dispatch_key_of(device_type: str) -> str:
+    key = _DISPATCH_KEY_OF.get(device_type)
+    if key is None:
+        key = str(torch._C._dispatch_key_for_device(device_type))
+        _DISPATCH_KEY_OF[device_type] = key
+    return key
+
+
+def can_call_reference(op: Op, tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether an eager call may run the reference kernel directly, skipping the dispatcher.
+
+    True only when the result is the same as the dispatcher's: not tracing/compiling, no
+    ``TorchDispatchMode`` active (fake tensors, functionalization, debug modes), plain tensors
+    (no subclass such as DTensor), not on the meta device, and no device-specific kernel
+    registered for the device (through ``register_device_kernel``, which refreshes the per-op
+    record). Skipping the dispatcher saves its Python round trip, which costs more than the
+    copies themselves on small buffers.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    device_type = None
+    for t in tensors:
+        if type(t) not in _PLAIN_TYPES:
+            return False
+        if device_type is None:
+            device_type = t.device.type
+    if device_type is None or device_type == META_DEVICE_TYPE:
+        return False
+    return not op.has_override(device_type)
+
+
+def call(op: Op, tensors: Iterable[torch.Tensor], *args: Any) -> Any:
+    """Call ``op`` without autograd: the reference directly when allowed, else the dispatcher."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if can_call_reference(op, tensors):
+        return op.reference(*args)
+    return call_below_autograd(op, *args)
 
 
 def call_below_autograd(op: Op, *args: Any) -> Any:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hp_kernels._library import define_op
+from hp_kernels._library import call, define_op
 
 __all__ = ["all_gather_copy_in", "all_gather_copy_out", "unpadded_views"]
 
@@ -120,7 +120,7 @@ def all_gather_copy_in(
         device: Device of the buffer; defaults to the first shard's device.
         out: Keyword-only extension: a preallocated flat buffer of
             ``world_size * sum(input_split_sizes)`` elements of ``dtype`` (e.g. from
-            :meth:`hp_kernels.AllGather.allocate`) to pack into instead of a new one.
+            ``AllGather.allocate``) to pack into instead of a new one.
 
     Returns:
         ``(all_gather_input, all_gather_output)``: the output is the flat 1-D buffer of
@@ -172,7 +172,7 @@ def all_gather_copy_in(
                 f"out must be a contiguous 1-D tensor of {world_size * total} elements, "
                 f"got shape {tuple(out.shape)}"
             )
-    _all_gather_copy_in_op(list(shards), splits, rank, out)
+    call(_all_gather_copy_in_op, [out], list(shards), splits, rank, out)
     return out.narrow(0, rank * total, total), out
 
 
@@ -223,7 +223,14 @@ def all_gather_copy_out(
                 f"out[{i}] must be contiguous with {world_size * split} elements, "
                 f"got shape {tuple(o.shape)}"
             )
-    _all_gather_copy_out_op(all_gather_output, splits, world_size, list(out))
+    call(
+        _all_gather_copy_out_op,
+        [all_gather_output],
+        all_gather_output,
+        splits,
+        world_size,
+        list(out),
+    )
 
 
 def unpadded_views(
@@ -280,13 +287,15 @@ def unpadded_views(
             f"gathered has {gathered.numel()} elements, expected world_size * prod(padded_shape) "
             f"= {world_size * math.prod(padded)}"
         )
-    for d in range(ndim):
-        full = padded[d] * world_size if d == dim else padded[d]
-        if glob[d] > full or (d != dim and glob[d] != padded[d]):
-            raise ValueError(
-                f"global_shape {glob} does not fit {world_size} shards of padded_shape {padded} "
-                f"on dim {dim}"
-            )
+    if (
+        glob[dim] > padded[dim] * world_size
+        or glob[:dim] != padded[:dim]
+        or glob[dim + 1 :] != padded[dim + 1 :]
+    ):
+        raise ValueError(
+            f"global_shape {glob} does not fit {world_size} shards of padded_shape {padded} "
+            f"on dim {dim}"
+        )
     if out is not None and list(out.shape) != glob:
         raise ValueError(f"out has shape {list(out.shape)}, expected {glob}")
     if dim == 0:

@@ -9,11 +9,12 @@ that saw no key on either side (``l_a = l_b = -inf``) gives ``o = 0`` and ``l = 
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import call_below_autograd, define_op, needs_autograd
+from hp_kernels._library import call, define_op, needs_autograd
 
 __all__ = ["merge_attention_partials"]
 
@@ -22,11 +23,13 @@ def _compute_dtype(out: torch.Tensor, lse: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(out.dtype, lse.dtype), torch.float32)
 
 
-def _weight_b(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(w_b, d)``: ``w_b = exp(lse_b - lse) = sigmoid(lse_b - lse_a)``, ``d`` finite."""
-    # Both -inf gives NaN: treat as equal (the row is zeroed by the caller).
-    d = torch.nan_to_num(lse_b - lse_a, nan=0.0)
-    return torch.sigmoid(d), d
+def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Return ``(c_a, c_b, lse)`` with ``c_x = exp(lse_x - lse)``, 0 for rows with no key."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    # -inf - (-inf) is NaN on a row empty on both sides: its weights are 0.
+    c_a = torch.exp(torch.nan_to_num(lse_a - lse, nan=-math.inf, neginf=-math.inf))
+    c_b = torch.exp(torch.nan_to_num(lse_b - lse, nan=-math.inf, neginf=-math.inf))
+    return c_a, c_b, lse
 
 
 @define_op("merge_attention_partials")
@@ -34,11 +37,8 @@ def _merge_op(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     compute = _compute_dtype(out_a, lse_a)
-    la, lb = lse_a.to(compute), lse_b.to(compute)
-    w_b, d = _weight_b(la, lb)
-    out = torch.lerp(out_a.to(compute), out_b.to(compute), w_b.unsqueeze(-1))
-    lse = torch.maximum(la, lb) + torch.log1p(torch.exp(-d.abs()))
-    out = out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)
+    c_a, c_b, lse = _weights(lse_a.to(compute), lse_b.to(compute))
+    out = torch.addcmul(c_a.unsqueeze(-1) * out_a.to(compute), c_b.unsqueeze(-1), out_b.to(compute))
     return out.to(out_a.dtype), lse.to(lse_a.dtype)
 
 
@@ -58,11 +58,7 @@ def _merge_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _merge_backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) -> Any:
     out_a, lse_a, out_b, lse_b, out = ctx.saved_tensors
     compute = _compute_dtype(out_a, lse_a)
-    la, lb = lse_a.to(compute), lse_b.to(compute)
-    cb, _ = _weight_b(la, lb)
-    empty = torch.isneginf(torch.maximum(la, lb))
-    cb = cb.masked_fill(empty, 0.0)
-    ca = (1 - cb).masked_fill_(empty, 0.0)
+    ca, cb, _ = _weights(lse_a.to(compute), lse_b.to(compute))
     go = torch.zeros_like(out, dtype=compute) if g_out is None else g_out.to(compute)
     gl = torch.zeros_like(ca) if g_lse is None else g_lse.to(compute)
     o = out.to(compute)
@@ -87,6 +83,11 @@ def merge_attention_partials(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention results over disjoint key sets by log-sum-exp.
+
+    Computes ``lse = logaddexp(lse_a, lse_b)`` and
+    ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b`` in float32 (float64 for
+    float64 inputs). A side that saw no key must carry ``lse = -inf`` and a finite output; a
+    row with no key on either side gives ``lse = -inf`` and a zero output.
 
     Args:
         out_a: Partial output ``[..., D]`` (e.g. ``[B, H, S, D]``).
@@ -133,5 +134,5 @@ def merge_attention_partials(
     if needs_autograd(out_a, lse_a, out_b, lse_b):
         result = _merge_op(out_a, lse_a, out_b, lse_b)
     else:
-        result = call_below_autograd(_merge_op, out_a, lse_a, out_b, lse_b)
+        result = call(_merge_op, [out_a], out_a, lse_a, out_b, lse_b)
     return cast(tuple[torch.Tensor, torch.Tensor], result)

@@ -73,6 +73,8 @@ class AllGather(Comm):
         ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``: PyTorch FSDP2's interface.
     """
 
+    allocate = Comm.allocate  # documented here too; still abstract
+
     @abstractmethod
     def __call__(
         self,
@@ -104,6 +106,8 @@ class ReduceScatter(Comm):
         ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``: PyTorch FSDP2's
         interface.
     """
+
+    allocate = Comm.allocate  # documented here too; still abstract
 
     @abstractmethod
     def __call__(
@@ -137,6 +141,8 @@ class AllReduce(Comm):
     See Also:
         ``torch.distributed.all_reduce``: the collective it wraps by default.
     """
+
+    allocate = Comm.allocate  # documented here too; still abstract
 
     @abstractmethod
     def __call__(
@@ -175,31 +181,30 @@ def _register_torch_classes() -> None:
 _register_torch_classes()
 
 
-class _EmptyAlloc:
-    def allocate(
-        self,
-        size: Sequence[int | torch.SymInt],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Allocate an uninitialized buffer with ``torch.empty``.
+def _allocate_empty(
+    self: Comm,
+    size: Sequence[int | torch.SymInt],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Allocate an uninitialized buffer with ``torch.empty``.
 
-        Args:
-            size: Shape of the buffer.
-            dtype: Its dtype.
-            device: Its device.
+    Args:
+        size: Shape of the buffer.
+        dtype: Its dtype.
+        device: Its device.
 
-        Returns:
-            The new buffer.
+    Returns:
+        The new buffer.
 
-        See Also:
-            ``torch.empty``: the allocation used.
-        """
-        return torch.empty(*size, dtype=dtype, device=device)
+    See Also:
+        ``torch.empty``: the allocation used.
+    """
+    return torch.empty(*size, dtype=dtype, device=device)
 
 
-class DefaultAllGather(_EmptyAlloc, AllGather):
+class DefaultAllGather(AllGather):
     """All-gather with ``torch.distributed.all_gather_single`` into ``torch.empty`` buffers.
 
     Example:
@@ -209,6 +214,8 @@ class DefaultAllGather(_EmptyAlloc, AllGather):
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather``: PyTorch's.
     """
+
+    allocate = _allocate_empty
 
     def __call__(
         self,
@@ -235,13 +242,15 @@ class DefaultAllGather(_EmptyAlloc, AllGather):
         return cast("dist.Work | None", work)
 
 
-class DefaultReduceScatter(_EmptyAlloc, ReduceScatter):
+class DefaultReduceScatter(ReduceScatter):
     """Reduce-scatter with ``torch.distributed.reduce_scatter_single``.
 
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter``:
         PyTorch's.
     """
+
+    allocate = _allocate_empty
 
     def __call__(
         self,
@@ -272,12 +281,14 @@ class DefaultReduceScatter(_EmptyAlloc, ReduceScatter):
         return cast("dist.Work | None", work)
 
 
-class DefaultAllReduce(_EmptyAlloc, AllReduce):
+class DefaultAllReduce(AllReduce):
     """All-reduce with ``torch.distributed.all_reduce``.
 
     See Also:
         ``torch.distributed.all_reduce``: the collective.
     """
+
+    allocate = _allocate_empty
 
     def __call__(
         self,
@@ -331,7 +342,7 @@ class _SumAfterWork(dist.Work):
         return self._done
 
 
-class Bf16AllToAllReduceScatter(_EmptyAlloc, ReduceScatter):
+class Bf16AllToAllReduceScatter(ReduceScatter):
     """Reduce-scatter that sends bfloat16 and accumulates in float32.
 
     The input is cast to bfloat16 (round to nearest even), exchanged with one
@@ -355,6 +366,8 @@ class Bf16AllToAllReduceScatter(_EmptyAlloc, ReduceScatter):
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter``:
         PyTorch's full-precision default.
     """
+
+    allocate = _allocate_empty
 
     def __call__(
         self,

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from hp_kernels._library import PRIVATEUSE1_DEVICE_TYPE, REFERENCE_KERNELS, qualname
+from hp_kernels._dispatch_keys import PRIVATEUSE1_DEVICE_TYPE, PRIVATEUSE1_DISPATCH_KEY
+from hp_kernels._library import REFERENCE_KERNELS, forget_registrations, qualname
 
 __all__ = [
     "OP_NAMES",
@@ -56,7 +57,7 @@ def _dispatch_key(device_type: str) -> str:
     if not isinstance(device_type, str) or not device_type:
         raise TypeError(f"device_type must be a non-empty str, got {device_type!r}")
     if device_type == PRIVATEUSE1_DEVICE_TYPE:
-        return "PrivateUse1"
+        return PRIVATEUSE1_DISPATCH_KEY
     try:
         return str(torch._C._dispatch_key_for_device(device_type))
     except RuntimeError as err:
@@ -71,6 +72,9 @@ def register_device_kernel(
     The kernel must have the op's exact signature and semantics (the reference kernel is the
     oracle). Registration is process-wide (``torch.library`` state), like any
     ``torch.library.register_kernel`` call; registering again for the same device replaces it.
+    Register through this function rather than ``torch.library.register_kernel`` directly: eager
+    calls skip the dispatcher when no device kernel is known for the device, and this function
+    keeps that record current.
 
     Args:
         op_name: One of :data:`OP_NAMES`.
@@ -96,6 +100,7 @@ def register_device_kernel(
     for device_type in types:
         _dispatch_key(device_type)
     torch.library.register_kernel(name, types, fn)
+    forget_registrations()
 
 
 def has_device_kernel(op_name: str, device_type: str) -> bool:

@@ -13,7 +13,8 @@ from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import call_below_autograd, define_op, needs_autograd
+from hp_kernels._dispatch_keys import META_DEVICE_TYPE
+from hp_kernels._library import call, define_op, needs_autograd
 
 __all__ = ["permute_tokens", "unpermute_tokens"]
 
@@ -109,7 +110,7 @@ def permute_tokens(
             f"expert_indices must be [T] or [T, k] with T = {tokens.shape[0]}, "
             f"got shape {tuple(expert_indices.shape)}"
         )
-    if not torch.compiler.is_compiling() and idx.numel() and idx.device.type != "meta":
+    if not torch.compiler.is_compiling() and idx.numel() and idx.device.type != META_DEVICE_TYPE:
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
@@ -117,7 +118,7 @@ def permute_tokens(
     if needs_autograd(tokens):
         result = _permute_tokens_op(*args)
     else:
-        result = call_below_autograd(_permute_tokens_op, *args)
+        result = call(_permute_tokens_op, [tokens], *args)
     return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], result)
 
 
@@ -202,7 +203,9 @@ def unpermute_tokens(
 
     Inverse of :func:`permute_tokens`: ``out[t] = sum_c w[t, c] * x[pos(t, c)]`` where
     ``pos(t, c)`` is the row of choice ``(t, c)`` in ``permuted_tokens`` and ``w`` is ``probs``
-    (or 1). The sum runs over the choices in order ``c = 0 .. k-1``.
+    (or 1). The rows are gathered back to (token, choice) order and combined by a batched matmul
+    with the weights (a plain sum without ``probs``): no scatter-add and no atomics, so the result
+    is deterministic on every device.
 
     Args:
         permuted_tokens: ``[T * k, ...]`` expert outputs in permuted order.
@@ -251,5 +254,5 @@ def unpermute_tokens(
     if needs_autograd(permuted_tokens, probs):
         result = _unpermute_tokens_op(*args)
     else:
-        result = call_below_autograd(_unpermute_tokens_op, *args)
+        result = call(_unpermute_tokens_op, [permuted_tokens], *args)
     return cast(torch.Tensor, result)

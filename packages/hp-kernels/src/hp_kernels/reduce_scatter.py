@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-from hp_kernels._library import call_below_autograd, define_op, needs_autograd
+from hp_kernels._library import call, define_op, needs_autograd
 
 __all__ = [
     "gradient_divide_factors",
@@ -235,7 +235,7 @@ def reduce_scatter_copy_in(
             see :func:`gradient_divide_factors`.
         out: Keyword-only extension: preallocated contiguous flat buffer of
             :func:`reduce_scatter_numel` elements of ``dtype`` (e.g. from
-            :meth:`hp_kernels.ReduceScatter.allocate`).
+            ``ReduceScatter.allocate``).
 
     Returns:
         The flat buffer of ``world_size * per_rank_numel`` elements (``out`` when given).
@@ -269,7 +269,7 @@ def reduce_scatter_copy_in(
         args = (list(grads), dims, world_size, dtype, pre)
         if needs_autograd(*grads):
             return cast(torch.Tensor, _reduce_scatter_copy_in_op(*args))
-        return cast(torch.Tensor, call_below_autograd(_reduce_scatter_copy_in_op, *args))
+        return cast(torch.Tensor, call(_reduce_scatter_copy_in_op, grads, *args))
     numel = world_size * _per_rank_numel(shapes, dims, world_size)
     if out.dtype != dtype:
         raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
@@ -277,7 +277,7 @@ def reduce_scatter_copy_in(
         raise ValueError(
             f"out must be contiguous with {numel} elements, got shape {tuple(out.shape)}"
         )
-    _reduce_scatter_copy_in_out_op(list(grads), dims, world_size, pre, out)
+    call(_reduce_scatter_copy_in_out_op, [out], list(grads), dims, world_size, pre, out)
     return out
 
 
@@ -480,17 +480,18 @@ def post_reduce(
             )
         if needs_autograd(reduced_shard) and not torch.compiler.is_compiling():
             raise ValueError("inplace=True is not differentiable; got a tensor that requires grad")
-        _post_reduce_inplace_op(reduced_shard, div, sc)
+        call(_post_reduce_inplace_op, [reduced_shard], reduced_shard, div, sc)
         return reduced_shard
     if accumulate_into is None:
         if needs_autograd(reduced_shard):
             return cast(torch.Tensor, _post_reduce_op(reduced_shard, div, sc, out_dtype))
-        result = call_below_autograd(_post_reduce_op, reduced_shard, div, sc, out_dtype)
+        result = call(_post_reduce_op, [reduced_shard], reduced_shard, div, sc, out_dtype)
         return cast(torch.Tensor, result)
     if accumulate_into.numel() != reduced_shard.numel() or not accumulate_into.is_contiguous():
         raise ValueError(
             f"accumulate_into must be contiguous with {reduced_shard.numel()} elements, got "
             f"shape {tuple(accumulate_into.shape)}"
         )
-    _post_reduce_accumulate_op(reduced_shard.contiguous(), accumulate_into, div, sc, out_dtype)
+    args = (reduced_shard.contiguous(), accumulate_into, div, sc, out_dtype)
+    call(_post_reduce_accumulate_op, [accumulate_into], *args)
     return accumulate_into

@@ -68,6 +68,22 @@ class DFunction(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Run the function on the local shards of ``args`` laid out as ``input_layouts``.
+
+        Args:
+            *args: one positional argument per entry of ``input_layouts``.
+            **kwargs: not supported (``torch.autograd.Function`` takes positional arguments).
+
+        Returns:
+            The outputs of ``forward``, as DTensors of ``output_layouts`` (local where ``None``).
+
+        Raises:
+            TypeError: for keyword arguments, or a non-tensor argument with a layout.
+            ValueError: for a wrong number of arguments or outputs, or no mesh.
+
+        See Also:
+            ``torch.autograd.Function.apply``: the base method.
+        """
         if kwargs:
             raise TypeError(f"{cls.__name__}.apply takes positional arguments only")
         if len(args) != len(cls.input_layouts):

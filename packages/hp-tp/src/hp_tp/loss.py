@@ -120,8 +120,11 @@ def _row_grad_and_neg_one_hot(
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy of local logit columns ``[N, V_local]`` against global class ids ``[N]``.
 
-    The same arithmetic, in the same order, as PyTorch's loss-parallel handlers, so the results
-    are bitwise equal; the backward is fused (no communication).
+    Without label smoothing: the same arithmetic, in the same order, as PyTorch's loss-parallel
+    handlers, so the results are bitwise equal. With label smoothing (which PyTorch's
+    loss_parallel rejects): PyTorch's formula, ``(1 - eps) * nll + eps / C * smooth`` with
+    ``smooth = -sum_c w_c log p_c``, at the cost of one more all-reduce. The backward is fused
+    and needs no communication.
     """
 
     @staticmethod
@@ -134,20 +137,51 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         reduction: str,
         class_start: int,
         group: dist.ProcessGroup,
+        label_smoothing: float = 0.0,
+        n_classes: int = 0,
     ) -> torch.Tensor:
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
         log_probs = _log_softmax_last(x, group)
         picked = _pick_targets(log_probs, target, weight, ignore_index, class_start, group)
         _save_picked(ctx, picked, reduction, log_probs)
         ctx.input_dtype = logits.dtype
-        return _reduce(picked, reduction).to(logits.dtype)
+        ctx.label_smoothing = label_smoothing
+        result = _reduce(picked, reduction)
+        if label_smoothing > 0.0:
+            n_local = log_probs.shape[-1]
+            local_w = None
+            if weight is not None:
+                local_w = weight.to(log_probs.dtype)[class_start : class_start + n_local]
+            weighted = log_probs if local_w is None else log_probs * local_w
+            smooth = -weighted.sum(dim=-1)
+            dist.all_reduce(smooth, op=dist.ReduceOp.SUM, group=group)
+            smooth = torch.where(picked.valid, smooth, 0.0)
+            smooth_red = _reduce(picked._replace(per_token=smooth), reduction)
+            result = (1.0 - label_smoothing) * result + smooth_red * (label_smoothing / n_classes)
+            ctx.local_w = local_w
+            ctx.w_sum = float(n_classes) if weight is None else weight.to(log_probs.dtype).sum()
+            ctx.n_classes = n_classes
+        return result.to(logits.dtype)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         log_probs = ctx.saved_tensors[4]
         g, one_hot = _row_grad_and_neg_one_hot(ctx, grads[0], log_probs)
-        grad_logits = (one_hot + torch.exp(log_probs)) * g
-        return grad_logits.to(ctx.input_dtype), None, None, None, None, None, None
+        probs = torch.exp(log_probs)
+        eps = ctx.label_smoothing
+        if eps == 0.0:
+            grad_logits = (one_hot + probs) * g
+        else:
+            valid, total_weight = ctx.saved_tensors[2], ctx.saved_tensors[3]
+            gs = grads[0].to(log_probs.dtype)
+            if ctx.reduction == "mean":
+                gs = gs / total_weight
+            if gs.dim() == 0:
+                gs = gs.expand(valid.shape)
+            gs = torch.where(valid, gs, 0.0).unsqueeze(-1) * (eps / ctx.n_classes)
+            w_local = 1.0 if ctx.local_w is None else ctx.local_w
+            grad_logits = (1.0 - eps) * (one_hot + probs) * g + (probs * ctx.w_sum - w_local) * gs
+        return (grad_logits.to(ctx.input_dtype),) + (None,) * 8
 
 
 class _VocabParallelLogSoftmax(torch.autograd.Function):
@@ -320,8 +354,8 @@ def _vocab_parallel_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ) -> DTensor:
-    if label_smoothing != 0.0:
-        raise ValueError(f"loss_parallel supports label_smoothing=0.0 only, got {label_smoothing}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     info = _class_sharded("cross_entropy", input, target, weight, size_average, reduce, reduction)
     loss = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
         info.flat,
@@ -331,6 +365,8 @@ def _vocab_parallel_cross_entropy(
         reduction,
         info.class_start,
         info.group,
+        float(label_smoothing),
+        input.shape[_class_dim(input.ndim)],
     )
     return _loss_dtensor(loss, info, reduction)
 
@@ -434,8 +470,9 @@ def loss_parallel() -> Iterator[None]:
     ``input`` a DTensor sharded on the class dimension (dimension 1, or 0 for a 1-D input; the
     usual case is ``[tokens, vocab]`` logits with ``Shard(1)`` / ``Shard(-1)``) on exactly one
     mesh dimension and replicated on the others returns the exact loss as a replicated DTensor.
-    Supported: ``weight`` (replicated), ``ignore_index``, and ``reduction`` ``"mean"``, ``"sum"``
-    and ``"none"``. The target holds class indices, as a local tensor (the same on every rank of
+    Supported: ``weight`` (replicated), ``ignore_index``, ``reduction`` ``"mean"``, ``"sum"``
+    and ``"none"``, and ``label_smoothing`` (which PyTorch's version rejects; it costs one more
+    all-reduce). The target holds class indices, as a local tensor (the same on every rank of
     the class-sharding dimension) or a DTensor. No rank ever holds more than its slice of the
     logits; the forward issues three all-reduces of ``[tokens]``-sized tensors and the backward
     none. The backward may run inside or after the block. The two halves of cross-entropy work
@@ -447,9 +484,9 @@ def loss_parallel() -> Iterator[None]:
         None.
 
     Raises:
-        ValueError: inside the block, for ``label_smoothing != 0``, class-probability targets, the
-            deprecated ``size_average``/``reduce`` arguments, a target or weight of the wrong
-            shape, or logits sharded on another mesh dim too.
+        ValueError: inside the block, for ``label_smoothing`` outside [0, 1], class-probability
+            targets, the deprecated ``size_average``/``reduce`` arguments, a target or weight of
+            the wrong shape, or logits sharded on another mesh dim too.
 
     See Also:
         ``torch.distributed.tensor.parallel.loss_parallel``: PyTorch's loss-parallel context;

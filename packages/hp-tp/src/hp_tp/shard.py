@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_tp._dtensor import DeviceMesh, DTensor, Replicate, distribute_tensor
+from hp_tp._dtensor import DeviceMesh, DTensor, Layout, Replicate, distribute_tensor
 from hp_tp._layout import is_layout_spec, to_placements
 
 __all__ = ["ShardingPlan", "shard_module"]
@@ -34,8 +34,8 @@ class ShardingPlan:
 
     Attributes:
         plan: parameter FQN (``fnmatch`` wildcards allowed, e.g. ``"layers.*.w1.weight"``) to its
-            layout. The first matching key, in insertion order, wins. Parameters no key matches
-            become replicated DTensors.
+            layout. An exact FQN wins over patterns; among patterns the first matching key, in
+            insertion order, wins. Parameters no key matches become replicated DTensors.
         input_plan: ``"input"`` (the root module) or ``"<module fqn>.input"`` to the layouts of
             that module's positional inputs: one layout for the first input, or a tuple with one
             layout or ``None`` (left alone) per positional input. A local tensor input is taken as
@@ -150,9 +150,13 @@ def shard_module(
     """
     if not isinstance(sharding_plan, ShardingPlan):
         raise TypeError(f"sharding_plan must be a ShardingPlan, got {type(sharding_plan).__name__}")
-    names = [name for name, _ in module.named_parameters()]
+    params = dict(module.named_parameters())
+    names = list(params)
     param_layouts: dict[str, tuple[Any, ...]] = {}
-    for key, spec in sharding_plan.plan.items():
+    # exact FQNs first, then patterns in insertion order: the first match wins
+    keys = sorted(sharding_plan.plan, key=lambda k: k not in params)
+    for key in keys:
+        spec = sharding_plan.plan[key]
         placements = to_placements(spec, device_mesh, f"plan[{key!r}]")
         matched = [n for n in names if n == key or fnmatchcase(n, key)]
         if not matched:
@@ -161,6 +165,11 @@ def shard_module(
                 f"parameters are {names}"
             )
         for n in matched:
+            if isinstance(spec, Layout) and spec.ndim != params[n].ndim:
+                raise ValueError(
+                    f"plan[{key!r}]: the layout {spec!r} describes a {spec.ndim}-D tensor but "
+                    f"parameter {n!r} has {params[n].ndim} dims"
+                )
             param_layouts.setdefault(n, placements)
     input_hooks: list[tuple[nn.Module, tuple[tuple[Any, ...] | None, ...], str]] = []
     for key, spec in sharding_plan.input_plan.items():

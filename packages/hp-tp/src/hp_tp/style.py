@@ -66,18 +66,31 @@ def _distribute_parameters(
     src_data_rank: int | None,
     style: str,
 ) -> None:
-    """Replace each named parameter of ``module`` by a DTensor parameter of the given placement."""
+    """Replace each named parameter of ``module`` by a DTensor parameter of the given placement.
+
+    Every parameter of ``module`` must get a placement and every placement must name a parameter
+    (checked before anything changes), so a partial override of ``param_placements`` fails
+    loudly instead of leaving plain tensors next to DTensors.
+    """
+    params = dict(module.named_parameters())
+    kind = type(module).__name__
+    unknown = sorted(set(placements) - set(params))
+    missing = sorted(set(params) - set(placements))
+    if unknown or missing:
+        raise ValueError(
+            f"{style} on {kind}: placements for parameters {unknown} that do not exist, and none "
+            f"for {missing}; the module's parameters are {sorted(params)}"
+        )
+    for name, param in params.items():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{style}: parameter {name!r} of {kind} is already a DTensor with placements "
+                f"{tuple(param.placements)}; apply one style per module, once"
+            )
     for name, placement in placements.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        param = owner._parameters.get(leaf)
-        if param is None:
-            continue
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"{style}: parameter {name!r} of {type(module).__name__} is already a DTensor "
-                f"with placements {tuple(param.placements)}; apply one style per module, once"
-            )
+        param = params[name]
         sharded = distribute_tensor(param.data, mesh, (placement,), src_data_rank=src_data_rank)
         owner.register_parameter(leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
 

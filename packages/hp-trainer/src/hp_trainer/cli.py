@@ -6,6 +6,9 @@ import logging
 import os
 import sys
 import time
+import warnings
+
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from hp_trainer.config import ConfigManager, JobConfig
 
@@ -75,13 +78,21 @@ def _launch(nproc: int, argv: list[str]) -> int:
     # one intra-op thread per rank unless the user chose otherwise (torchrun's own default)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        run(launcher_args)
+        run(launcher_args)  # type: ignore[no-untyped-call]
     except Exception as exc:  # torch's ChildFailedError already printed the failing rank
         print(f"hp-train: a worker failed ({type(exc).__name__})", file=sys.stderr)
         return 1
     return 0
 
 
+def _quiet_known_warnings() -> None:
+    # Advice aimed at framework authors, printed once per rank: the embedding output is never
+    # modified in place, and the 2-D gradient-norm reduction is two small all-reduces.
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+@record
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hp-train``.
 
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         format="[hp-train] %(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    _quiet_known_warnings()
     if config.job.print_config and rank == 0:
         import json
 

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import itertools
 import sys
 import textwrap
 import types
@@ -457,7 +458,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(source)
     docs: dict[str, str] = {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    for node, nxt in zip(body, body[1:], strict=False):
+    for node, nxt in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

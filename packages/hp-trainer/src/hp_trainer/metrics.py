@@ -63,7 +63,7 @@ def _device_name() -> str:
 
 
 def _bar(fraction: float, width: int = 24) -> str:
-    filled = int(round(fraction * width))
+    filled = round(fraction * width)
     return "[" + "#" * filled + "-" * (width - filled) + f"] {fraction * 100:5.1f}%"
 
 

@@ -1,4 +1,4 @@
-"""``ParallelDims``: the degrees of every parallel dimension and the device meshes built from them."""
+"""``ParallelDims``: the degrees of every parallel dimension and the meshes built from them."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ class ParallelDims:
     (dp_replicate x dp_shard, the data-loading axis, also called ``batch``); ``dp_shard_cp``
     (dp_shard x cp, the FSDP shard axis, also ``fsdp``); ``dp_cp`` (dp x cp, the axis the loss
     is averaged over, also ``loss``); ``fsdp_mesh`` (the 1-D or HSDP 2-D mesh handed to
-    ``fully_shard``); ``ep`` and ``efsdp`` when ``ep > 1``.
+    ``fully_shard``: axes ``(dp_replicate, dp_shard)``, or ``dp_shard_cp`` in place of
+    ``dp_shard`` when ``cp > 1``); ``ep`` and ``efsdp`` when ``ep > 1``.
 
     Args:
         dp_replicate: Data-parallel replicate degree (HSDP outer axis / DDP).
@@ -111,10 +112,11 @@ class ParallelDims:
         meshes["batch"] = meshes["dp"]
         meshes["fsdp"] = meshes["dp_shard_cp"]
         meshes["loss"] = meshes["dp_cp"]
+        shard_axis = "dp_shard" if self.cp == 1 else "dp_shard_cp"
         if self.dp_replicate > 1:
-            meshes["fsdp_mesh"] = world["dp_replicate", "dp_shard_cp"]
+            meshes["fsdp_mesh"] = world["dp_replicate", shard_axis]
         else:
-            meshes["fsdp_mesh"] = meshes["dp_shard_cp"]
+            meshes["fsdp_mesh"] = world[shard_axis] if self.cp == 1 else meshes["dp_shard_cp"]
         if self.ep > 1:
             # EP borrows from dp_shard x cp x tp: split that flattened axis into (efsdp, ep).
             borrowed = world["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")

@@ -179,6 +179,7 @@ class Trainer:
         with torch.device("meta") if init_meta else contextlib.nullcontext():
             model = self.model_spec.model_cls(args)
         if not init_meta:
+            torch.manual_seed(self.seed)  # the same draws as the meta path's init below
             model.init_weights()  # type: ignore[operator]
         self.num_params = sum(p.numel() for p in model.parameters())
         self.num_flops_per_token = int(model.num_flops_per_token(training.seq_len))  # type: ignore[operator]
@@ -300,7 +301,7 @@ class Trainer:
                 ignore_index=IGNORE_INDEX,
             )
             loss = loss / global_valid_tokens
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
         return loss.detach()

@@ -42,7 +42,7 @@ def _op_sac_context() -> Any:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return create_selective_checkpoint_contexts(policy)  # type: ignore[no-untyped-call]
 
 
 def _wrap(block: nn.Module, config: ActivationCheckpointConfig) -> nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -207,7 +208,7 @@ def _set_ep_prefetch_chains(
     # forward: embeddings -> block 0 -> ... -> last block -> [norm, lm_head]
     if tok is not None:
         tok.set_modules_to_forward_prefetch(_unit_members(blocks[0]))  # type: ignore[operator]
-    for cur, nxt in zip(blocks, blocks[1:], strict=False):
+    for cur, nxt in itertools.pairwise(blocks):
         cur.set_modules_to_forward_prefetch(_unit_members(nxt))  # type: ignore[operator]
     if tail is not None and not tied:
         blocks[-1].set_modules_to_forward_prefetch([tail])  # type: ignore[operator]
@@ -234,7 +235,8 @@ def disable_fsdp_gradient_division(model: nn.Module) -> None:
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
+            unit: Any = module
+            unit.set_gradient_divide_factor(1.0)
             # With a factor of 1.0 a plain SUM is the same reduction; asking for it keeps
             # backends without PREMUL_SUM (gloo) working with engines that would use it.
             force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)

@@ -22,7 +22,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def parallelize_dense_decoder(
     model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    """Apply TP, activation checkpointing, compile and FSDP/HSDP, in that order."""
+    """Apply TP, activation checkpointing, compile and FSDP/HSDP, in that order.
+
+    TP only when ``tp > 1``; FSDP/HSDP (with FSDP's gradient division turned off, since the
+    trainer divides the loss by the global token count) when any data parallelism is on.
+
+    Args:
+        model: A dense :class:`~hp_trainer.models.decoder.Decoder`.
+        parallel_dims: Degrees and meshes (``build_mesh`` done when world size > 1).
+        job_config: The job configuration.
+
+    Returns:
+        The model, parallelized in place.
+
+    See Also:
+        ``torchtitan.models.llama3.infra.parallelize.parallelize_llama``: TorchTitan's recipe.
+    """
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
         apply_tp(

@@ -183,7 +183,8 @@ class Attention(nn.Module):
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
-        assert args.head_dim is not None and args.n_kv_heads is not None
+        assert args.head_dim is not None
+        assert args.n_kv_heads is not None
         self.head_dim = args.head_dim
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
@@ -226,7 +227,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        return result
 
     def init_weights(self, init_std: float) -> None:
         """Initialize the projections (truncated normal) and the QK norms.
@@ -274,7 +276,8 @@ class FeedForward(nn.Module):
         See Also:
             ``torch.nn.functional.silu``.
         """
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        result: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return result
 
     def init_weights(self, init_std: float) -> None:
         """Initialize ``w1`` with std 0.02 and ``w2``/``w3`` with ``init_std``.
@@ -328,8 +331,9 @@ class TransformerBlock(nn.Module):
         See Also:
             ``torchtitan.models.llama3.model.model.TransformerBlock.forward``.
         """
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h: torch.Tensor = x + self.attention(self.attention_norm(x), rope)
+        out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return out
 
     def init_weights(self) -> None:
         """Initialize norms and projections.
@@ -355,6 +359,8 @@ class Decoder(nn.Module):
     See Also:
         ``torchtitan.models.common.decoder.Decoder``: TorchTitan's decoder.
     """
+
+    rope_cache: torch.Tensor
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()

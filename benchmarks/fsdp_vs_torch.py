@@ -1,0 +1,264 @@
+"""Time a training step with hp-fsdp's ``fully_shard`` against PyTorch's FSDP2.
+
+A small decoder-only transformer (tied embeddings) is sharded per block plus the root, once with
+``hp_fsdp.fully_shard`` and once with ``torch.distributed.fsdp.fully_shard``, with the same mesh
+and policy. Both copies live in the same processes (gloo, one intra-op thread per rank) and are
+stepped alternately (forward, cross-entropy, backward, AdamW) after a discarded warm-up. The
+median of each implementation is taken on every rank (the slowest rank counts); the run is
+repeated with the build and call order swapped, and the figure is the geometric mean of the two
+``ours / torch`` ratios (below 1 means ours is faster). A ``torch vs torch`` row shows the noise
+floor. Peak tensor memory per rank is measured with a tensor-level tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``, not process RSS) over one step of each,
+and collectives per step are counted. Absolute times only mean something on a quiet machine or
+a GPU.
+
+Usage::
+
+    python benchmarks/fsdp_vs_torch.py [--steps 12] [--warmup 3] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import hp_fsdp
+
+VOCAB, DIM, HEADS, SEQ, BATCH, BLOCKS = 1000, 192, 6, 128, 4, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, d // HEADS).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+ROWS: dict[str, dict[str, Any]] = {
+    "FSDP ws=2 fp32": {"world": 2, "mesh": (2,), "mp": False},
+    "FSDP ws=2 bf16/fp32": {"world": 2, "mesh": (2,), "mp": True},
+    "FSDP ws=4 fp32": {"world": 4, "mesh": (4,), "mp": False},
+    "HSDP 2x2 fp32": {"world": 4, "mesh": (2, 2), "mp": False},
+    "torch vs torch ws=2 (noise floor)": {"world": 2, "mesh": (2,), "mp": False, "control": True},
+}
+
+
+def _shard(model: Model, api: Any, mesh: DeviceMesh, mp: bool) -> None:
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp:
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for layer in model.layers:
+        api.fully_shard(layer, **kwargs)
+    api.fully_shard(model, **kwargs)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[int], None]:
+    def step(i: int) -> None:
+        tokens, targets = _batch(i)
+        logits = model(tokens)
+        F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _count_collectives(step: Callable[[int], None], i: int) -> dict[str, int]:
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    names = {
+        "all_gather_single": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "all_reduce": "all_reduce",
+    }
+    originals = {name: getattr(dist, name) for name in names}
+
+    def wrap(name: str) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[names[name]] += 1
+            return originals[name](*args, **kwargs)
+
+        return counted
+
+    try:
+        for name in names:
+            setattr(dist, name, wrap(name))
+        step(i)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+def _peak_bytes(model: nn.Module, step: Callable[[int], None], i: int) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step(i)
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
+    """One order of one row, on every rank; returns this rank's medians and peaks."""
+    mesh = init_device_mesh(
+        "cpu", row["mesh"], mesh_dim_names=("replicate", "shard") if len(row["mesh"]) == 2 else None
+    )
+    torch.manual_seed(0)
+    base = Model()
+    built: dict[str, tuple[nn.Module, Callable[[int], None]]] = {}
+    control = bool(row.get("control"))
+    order = ["ours", "torch"] if ours_first else ["torch", "ours"]
+    for name in order:
+        model = copy.deepcopy(base)
+        api = torch_fsdp if (name == "torch" or control) else hp_fsdp
+        _shard(model, api, mesh, row["mp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        built[name] = (model, _step_fn(model, opt))
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for i in range(warmup + steps):
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            built[name][1](i)
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                times[name].append(elapsed)
+    result: dict[str, Any] = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in order:
+        model, step = built[name]
+        result[f"{name}_peak"] = _peak_bytes(model, step, warmup + steps)
+        result[f"{name}_comms"] = _count_collectives(step, warmup + steps + 1)
+    return result
+
+
+def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:
+    worst = {key: max(r[key] for r in results) for key in ("ours", "torch")}
+    peaks = {key: max(r[f"{key}_peak"] for r in results) for key in ("ours", "torch")}
+    return {
+        **worst,
+        "ours_peak": peaks["ours"],
+        "torch_peak": peaks["torch"],
+        "ours_comms": results[0]["ours_comms"],
+        "torch_comms": results[0]["torch_comms"],
+    }
+
+
+def main() -> None:
+    from hp_dtensor.testing import run_distributed, shutdown_pool
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rows", nargs="*", default=list(ROWS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    report: dict[str, Any] = {
+        "model": {"vocab": VOCAB, "dim": DIM, "blocks": BLOCKS, "seq": SEQ, "batch": BATCH},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": {},
+    }
+    for name in sorted(args.rows, key=lambda n: ROWS[n]["world"]):
+        row = ROWS[name]
+        orders = []
+        for ours_first in (True, False):
+            per_rank = run_distributed(
+                run_row, row["world"], row, args.steps, args.warmup, ours_first, timeout=900
+            )
+            orders.append(_gather(per_rank))
+        time_ratios = [o["ours"] / o["torch"] for o in orders]
+        mem_ratios = [o["ours_peak"] / o["torch_peak"] for o in orders]
+        entry = {
+            "step_time_ratio": math.sqrt(time_ratios[0] * time_ratios[1]),
+            "peak_memory_ratio": math.sqrt(mem_ratios[0] * mem_ratios[1]),
+            "ours_median_s": [o["ours"] for o in orders],
+            "torch_median_s": [o["torch"] for o in orders],
+            "ours_peak_bytes": orders[0]["ours_peak"],
+            "torch_peak_bytes": orders[0]["torch_peak"],
+            "ours_collectives_per_step": orders[0]["ours_comms"],
+            "torch_collectives_per_step": orders[0]["torch_comms"],
+        }
+        report["rows"][name] = entry
+        print(
+            f"{name}: time {entry['step_time_ratio']:.3f}, memory {entry['peak_memory_ratio']:.3f}",
+            flush=True,
+        )
+    shutdown_pool()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fsdp.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# hp-fsdp vs torch FSDP2 (CPU, gloo, one thread per rank)",
+        "",
+        f"Model: vocab {VOCAB}, dim {DIM}, {BLOCKS} blocks, seq {SEQ}, batch {BATCH} per rank; "
+        f"{args.steps} timed steps after {args.warmup} warm-up, both build orders.",
+        "",
+        "| configuration | step time ours/torch | peak tensor memory ours/torch | "
+        "collectives per step (AG/RS/AR) ours | torch |",
+        "|---|---|---|---|---|",
+    ]
+    for name, entry in report["rows"].items():
+        oc, tc = entry["ours_collectives_per_step"], entry["torch_collectives_per_step"]
+        lines.append(
+            f"| {name} | {entry['step_time_ratio']:.3f} | {entry['peak_memory_ratio']:.3f} | "
+            f"{oc['all_gather']}/{oc['reduce_scatter']}/{oc['all_reduce']} | "
+            f"{tc['all_gather']}/{tc['reduce_scatter']}/{tc['all_reduce']} |"
+        )
+    lines.append("")
+    (args.out / "fsdp.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Zero-copy decoding of one ``torch.save``'d tensor from a (memory-mapped) buffer.
+
+DCP stores every tensor chunk as a ``torch.save`` zip archive: ``data.pkl`` (a tiny pickle that
+calls ``torch._utils._rebuild_tensor_v2`` on a persistent storage id) plus the raw storage bytes
+as an uncompressed record. Decoding it here views the storage bytes in place (no copy), so a
+load copies each byte once, from the page cache into the destination tensor. The pickle is read
+with a three-name allow-list (the rebuild function, the typed-storage classes, ``OrderedDict``);
+anything else, a big-endian archive, or a misaligned record returns ``None`` and the caller
+falls back to ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import warnings
+import zipfile
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+_LOCAL_HEADER = b"PK\x03\x04"
+
+
+class _UnsupportedBlobError(Exception):
+    """The blob is not the plain single-tensor layout this fast path understands."""
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview (``zipfile`` reads only the directory)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+class _StorageKind:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _rebuild(
+    storage: tuple[torch.UntypedStorage, torch.dtype],
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> torch.Tensor:
+    if backward_hooks or metadata:
+        raise _UnsupportedBlobError("tensor with hooks or python attributes")
+    untyped, dtype = storage
+    return torch.empty(0, dtype=dtype).set_(untyped, storage_offset, size, stride)
+
+
+class _TensorPickle(pickle.Unpickler):
+    def __init__(self, data: bytes, records: dict[str, memoryview]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._records = records
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            cls = getattr(torch, name, None)
+            if cls is torch.UntypedStorage:
+                return _StorageKind(torch.uint8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TypedStorage classes warn on attribute access
+                dtype = getattr(cls, "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                return _StorageKind(dtype)
+        raise _UnsupportedBlobError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise _UnsupportedBlobError("unexpected persistent id")
+        kind, key, _location, numel = pid[1], pid[2], pid[3], pid[4]
+        if not isinstance(kind, _StorageKind):
+            raise _UnsupportedBlobError("unexpected storage type")
+        record = self._records.get(f"data/{key}")
+        itemsize = torch.empty((), dtype=kind.dtype).element_size()
+        if record is None or len(record) != int(numel) * itemsize:
+            raise _UnsupportedBlobError("storage record missing or of the wrong size")
+        if len(record) == 0:
+            return torch.empty(0, dtype=torch.uint8).untyped_storage(), kind.dtype
+        raw = torch.frombuffer(record, dtype=torch.uint8)
+        if raw.data_ptr() % itemsize:
+            raise _UnsupportedBlobError("misaligned storage record")
+        return raw.untyped_storage(), kind.dtype
+
+
+def decode_tensor(blob: memoryview) -> torch.Tensor | None:
+    """Decode a ``torch.save``'d tensor viewing ``blob`` in place, or return ``None``.
+
+    ``blob`` must stay alive (and unmodified) while the returned tensor is used; it must be
+    writable (an ``ACCESS_COPY`` mmap) for ``torch.frombuffer``.
+    """
+    try:
+        zf = zipfile.ZipFile(_ViewReader(blob))
+        records: dict[str, memoryview] = {}
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise _UnsupportedBlobError("compressed record")
+            off = info.header_offset
+            header = blob[off : off + 30]
+            if header[:4] != _LOCAL_HEADER:
+                raise _UnsupportedBlobError("bad local header")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            start = off + 30 + name_len + extra_len
+            _, _, short = info.filename.partition("/")
+            records[short] = blob[start : start + info.file_size]
+        order = records.get("byteorder")
+        if order is not None and bytes(order) != sys.byteorder.encode():
+            raise _UnsupportedBlobError("foreign byte order")
+        pkl = records.get("data.pkl")
+        if pkl is None:
+            raise _UnsupportedBlobError("no data.pkl")
+        obj = _TensorPickle(bytes(pkl), records).load()
+    except (
+        _UnsupportedBlobError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        struct.error,
+        EOFError,
+    ):
+        return None
+    return obj if type(obj) is torch.Tensor else None

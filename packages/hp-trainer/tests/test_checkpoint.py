@@ -1,0 +1,288 @@
+"""CheckpointManager: exact stop/resume, resume under another DP degree, keep-k, fallback.
+
+The training loop lives in this file (tiny Llama 3 decoder sharded with FSDP, AdamW, a LambdaLR
+warm-up and a rank-sharded data iterator whose state is a global sample position), so these
+tests do not depend on the trainer. The oracle of a resumed run is the uninterrupted run of the
+same job: bitwise in the same layout, ``rtol=1e-5`` under another data-parallel degree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import hp_dcp
+import hp_fsdp
+from hp_dtensor.testing import distributed, rank_seed, run_distributed
+from hp_trainer.checkpoint import CheckpointManager
+from hp_trainer.models.decoder import Decoder, DecoderArgs
+from hp_trainer.models.llama3 import llama3_flavors
+
+# hp-fsdp's fully_shard when it exists (it does in this repo), torch's FSDP2 otherwise
+if hasattr(hp_fsdp, "fully_shard"):
+    fully_shard = hp_fsdp.fully_shard
+else:  # pragma: no cover - only while hp-fsdp is unfinished
+    from torch.distributed.fsdp import fully_shard
+
+GLOBAL_BATCH = 6  # divisible by dp degrees 1, 2, 3: the same global sample order at each
+SEQ = 16
+N = 3  # steps before the stop; the resumed run trains N more
+
+
+@dataclass
+class CkptConfig:
+    """The checkpoint section the manager reads (TorchTitan's field names)."""
+
+    enable: bool = True
+    folder: str = "checkpoint"
+    interval: int = N
+    keep_latest_k: int = 0
+    async_mode: str = "disabled"
+    last_save_model_only: bool = False
+    load_step: int = -1
+
+
+class GlobalOrderData:
+    """A rank's slice of one global sample order; its state is the global position."""
+
+    def __init__(self, dp_rank: int, dp_degree: int, vocab: int) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.samples = torch.randint(0, vocab, (64, SEQ + 1), generator=gen)
+        self.local = GLOBAL_BATCH // dp_degree
+        self.offset = dp_rank * self.local
+        self.pos = 0
+
+    def next(self) -> torch.Tensor:
+        idx = [(self.pos + self.offset + i) % len(self.samples) for i in range(self.local)]
+        self.pos += GLOBAL_BATCH
+        return self.samples[idx]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = int(state["pos"])
+
+
+class StepCounter:
+    """The trainer's own state (its step), saved through ``states``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+def tiny_args() -> DecoderArgs:
+    args = copy.deepcopy(llama3_flavors["tiny"])
+    args.vocab_size = 128
+    args.max_seq_len = SEQ
+    return args
+
+
+def build(init_seed: int, folder: str, cfg: CkptConfig) -> dict[str, Any]:
+    """Model (FSDP over all ranks), AdamW, LR schedule, data, step counter and manager."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(init_seed)
+    model = Decoder(tiny_args())
+    model.init_weights()
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    data = GlobalOrderData(rank, ws, model.args.vocab_size)
+    counter = StepCounter()
+    manager = CheckpointManager(
+        data, [model], [opt], [sched], {"train_state": counter}, cfg, base_folder=folder
+    )
+    return {"model": model, "opt": opt, "sched": sched, "data": data, "counter": counter,
+            "manager": manager}  # fmt: skip
+
+
+def train(parts: dict[str, Any], until: int, noise: bool) -> list[float]:
+    """Train to step ``until``; ``noise`` corrupts inputs with the (per-rank) global RNG."""
+    model, opt, sched = parts["model"], parts["opt"], parts["sched"]
+    counter, manager = parts["counter"], parts["manager"]
+    losses = []
+    while counter.step < until:
+        batch = parts["data"].next()
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        if noise:  # depends on the RNG state: an unrestored generator changes the losses
+            mask = torch.rand(inputs.shape) < 0.2
+            inputs = torch.where(mask, torch.randint_like(inputs, 128), inputs)
+        opt.zero_grad()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        opt.step()
+        sched.step()
+        counter.step += 1
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses.append(reported.item() / dist.get_world_size())
+        manager.save(counter.step, last_step=counter.step == until)
+    manager.close()
+    return losses
+
+
+def stop_and_resume(folder: str, async_mode: str) -> tuple[list[float], list[float]]:
+    """Uninterrupted 2N steps (saving at N), then a rebuilt job resumed from step N."""
+    torch.manual_seed(rank_seed(7))
+    cfg = CkptConfig(async_mode=async_mode)
+    first = build(0, folder, cfg)
+    full = train(first, 2 * N, noise=True)
+    del first
+    torch.manual_seed(rank_seed(99))  # a different generator state: the load must restore it
+    second = build(5, folder, cfg)  # different init: the load must overwrite it
+    assert second["manager"].load(step=N)
+    assert second["counter"].step == N
+    assert second["data"].pos == N * GLOBAL_BATCH
+    resumed = train(second, 2 * N, noise=True)
+    return full, resumed
+
+
+def print_table(title: str, full: list[float], resumed: list[float]) -> None:
+    print(f"\n{title}\n| step | uninterrupted | resumed | difference |\n|---|---|---|---|")
+    for i, value in enumerate(full):
+        step = i + 1
+        r = resumed[i - N] if step > N else None
+        diff = "" if r is None else f"{r - value:+.3e}"
+        shown = "" if r is None else f"{r:.9f}"
+        print(f"| {step} | {value:.9f} | {shown} | {diff} |")
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_stop_resume_is_bitwise_in_same_layout(tmp_path: Path, async_mode: str) -> None:
+    results = run_distributed(stop_and_resume, 2, str(tmp_path), async_mode)
+    full, resumed = results[0]
+    print_table(f"stop at {N}, resume to {2 * N} (ws=2, FSDP, {async_mode} save)", full, resumed)
+    assert resumed == full[N:]  # bitwise: same layout, fp32, restored RNG and data position
+    names = {p.name for p in (tmp_path / "checkpoint").iterdir()}
+    assert names == {f"step-{N}", f"step-{2 * N}"}
+
+
+def train_from(folder: str, load: bool) -> list[float]:
+    """Without input noise (per-rank RNG streams differ across degrees): N or 2N steps."""
+    torch.manual_seed(rank_seed(3))
+    parts = build(0 if not load else 11, folder, CkptConfig())
+    if load:
+        assert parts["manager"].load(step=N)
+    return train(parts, 2 * N, noise=False)
+
+
+def test_resume_under_other_dp_degree(tmp_path: Path) -> None:
+    full = run_distributed(train_from, 2, str(tmp_path), False)[0]
+    resumed = run_distributed(train_from, 3, str(tmp_path), True)
+    assert resumed[0] == resumed[1] == resumed[2]
+    print_table(f"saved at ws=2, resumed at ws=3 (FSDP, step {N})", full, resumed[0])
+    torch.testing.assert_close(
+        torch.tensor(resumed[0], dtype=torch.float64),
+        torch.tensor(full[N:], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0.0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 5)
+
+
+def small_manager(
+    folder: Path, model: nn.Module | None = None, **options: Any
+) -> tuple[nn.Module, CheckpointManager]:
+    if model is None:
+        torch.manual_seed(0)
+        model = Small()
+        fully_shard(model)
+    cfg = CkptConfig(interval=1, **options)
+    return model, CheckpointManager(None, [model], None, None, {}, cfg, base_folder=folder)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_keep_latest_k(folder: str, async_mode: str) -> None:
+    model, manager = small_manager(Path(folder), keep_latest_k=2, async_mode=async_mode)
+    manager.create_seed_checkpoint()
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        assert manager.save(step)
+    manager.close()
+    dist.barrier()
+    assert manager.list_steps() == [0, 4, 5]  # the seed checkpoint is never purged
+    assert not any(p.name.startswith(".") for p in Path(folder, "checkpoint").iterdir())
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> str:
+    return str(tmp_path)
+
+
+@distributed(world_size=2)
+def test_corrupted_latest_falls_back(folder: str) -> None:
+    model, manager = small_manager(Path(folder))
+    saved = {}
+    for step in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5 * step)
+        manager.save(step)
+        saved[step] = full_params(model)
+    dist.barrier()
+    victim = ""
+    if dist.get_rank() == 0:
+        path = Path(folder, "checkpoint", "step-2")
+        sums = json.loads((path / ".hp_dcp_checksums.json").read_text())
+        name, entry = max(
+            ((n, e) for n, e in sums["files"].items() if n.endswith(".distcp")),
+            key=lambda ne: max(length for _, length, _ in ne[1]["items"]),
+        )
+        offset, length, _ = max(entry["items"], key=lambda item: item[1])
+        data = bytearray((path / name).read_bytes())
+        data[offset + length // 2] ^= 0x10
+        (path / name).write_bytes(bytes(data))
+        victim = name
+    box = [victim]
+    dist.broadcast_object_list(box)
+    victim = box[0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    _, fresh = small_manager(Path(folder), model)  # a new manager loads into the zeroed model
+    assert fresh.load()
+    assert fresh.loaded_step == 1
+    assert [s for s, _ in fresh.skipped] == [2]
+    assert victim in fresh.skipped[0][1]  # the error names the corrupted file
+    for k, v in full_params(model).items():
+        assert torch.equal(v, saved[1][k]), k
+    with pytest.raises(hp_dcp.CheckpointCorruptionError, match=victim):
+        fresh.load(step=2)  # an explicitly requested step does not fall back

@@ -1,0 +1,229 @@
+"""HuggingFace state-dict adapters: exact round trips, HF-convention logits, import/export.
+
+Oracle for the layout change: a forward pass written here in HuggingFace's convention (rotary
+embedding by ``rotate_half`` on the two halves of each head, HF key names), run on the converted
+weights, must give the logits of our decoder. ``transformers`` is not a dependency, so the
+reference is this file's own ~30 lines, following ``LlamaForCausalLM``/``Qwen3ForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import hp_dcp
+import hp_fsdp
+from hp_dtensor.testing import distributed, rank_seed
+from hp_trainer.checkpoint import CheckpointManager
+from hp_trainer.hf_adapters import (
+    Llama3StateDictAdapter,
+    Qwen3StateDictAdapter,
+    StateDictAdapter,
+    half_to_interleaved_rotary,
+    interleaved_to_half_rotary,
+)
+from hp_trainer.models.decoder import Decoder, DecoderArgs
+from hp_trainer.models.llama3 import llama3_flavors
+from hp_trainer.models.qwen3 import qwen3_flavors
+
+if hasattr(hp_fsdp, "fully_shard"):
+    fully_shard = hp_fsdp.fully_shard
+else:  # pragma: no cover - only while hp-fsdp is unfinished
+    from torch.distributed.fsdp import fully_shard
+
+ADAPTERS: dict[str, type[StateDictAdapter]] = {
+    "llama3": Llama3StateDictAdapter,
+    "qwen3": Qwen3StateDictAdapter,
+}
+
+
+def tiny(name: str, tied: bool = False) -> DecoderArgs:
+    args = copy.deepcopy((llama3_flavors if name == "llama3" else qwen3_flavors)["tiny"])
+    args.vocab_size = 96
+    args.max_seq_len = 32
+    args.enable_weight_tying = tied
+    return args
+
+
+def build(args: DecoderArgs, seed: int) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(args)
+    model.init_weights()
+    with torch.no_grad():  # non-trivial norm scales, so their permutation matters
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def hf_reference_logits(hf: dict[str, torch.Tensor], cfg: dict[str, Any], tokens: torch.Tensor):
+    """Llama / Qwen 3 forward in HuggingFace's convention, from an HF state dict."""
+    B, S = tokens.shape
+    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
+    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    freqs = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+    h = hf["model.embed_tokens.weight"][tokens]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        x = _rms(h, hf[p + "input_layernorm.weight"], eps)
+        q = (x @ hf[p + "self_attn.q_proj.weight"].T).view(B, S, H, D)
+        k = (x @ hf[p + "self_attn.k_proj.weight"].T).view(B, S, KV, D)
+        v = (x @ hf[p + "self_attn.v_proj.weight"].T).view(B, S, KV, D)
+        if p + "self_attn.q_norm.weight" in hf:
+            q = _rms(q, hf[p + "self_attn.q_norm.weight"], eps)
+            k = _rms(k, hf[p + "self_attn.k_norm.weight"], eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = k.repeat_interleave(H // KV, dim=2)
+        v = v.repeat_interleave(H // KV, dim=2)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        h = h + att.transpose(1, 2).reshape(B, S, H * D) @ hf[p + "self_attn.o_proj.weight"].T
+        x = _rms(h, hf[p + "post_attention_layernorm.weight"], eps)
+        gate = F.silu(x @ hf[p + "mlp.gate_proj.weight"].T)
+        h = h + (gate * (x @ hf[p + "mlp.up_proj.weight"].T)) @ hf[p + "mlp.down_proj.weight"].T
+    h = _rms(h, hf["model.norm.weight"], eps)
+    head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    return h @ head.T
+
+
+def test_rotary_permutation_inverts_and_moves_pairs() -> None:
+    w = torch.arange(2 * 8 * 3, dtype=torch.float32).view(16, 3)  # 2 heads of size 8
+    hf = interleaved_to_half_rotary(w, 2)
+    # head 0: our rows 0,2,4,6 (first of each pair) then 1,3,5,7
+    assert hf[:8, 0].tolist() == [0, 6, 12, 18, 3, 9, 15, 21]
+    assert torch.equal(half_to_interleaved_rotary(hf, 2), w)
+    with pytest.raises(ValueError, match="heads of even size"):
+        interleaved_to_half_rotary(torch.zeros(6, 2), 2)
+
+
+@pytest.mark.parametrize(("name", "tied"), [("llama3", False), ("qwen3", False), ("qwen3", True)])
+def test_round_trip_exact_and_hf_logits_match(name: str, tied: bool) -> None:
+    args = tiny(name, tied)
+    model = build(args, seed=0)
+    adapter = ADAPTERS[name](args)
+    ours = model.state_dict()
+    hf = adapter.to_hf(ours)
+    assert "model.layers.1.self_attn.q_proj.weight" in hf
+    assert ("model.layers.0.self_attn.q_norm.weight" in hf) == (name == "qwen3")
+    assert ("lm_head.weight" in hf) == (not tied)
+    back = adapter.from_hf(hf)
+    assert set(back) == set(ours)
+    for key, value in ours.items():
+        assert torch.equal(back[key], value), key
+    assert not torch.equal(
+        hf["model.layers.0.self_attn.q_proj.weight"], ours["layers.0.attention.wq.weight"]
+    )  # the rows really moved
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    expected = model(tokens)
+    torch.testing.assert_close(
+        hf_reference_logits(hf, adapter.hf_config(), tokens), expected, rtol=1e-5, atol=1e-5
+    )
+    # and a model built from the HF weights computes the same logits
+    other = build(args, seed=1)
+    other.load_state_dict(adapter.from_hf(hf))
+    torch.testing.assert_close(other(tokens), expected, rtol=0, atol=0)
+
+
+def test_adapter_errors() -> None:
+    adapter = Llama3StateDictAdapter(tiny("llama3"))
+    with pytest.raises(KeyError, match="layers.0.mystery"):
+        adapter.to_hf({"layers.0.mystery.weight": torch.zeros(1)})
+    with pytest.raises(KeyError, match="no native name"):
+        adapter.from_hf({"model.layers.0.mlp.experts.weight": torch.zeros(1)})
+    with pytest.raises(TypeError, match="DecoderArgs"):
+        Llama3StateDictAdapter({"dim": 4})  # type: ignore[arg-type]
+
+
+class _Cfg:
+    enable = True
+    folder = "checkpoint"
+
+
+def _manager(model: nn.Module, args: DecoderArgs, folder: str, name: str) -> CheckpointManager:
+    return CheckpointManager(
+        None, [model], None, None, {}, _Cfg(), ADAPTERS[name](args), base_folder=folder
+    )
+
+
+def test_export_and_import_hf_single_process(tmp_path: Path) -> None:
+    args = tiny("qwen3", tied=True)
+    model = build(args, 0)
+    _manager(model, args, str(tmp_path), "qwen3").export_hf(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert config["tie_word_embeddings"] is True
+    assert (tmp_path / "hf" / hp_dcp.HF_INDEX_FILE).is_file()
+    fresh = build(args, 1)
+    _manager(fresh, args, str(tmp_path), "qwen3").load_hf(tmp_path / "hf")
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    assert fresh.lm_head.weight is fresh.tok_embeddings.weight  # tying survives the import
+
+
+def _sharded(args: DecoderArgs, seed: int) -> Decoder:
+    model = build(args, seed)
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+@distributed(world_size=2)
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_hf_import_train_export_import(folder: str, name: str) -> None:
+    args = tiny(name)
+    source = build(args, 0)  # a "downloaded" HF checkpoint, written by rank 0
+    if dist.get_rank() == 0:
+        hp_dcp.save_hf_safetensors(ADAPTERS[name](args).to_hf(source.state_dict()), f"{folder}/in")
+    dist.barrier()
+    model = _sharded(args, 1)
+    manager = _manager(model, args, folder, name)
+    manager.load_hf(f"{folder}/in")
+    for key, value in _full(model).items():
+        assert torch.equal(value, source.state_dict()[key]), key
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(rank_seed(0))  # different data on each rank
+    for _ in range(2):
+        tokens = torch.randint(0, args.vocab_size, (2, 9))
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    trained = _full(model)
+    assert not torch.equal(trained["norm.weight"], source.state_dict()["norm.weight"])
+    manager.export_hf(f"{folder}/out")
+    again = _sharded(args, 2)
+    _manager(again, args, folder, name).load_hf(f"{folder}/out")
+    for key, value in _full(again).items():
+        assert torch.equal(value, trained[key]), key
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> str:
+    return str(tmp_path)
