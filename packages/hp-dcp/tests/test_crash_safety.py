@@ -249,3 +249,55 @@ def test_bad_arguments_raise_clearly(tmp_path: Path) -> None:
         )
     with pytest.raises(FileNotFoundError, match="does not exist"):
         hp_dcp.load({"a": torch.ones(1)}, checkpoint_id=tmp_path / "nothing", no_dist=True)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"thread_count": 2}, {"single_file_per_rank": False}, {"sync_files": False}],
+)
+def test_writer_options_round_trip_through_torch(tmp_path: Path, options: dict[str, Any]) -> None:
+    sd = _plain_state(5)
+    path = tmp_path / "w"
+    hp_dcp.save(sd, storage_writer=hp_dcp.FileSystemWriter(path, **options), no_dist=True)
+    files = [p.name for p in path.iterdir() if p.suffix == ".distcp"]
+    if "single_file_per_rank" in options:
+        assert len(files) == 4  # one per item: a, b.c, b.lr, tag
+    for loader in (hp_dcp.load, tdcp.load):
+        got = _empty_like(sd)
+        loader(got, checkpoint_id=path, no_dist=True)
+        assert torch.equal(got["a"], sd["a"])
+        assert torch.equal(got["b"]["c"], sd["b"]["c"])
+        assert got["tag"] == "step-3"
+    assert len(hp_dcp.verify_checkpoint(path)) == len(files) + 1
+
+
+def test_describe_torch_written_checkpoint(tmp_path: Path) -> None:
+    tdcp.save(_plain_state(0), checkpoint_id=tmp_path / "t", no_dist=True)
+    entries = {e.key: e for e in hp_dcp.describe_checkpoint(tmp_path / "t")}
+    assert entries["a"].shape == (6, 5)
+    assert entries["b.c"].dtype == torch.bfloat16
+    assert entries["b.lr"].kind == "bytes"
+    assert entries["a"].layout is None
+    with pytest.raises(FileNotFoundError, match="not written by hp-dcp"):
+        hp_dcp.verify_checkpoint(tmp_path / "t")
+
+
+class _CrashMidRename(hp_dcp.FileSystemWriter):
+    """Dies between retiring the old checkpoint and renaming the new one into place."""
+
+    def _commit(self, staging: Path) -> None:
+        self.path.rename(hp_dcp.storage._retired_dir(self.path))
+        raise OSError("simulated crash during the commit rename")
+
+
+def test_crash_during_commit_rename_points_to_complete_save(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    hp_dcp.save(_plain_state(0), checkpoint_id=path, no_dist=True)
+    with pytest.raises(CheckpointException, match="simulated crash"):
+        hp_dcp.save(_plain_state(1), storage_writer=_CrashMidRename(path), no_dist=True)
+    with pytest.raises(hp_dcp.IncompleteCheckpointError, match="That directory is complete"):
+        hp_dcp.load(_empty_like(_plain_state(1)), checkpoint_id=path, no_dist=True)
+    staging_dir(path).rename(path)
+    got = _empty_like(_plain_state(1))
+    hp_dcp.load(got, checkpoint_id=path, no_dist=True)
+    assert torch.equal(got["a"], _plain_state(1)["a"])

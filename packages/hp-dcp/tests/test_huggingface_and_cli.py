@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,13 @@ def test_inspect_lists_and_extracts(tmp_path: Path, capsys: Any) -> None:
     assert main(["verify", str(tmp_path / "c")]) == 0
     with pytest.raises(KeyError, match=r"opt\.lr"):
         hp_dcp.extract_tensor(tmp_path / "c", "opt.lr")
+
+
+def test_plain_progress_without_tqdm(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _two_file_hf(tmp_path / "hf")
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    hp_dcp.hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["hf -> dcp: 1/2", "hf -> dcp: 2/2"]

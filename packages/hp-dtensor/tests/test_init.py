@@ -257,8 +257,28 @@ def test_partial_writer_raises() -> None:
         init_parameters(model)
 
 
+def test_reinitialize_after_to_empty() -> None:
+    torch.manual_seed(2)
+    reference = Block()
+    with init_empty_weights():
+        model = Block()
+    model.to_empty(device="cpu")  # garbage values, and the tie is broken by to_empty
+    model.head.weight = model.emb.weight
+    torch.manual_seed(2)
+    init_parameters(model, reinitialize=True)
+    _assert_same_state(reference, model)
+    kept = nn.Linear(3, 3)
+    before = kept.weight.detach().clone()
+    with init_empty_weights():
+        mixed = nn.Sequential(kept, nn.Linear(3, 2))
+    init_parameters(mixed)  # without reinitialize, materialized tensors keep their values
+    assert torch.equal(mixed[0].weight, before)
+
+
 def test_no_meta_tensor_raises() -> None:
-    with pytest.raises(ValueError, match="no parameter or buffer on the meta device"):
+    with pytest.raises(
+        ValueError, match=r"no parameter or buffer on the meta device.*reinitialize=True"
+    ):
         init_parameters(nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"expects an nn\.Module"):
         init_parameters(torch.zeros(2))  # type: ignore[type-var]
@@ -367,7 +387,10 @@ def _check_dtensor_init(shape: tuple[int, ...], kind: str) -> None:
         model.block.up.weight.placements,
         src_data_rank=None,
     ).to_local()
-    assert torch.equal(local, expected)  # only the local shard is kept
+    assert torch.equal(local, expected)
+    for param in model.parameters():  # only the local shard is kept: no view of a full tensor
+        shard = param.to_local()
+        assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
     _assert_same_state(reference, model)
 
 

@@ -184,6 +184,9 @@ def test_errors_are_clear() -> None:
         with pytest.raises(ValueError, match="out of range for a 1-D tensor"):
             Layout.from_placements(mesh, [Shard(2)], 1)
         assert Layout.from_placements(mesh, [Shard(-1)], 2).tensor_map == ((), ("axis0",))
+        mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(ValueError, match="match no order of the mesh axes"):
+            Layout.from_placements(mesh2d, [_StridedShard(0, split_factor=3), Shard(0)], 1)
         layout = Layout((4,), ("dp",))("dp")
         with pytest.raises(ValueError, match="for 1-D tensors, got a 2-D one"):
             distribute_with_layout(torch.zeros(2, 2), layout)

@@ -223,7 +223,9 @@ def train_step(
     total = torch.zeros(())
     for micro in range(cfg.micro_batches):
         last = micro == cfg.micro_batches - 1
-        if cfg.micro_batches > 1:
+        if cfg.micro_batches > 1 and cfg.extra.get("reduce_every_micro_batch"):
+            model.set_is_last_backward(last)  # type: ignore[operator]
+        elif cfg.micro_batches > 1:
             model.set_requires_gradient_sync(last)  # type: ignore[operator]
         loss = loss_fn(model, make_batch(data_seed(step, micro, rank)))
         loss.backward()
@@ -238,8 +240,13 @@ def run_parity(cfg: Config) -> list[float]:
         Our per-step losses on this rank (for the single-process oracle).
     """
     ours, theirs, _, mesh = build_pair(cfg)
-    rank = dist.get_rank()
-    dp_rank = rank  # data differs on every rank (HSDP included)
+    losses = compare_training(ours, theirs, cfg, dist.get_rank())
+    del mesh
+    return losses
+
+
+def compare_training(ours: nn.Module, theirs: nn.Module, cfg: Config, dp_rank: int) -> list[float]:
+    """Train both models on the same data (seeded by ``dp_rank``); assert bitwise equality."""
     opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
     opt_t = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1)
     assert_bitwise(ours, theirs, "init")
@@ -255,8 +262,38 @@ def run_parity(cfg: Config) -> list[float]:
         opt_t.zero_grad()
         assert_bitwise(ours, theirs, f"step {step} after optimizer")
         losses.append(lo.item())
-    del mesh
     return losses
+
+
+def run_tp_parity(configs: list[Config]) -> None:
+    """FSDP over tensor parallelism (dp=2 x tp=2): ours against torch's, bitwise.
+
+    All configurations share one mesh (a mesh is created once per test).
+    """
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import hp_fsdp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for cfg in configs:
+        torch.manual_seed(0)
+        base = TinyLM(blocks=cfg.blocks)
+        ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        for model in (ours, theirs):
+            for layer in model.layers:
+                parallelize_module(layer, mesh["tp"], plan)
+        apply_sharding(ours, hp_fsdp, cfg, mesh["dp"])  # type: ignore[arg-type]
+        apply_sharding(theirs, torch_fsdp, cfg, mesh["dp"])  # type: ignore[arg-type]
+        up = ours.layers[0].up.weight  # type: ignore[index]
+        assert isinstance(up, DTensor)
+        assert up.device_mesh.mesh_dim_names == ("dp", "tp")
+        compare_training(ours, theirs, cfg, mesh["dp"].get_local_rank())
 
 
 def run_oracle(cfg: Config, world: int) -> None:

@@ -45,6 +45,7 @@ WS3 = {
     "bf16": {"mp": "bf16"},
     "grad_accumulation": {"micro_batches": 2},
     "grad_accumulation_bf16": {"micro_batches": 2, "mp": "bf16"},
+    "reduce_every_micro_batch": {"micro_batches": 2, "extra": {"reduce_every_micro_batch": True}},
     "cpu_offload": {"offload": True},
     "list_unit": {"list_unit": True},
     "meta_init": {"meta": True},
@@ -85,6 +86,13 @@ def test_bitwise_parity_with_torch_ws3(name: str) -> None:
 @distributed(world_size=4, timeout=120)
 def test_bitwise_parity_with_torch_ws4(name: str) -> None:
     _helpers().run_parity(_config(4, WS4[name]))
+
+
+@distributed(world_size=4, timeout=120)
+def test_bitwise_parity_with_torch_fsdp_over_tp() -> None:
+    h = _helpers()
+    configs = [_config(2, {}), _config(2, {"mp": "bf16"})]
+    h.run_tp_parity(configs)
 
 
 @distributed(world_size=2, timeout=120)

@@ -16,7 +16,7 @@ import torch.distributed.tensor.parallel as torch_tp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_tp
@@ -161,6 +161,48 @@ def run_module_form_and_memory() -> None:
             F.cross_entropy(x, torch.rand(N, V))
         with pytest.raises(ValueError, match="does not match"):
             F.cross_entropy(x, target[:-1])
+
+
+def run_two_dim_mesh() -> None:
+    """Logits sharded on the batch over "dp" and on the vocabulary over "tp": every reduction,
+    including the global mean (which torch's loss_parallel rejects on a 2-D mesh)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(8)
+    logits, target = torch.randn(N + 1, V), torch.randint(0, V, (N + 1,))  # uneven rows
+    target[2] = IGNORE
+    weight = torch.rand(V) + 0.5
+    for reduction in ("none", "sum", "mean"):
+        for extra in ({}, {"weight": weight, "ignore_index": IGNORE}, {"label_smoothing": 0.1}):
+            x = distribute_tensor(logits, mesh, [Shard(0), Shard(1)]).requires_grad_()
+            t = distribute_tensor(target, mesh, [Shard(0), Replicate()])
+            with hp_tp.loss_parallel():
+                loss = F.cross_entropy(x, t, reduction=reduction, **extra)
+            ref_in = logits.clone().requires_grad_()
+            ref = F.cross_entropy(ref_in, target, reduction=reduction, **extra)
+            if reduction == "none":
+                assert loss.placements == (Shard(0), Replicate())
+                upstream = torch.rand(N + 1) + 0.5
+                loss.backward(distribute_tensor(upstream, mesh, loss.placements))
+                ref.backward(upstream)
+            else:  # a partial sum over "dp", complete over "tp"
+                assert loss.placements == (Partial(), Replicate())
+                loss.backward()
+                ref.backward()
+            what = f"{reduction} {sorted(extra)}"
+            torch.testing.assert_close(loss.full_tensor(), ref, rtol=1e-5, atol=1e-5, msg=what)
+            assert x.grad is not None
+            assert ref_in.grad is not None
+            torch.testing.assert_close(
+                x.grad.full_tensor(), ref_in.grad, rtol=1e-5, atol=1e-5, msg=what
+            )
+    x = distribute_tensor(logits, mesh, [Shard(0), Shard(1)])
+    with hp_tp.loss_parallel(), pytest.raises(ValueError, match="pass the target as a DTensor"):
+        F.cross_entropy(x, target)
+
+
+@distributed(world_size=4)
+def test_loss_parallel_on_a_two_dim_mesh() -> None:
+    run_two_dim_mesh()
 
 
 @distributed(world_size=3)

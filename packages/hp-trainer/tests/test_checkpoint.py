@@ -99,13 +99,15 @@ def tiny_args() -> DecoderArgs:
 
 def build(init_seed: int, folder: str, cfg: CkptConfig) -> dict[str, Any]:
     """Model (FSDP over all ranks), AdamW, LR schedule, data, step counter and manager."""
-    ws, rank = dist.get_world_size(), dist.get_rank()
+    sharded = dist.is_initialized()  # else: one process, plain (unsharded) parameters
+    ws, rank = (dist.get_world_size(), dist.get_rank()) if sharded else (1, 0)
     torch.manual_seed(init_seed)
     model = Decoder(tiny_args())
     model.init_weights()
-    for block in model.layers.values():
-        fully_shard(block)
-    fully_shard(model)
+    if sharded:
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     data = GlobalOrderData(rank, ws, model.args.vocab_size)
@@ -136,8 +138,10 @@ def train(parts: dict[str, Any], until: int, noise: bool) -> list[float]:
         sched.step()
         counter.step += 1
         reported = loss.detach().clone()
-        dist.all_reduce(reported)
-        losses.append(reported.item() / dist.get_world_size())
+        if dist.is_initialized():
+            dist.all_reduce(reported)
+            reported /= dist.get_world_size()
+        losses.append(reported.item())
         manager.save(counter.step, last_step=counter.step == until)
     manager.close()
     return losses
@@ -179,6 +183,10 @@ def test_stop_resume_is_bitwise_in_same_layout(tmp_path: Path, async_mode: str) 
     assert names == {f"step-{N}", f"step-{2 * N}"}
 
 
+# grouped with the ws=2 tests by the harness's pytest plugin (one pool start for all of them)
+test_stop_resume_is_bitwise_in_same_layout.__hp_world_size__ = 2  # type: ignore[attr-defined]
+
+
 def train_from(folder: str, load: bool) -> list[float]:
     """Without input noise (per-rank RNG streams differ across degrees): N or 2N steps."""
     torch.manual_seed(rank_seed(3))
@@ -192,13 +200,19 @@ def test_resume_under_other_dp_degree(tmp_path: Path) -> None:
     full = run_distributed(train_from, 2, str(tmp_path), False)[0]
     resumed = run_distributed(train_from, 3, str(tmp_path), True)
     assert resumed[0] == resumed[1] == resumed[2]
-    print_table(f"saved at ws=2, resumed at ws=3 (FSDP, step {N})", full, resumed[0])
-    torch.testing.assert_close(
-        torch.tensor(resumed[0], dtype=torch.float64),
-        torch.tensor(full[N:], dtype=torch.float64),
-        rtol=1e-5,
-        atol=0.0,
-    )
+    single = train_from(str(tmp_path), True)  # this process: no process group, no FSDP
+    for label, losses in (("ws=3 (FSDP)", resumed[0]), ("ws=1 (unsharded)", single)):
+        print_table(f"saved at ws=2 (FSDP), step {N}; resumed at {label}", full, losses)
+        torch.testing.assert_close(
+            torch.tensor(losses, dtype=torch.float64),
+            torch.tensor(full[N:], dtype=torch.float64),
+            rtol=1e-5,
+            atol=0.0,
+        )
+
+
+# runs after the ws=2 group (its pool is still warm), then leaves the ws=3 pool to the ws=3 group
+test_resume_under_other_dp_degree.__hp_world_size__ = 3  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +223,9 @@ class Small(nn.Module):
         super().__init__()
         self.a = nn.Linear(8, 8)
         self.b = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
 
 
 def small_manager(
@@ -286,3 +303,73 @@ def test_corrupted_latest_falls_back(folder: str) -> None:
         assert torch.equal(v, saved[1][k]), k
     with pytest.raises(hp_dcp.CheckpointCorruptionError, match=victim):
         fresh.load(step=2)  # an explicitly requested step does not fall back
+
+
+@distributed(world_size=2)
+def test_seed_checkpoint_and_bf16_model_only_export(folder: str) -> None:
+    model, manager = small_manager(Path(folder))
+    seed = full_params(model)
+    manager.create_seed_checkpoint()
+    # a fresh job (other init) finds only the seed: it loads the model from it, nothing else
+    torch.manual_seed(1)
+    other = Small()
+    fully_shard(other)
+    opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    cfg = CkptConfig(interval=1, last_save_model_only=True)
+    cfg.export_dtype = "bfloat16"  # type: ignore[attr-defined]
+    fresh = CheckpointManager(None, [other], [opt], None, {}, cfg, base_folder=folder)
+    assert fresh.load()
+    assert fresh.loaded_step == 0
+    for k, v in full_params(other).items():
+        assert torch.equal(v, seed[k]), k
+    with torch.no_grad():  # values that bf16 rounds
+        for p in other.parameters():
+            p.mul_(1.001)
+    trained = full_params(other)
+    assert fresh.save(4, last_step=True)
+    entries = {e.key: e for e in hp_dcp.describe_checkpoint(Path(folder, "checkpoint", "step-4"))}
+    assert set(entries) == {f"model.{k}" for k in trained}  # model only: no optimizer, no RNG
+    assert all(e.dtype == torch.bfloat16 for e in entries.values())
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    assert fresh.load()  # the newest is the bf16 model-only export: the model alone
+    assert fresh.loaded_step == 4
+    for k, v in full_params(other).items():
+        assert torch.equal(v, trained[k].to(torch.bfloat16).float()), k
+
+
+@distributed(world_size=2)
+def test_trainer_containers_round_trip(folder: str) -> None:
+    """hp-trainer's OptimizersContainer / LRSchedulersContainer / CheckpointConfig plug in."""
+    from hp_trainer.config import CheckpointConfig, LRSchedulerConfig, OptimizerConfig
+    from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
+
+    def job(seed: int) -> tuple[nn.Module, Any, Any, CheckpointManager]:
+        model, _ = small_manager(Path(folder))
+        opts = build_optimizers([model], OptimizerConfig(lr=0.1))
+        scheds = build_lr_schedulers(opts, 10, LRSchedulerConfig(warmup_steps=2))
+        cfg = CheckpointConfig(enable=True, interval=2)
+        manager = CheckpointManager(None, [model], opts, scheds, {}, cfg, base_folder=folder)
+        torch.manual_seed(rank_seed(seed))
+        return model, opts, scheds, manager
+
+    model, opts, scheds, manager = job(0)
+    for step in (1, 2):
+        loss = model(torch.randn(4, 8)).square().sum()
+        loss.backward()
+        opts.step()
+        scheds.step()
+        opts.zero_grad()
+        manager.save(step)
+    assert manager.list_steps() == [2]
+    expected = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    exp_avg = [s["exp_avg"].full_tensor() for s in opts.optimizers[0].state.values()]
+    model2, opts2, scheds2, manager2 = job(1)
+    assert manager2.load()
+    assert scheds2.schedulers[0].last_epoch == 2
+    assert scheds2.get_last_lr() == scheds.get_last_lr()
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v.full_tensor(), expected[k]), k
+    got = [s["exp_avg"].full_tensor() for s in opts2.optimizers[0].state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(got, exp_avg, strict=True))

@@ -114,12 +114,23 @@ def test_help_lists_every_field_with_default_and_doc(capsys: pytest.CaptureFixtu
         if line.startswith("  --") and "(default:" in line:
             assert lines[i + 1].startswith("      "), line
             assert lines[i + 1].strip(), line
-    with pytest.raises(SystemExit) as exc:
-        main(["--help"])
-    assert exc.value.code == 0
+    assert main(["--help"]) == 0
     assert "--parallelism.tensor_parallel_degree" in capsys.readouterr().out
+
+
+def test_parse_args_help_exits_zero() -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0
 
 
 def test_cli_reports_config_errors_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--training.steps", "-3"]) == 2
     assert "training.steps = -3" in capsys.readouterr().err
+    # checked before any rank starts: model flavor, degrees against --nproc, dataset
+    assert main(["--config", "debug", "--model.flavor", "huge"]) == 2
+    assert "has no flavor 'huge'" in capsys.readouterr().err
+    assert main(["--config", "debug", "--nproc", "6"]) == 2
+    assert "!= world_size(6)" in capsys.readouterr().err
+    assert main(["--config", "debug", "--data.dataset", "/no/such/file.txt"]) == 2
+    assert "data.dataset = '/no/such/file.txt'" in capsys.readouterr().err

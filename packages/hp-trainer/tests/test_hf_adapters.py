@@ -148,7 +148,7 @@ def test_round_trip_exact_and_hf_logits_match(name: str, tied: bool) -> None:
 
 def test_adapter_errors() -> None:
     adapter = Llama3StateDictAdapter(tiny("llama3"))
-    with pytest.raises(KeyError, match="layers.0.mystery"):
+    with pytest.raises(KeyError, match=r"layers\.0\.mystery"):
         adapter.to_hf({"layers.0.mystery.weight": torch.zeros(1)})
     with pytest.raises(KeyError, match="no native name"):
         adapter.from_hf({"model.layers.0.mlp.experts.weight": torch.zeros(1)})

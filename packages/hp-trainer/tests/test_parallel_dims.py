@@ -82,3 +82,13 @@ def test_meshes_group_the_right_ranks() -> None:
     dp_ranks = dist.get_process_group_ranks(d.get_mesh("dp").get_group())
     assert tp_ranks == [rank - rank % 2, rank - rank % 2 + 1]
     assert dp_ranks == [rank % 2, rank % 2 + 2]
+
+
+def test_expert_meshes_borrow_from_dp_shard_and_tp() -> None:
+    with fake_world(8, rank=5):
+        d = _dims(tp=2, ep=4, world_size=8)
+        d.build_mesh("cpu")
+        assert (d.get_mesh("efsdp").size(), d.get_mesh("ep").size()) == (2, 4)
+        # rank 5 is 5th of the flattened dp_shard x tp axis -> (efsdp 1, ep 1)
+        assert d.get_mesh("efsdp").get_local_rank() == 1
+        assert d.get_mesh("ep").get_local_rank() == 1

@@ -30,6 +30,7 @@ __all__ = [
     "dcp_to_hf",
     "describe_checkpoint",
     "extract_tensor",
+    "format_entries",
     "hf_to_dcp",
     "load_key_map",
 ]
@@ -337,7 +338,18 @@ def describe_checkpoint(path: str | os.PathLike[str]) -> list[CheckpointEntry]:
 
 
 def format_entries(entries: list[CheckpointEntry]) -> Iterator[str]:
-    """Yield the lines of the ``hp-dcp inspect`` table."""
+    """Format checkpoint entries as the ``hp-dcp inspect`` table.
+
+    Args:
+        entries: as returned by :func:`describe_checkpoint`.
+
+    Returns:
+        An iterator over the table's lines: a header, then one line per entry (key, kind, dtype,
+        global shape, number of stored chunks, save-time layout).
+
+    See Also:
+        ``torch.distributed.checkpoint.metadata.Metadata``: the records listed.
+    """
     yield f"{'key':<48} {'kind':<6} {'dtype':<10} {'shape':<16} {'chunks':>6}  layout"
     for e in entries:
         dtype = str(e.dtype).removeprefix("torch.") if e.dtype is not None else "-"

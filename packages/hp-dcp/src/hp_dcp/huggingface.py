@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 __all__ = [
     "HF_INDEX_FILE",
     "hf_shard_files",
+    "iter_hf_tensors",
     "load_hf_safetensors",
     "parse_size",
     "save_hf_safetensors",
@@ -179,7 +180,22 @@ def hf_shard_files(path: str | os.PathLike[str]) -> dict[str, list[str]]:
 def iter_hf_tensors(
     path: str | os.PathLike[str], keys: Iterable[str] | None = None
 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """Yield ``(file name, {name: tensor})`` for each shard file, loading one file at a time."""
+    """Read a HuggingFace safetensors checkpoint one file at a time.
+
+    Args:
+        path: the checkpoint directory.
+        keys: read only these tensor names (default all).
+
+    Returns:
+        An iterator of ``(file name, {tensor name: tensor})``, one item per file holding any of
+        the wanted tensors, so at most one file's tensors are in memory.
+
+    Raises:
+        FileNotFoundError: no safetensors files were found.
+
+    See Also:
+        ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
+    """
     root = Path(path)
     wanted = set(keys) if keys is not None else None
     for name, names in hf_shard_files(root).items():

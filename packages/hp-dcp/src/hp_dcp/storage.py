@@ -25,7 +25,9 @@ import os
 import pickle
 import shutil
 import uuid
+import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -87,6 +89,9 @@ _RESULT_KEY = "\x00hp_dcp_file_checksums"
 # Items start at multiples of this, so the (64-byte aligned) tensor records inside each
 # torch.save archive are aligned in the file, and in a memory map of it.
 _ALIGN = 64
+# Writes at least this large are checksummed on the helper thread without a copy (see
+# _ChecksumStream); smaller ones are copied first.
+_DEFER_BYTES = 1 << 16
 
 
 def staging_dir(path: str | os.PathLike[str]) -> Path:
@@ -142,7 +147,7 @@ def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     Raises:
         IncompleteCheckpointError: ``path`` is the temporary directory of an unfinished save, it
             lacks ``.metadata``, or it is missing while an interrupted save left its temporary
-            directory behind.
+            directory behind (the message says whether that directory is complete).
         FileNotFoundError: nothing exists at ``path``.
 
     See Also:
@@ -157,7 +162,18 @@ def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
             "Load the last committed checkpoint instead and delete this directory."
         )
     if not p.is_dir():
-        partial = staging_dir(p)
+        partial, retired = staging_dir(p), _retired_dir(p)
+        if partial.is_dir() and not (partial / INCOMPLETE_MARKER).exists():
+            raise IncompleteCheckpointError(
+                f"no checkpoint at {p}: a save finished on every rank but was interrupted "
+                f"while renaming {partial} into place. That directory is complete; rename it to "
+                f"{p} to use it"
+                + (
+                    f" (the previous checkpoint is still at {retired})."
+                    if retired.is_dir()
+                    else "."
+                )
+            )
         if partial.exists():
             raise IncompleteCheckpointError(
                 f"no checkpoint at {p}: the save into it was interrupted before every rank "
@@ -203,20 +219,77 @@ def read_checksums(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return cast(dict[str, Any], data)
 
 
-class _ChecksumStream(io.RawIOBase):
-    """A write-only stream computing a running CRC-32 of everything written through it."""
+class _ItemCrc:
+    """The running CRC-32 of one stored item, advanced by checksum jobs in write order."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any, keepalive: object = None) -> None:
+        self.value = crc32(data, self.value)
+
+
+class _ChecksumStream(io.RawIOBase):
+    """Writes through to a file while computing each item's CRC-32 of the bytes written.
+
+    With a ``pool`` (one worker thread), checksumming runs behind the writes, in order, so it
+    overlaps the copy into the page cache, the encoding of the next items and the final
+    ``fsync``. Small writes (zip headers from transient buffers) are gathered into a buffer; a
+    large write is queued without a copy only when it *is* the memory of the tensor being saved
+    (same address and size), which the queued job keeps alive; anything else is checksummed
+    inline after the queue drained.
+    """
+
+    def __init__(self, raw: BinaryIO, pool: ThreadPoolExecutor | None) -> None:
         super().__init__()
         self._raw = raw
-        self.crc = 0
+        self._pool = pool
+        self._item = _ItemCrc()
+        self._owned: torch.Tensor | None = None
+        self._small = bytearray()
+        self._last: _ThreadFuture[None] | None = None
+
+    def _flush_small(self) -> None:
+        if self._small and self._pool is not None:
+            self._last = self._pool.submit(self._item.update, bytes(self._small))
+            self._small.clear()
+
+    def begin_item(self, owned: torch.Tensor | None) -> _ItemCrc:
+        """Start a new item; ``owned`` is the CPU tensor whose storage torch.save writes."""
+        self._flush_small()
+        self._item = _ItemCrc()
+        self._owned = owned
+        return self._item
+
+    def wait(self) -> None:
+        """Block until every queued checksum job ran (re-raising a job's error)."""
+        self._flush_small()
+        if self._last is not None:
+            self._last.result()
 
     def writable(self) -> bool:
         return True
 
+    def _is_owned(self, view: memoryview) -> bool:
+        owned = self._owned
+        if owned is None or view.nbytes != owned.untyped_storage().nbytes():
+            return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffers warn; nothing is written
+            return bool(torch.frombuffer(view, dtype=torch.uint8).data_ptr() == owned.data_ptr())
+
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        self.crc = crc32(view, self.crc)
+        if self._pool is None:
+            self._item.update(view)
+        elif view.nbytes < _DEFER_BYTES:
+            self._small += view
+        elif self._is_owned(view):
+            self._flush_small()
+            self._last = self._pool.submit(self._item.update, view, self._owned)
+        else:
+            self.wait()
+            self._item.update(view)
         written = self._raw.write(view)
         return view.nbytes if written is None else written
 
@@ -497,41 +570,50 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         planner: SavePlanner,
     ) -> tuple[list[WriteResult], dict[str, Any]]:
         results: list[WriteResult] = []
-        checks: list[list[int]] = []
+        checks: list[tuple[int, int]] = []
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
-        with (staging / name).open("wb") as raw:
-            stream = _ChecksumStream(cast(BinaryIO, raw))
-            for item in ordered:
-                data = planner.resolve_data(item)
-                pad = -raw.tell() % _ALIGN
-                if pad:  # aligned items let the reader view tensor bytes in place
-                    raw.write(b"\0" * pad)
-                offset = stream.tell()
-                stream.crc = 0
-                if item.type == WriteItemType.BYTE_IO:
-                    stream.write(cast(io.BytesIO, data).getbuffer())
-                else:
-                    tensor = cast(torch.Tensor, data).detach()
-                    if tensor.device.type != "cpu":
-                        tensor = tensor.cpu()
-                    if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                        tensor = tensor.clone()
-                    torch.save(tensor, cast(BinaryIO, stream))
-                length = stream.tell() - offset
-                checks.append([offset, length, stream.crc])
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=length,
-                        storage_data=_StorageInfo(name, offset, length),
+        crcs: list[_ItemCrc] = []
+        pool = ThreadPoolExecutor(1) if self.thread_count == 1 else None
+        try:
+            with (staging / name).open("wb") as raw:
+                stream = _ChecksumStream(cast(BinaryIO, raw), pool)
+                for item in ordered:
+                    data = planner.resolve_data(item)
+                    pad = -raw.tell() % _ALIGN
+                    if pad:  # aligned items let the reader view tensor bytes in place
+                        raw.write(b"\0" * pad)
+                    offset = stream.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        crcs.append(stream.begin_item(None))
+                        stream.write(cast(io.BytesIO, data).getbuffer())
+                    else:
+                        tensor = cast(torch.Tensor, data).detach()
+                        if tensor.device.type != "cpu":
+                            tensor = tensor.cpu()
+                        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                            tensor = tensor.clone()
+                        crcs.append(stream.begin_item(tensor))
+                        torch.save(tensor, cast(BinaryIO, stream))
+                    length = stream.tell() - offset
+                    checks.append((offset, length))
+                    results.append(
+                        WriteResult(
+                            index=item.index,
+                            size_in_bytes=length,
+                            storage_data=_StorageInfo(name, offset, length),
+                        )
                     )
-                )
-            raw.flush()
-            size = raw.tell()
-            if self.sync_files:
-                os.fsync(raw.fileno())
-        return results, {"size": size, "items": checks}
+                raw.flush()
+                size = raw.tell()
+                if self.sync_files:
+                    os.fsync(raw.fileno())
+                stream.wait()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        sums = [[off, length, c.value] for (off, length), c in zip(checks, crcs, strict=True)]
+        return results, {"size": size, "items": sums}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: write ``.metadata`` and the sidecar, then commit by renaming.
@@ -984,18 +1066,25 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
     checked: list[str] = []
     for name, entry in sorted(sums["files"].items()):
         file = p / name
-        try:
-            blob = file.read_bytes()
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptionError(f"checkpoint file {file} is missing") from exc
-        if len(blob) != entry["size"]:
+        if not file.is_file():
+            raise CheckpointCorruptionError(f"checkpoint file {file} is missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
             raise CheckpointCorruptionError(
-                f"checkpoint file {file} has {len(blob)} bytes, the save wrote {entry['size']}"
+                f"checkpoint file {file} has {size} bytes, the save wrote {entry['size']}"
             )
-        if "crc32" in entry and crc32(blob) != entry["crc32"]:
-            raise _crc_mismatch(file, 0, len(blob), "whole file")
-        for offset, length, crc in entry.get("items", []):
-            if crc32(memoryview(blob)[offset : offset + length]) != crc:
-                raise _crc_mismatch(file, offset, length, "stored item")
+        if size == 0:
+            checked.append(name)
+            continue
+        with file.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                if "crc32" in entry and crc32(view) != entry["crc32"]:
+                    raise _crc_mismatch(file, 0, size, "whole file")
+                for offset, length, crc in entry.get("items", []):
+                    if crc32(view[offset : offset + length]) != crc:
+                        raise _crc_mismatch(file, offset, length, "stored item")
+            finally:
+                view.release()
         checked.append(name)
     return checked

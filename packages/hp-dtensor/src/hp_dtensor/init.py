@@ -293,6 +293,7 @@ def init_parameters(
     module: T,
     *,
     device: torch.device | str | None = None,
+    reinitialize: bool = False,
 ) -> T:
     """Materialize meta parameters and buffers with single-process values, keeping local shards.
 
@@ -327,6 +328,8 @@ def init_parameters(
         module: the module (modified in place).
         device: the device of plain (non-DTensor) tensors; default
             :func:`hp_dtensor.device.get_device`. A DTensor goes to its mesh's device.
+        reinitialize: also overwrite tensors that are already materialized (for example after
+            ``module.to_empty(device=...)``); by default they keep their values.
 
     Returns:
         ``module``.
@@ -334,7 +337,7 @@ def init_parameters(
     Raises:
         ValueError: when a meta parameter or buffer has no initializer that writes it (naming
             it), when an initializer touches another module's meta tensor, or when ``module``
-            holds no meta tensor at all.
+            holds no meta tensor at all and ``reinitialize`` is False.
 
     See Also:
         ``torch.nn.Module.to_empty``: PyTorch's materialization (no values, unties tied
@@ -343,18 +346,24 @@ def init_parameters(
     if not isinstance(module, nn.Module):
         raise TypeError(f"init_parameters expects an nn.Module, got {type(module).__name__}")
     target = torch.device(device) if device is not None else get_device()
-    if not any(_is_meta(t) for t in (*module.parameters(), *module.buffers())):
+    if not reinitialize and not any(_is_meta(t) for t in (*module.parameters(), *module.buffers())):
         raise ValueError(
             "init_parameters found no parameter or buffer on the meta device; build the module "
-            "under hp_dtensor.init_empty_weights() first"
+            "under hp_dtensor.init_empty_weights() first, or pass reinitialize=True to overwrite "
+            "materialized tensors"
         )
+    pending = _is_meta if not reinitialize else _always
     # Within this call only: the objects already materialized (first holder owns the value).
     done: dict[int, torch.Tensor] = {}
     keep_alive: list[torch.Tensor] = []
     visited: set[nn.Module] = set()
     with torch.no_grad():
-        _visit(module, "", target, done, keep_alive, visited)
+        _visit(module, "", target, done, keep_alive, visited, pending)
     return module
+
+
+def _always(tensor: torch.Tensor) -> bool:
+    return True
 
 
 def _visit(
@@ -364,6 +373,7 @@ def _visit(
     done: dict[int, torch.Tensor],
     keep_alive: list[torch.Tensor],
     visited: set[nn.Module],
+    pending: Callable[[torch.Tensor], bool],
 ) -> None:
     """Registration pre-order (``named_modules``), or post-order for ``after_children`` fns."""
     if module in visited:
@@ -371,12 +381,12 @@ def _visit(
     visited.add(module)
     init_fn, after_children = _lookup(module)
     if not after_children:
-        _init_one(module, prefix, init_fn, device, done, keep_alive)
+        _init_one(module, prefix, init_fn, device, done, keep_alive, pending)
     for name, child in module._modules.items():
         if child is not None:
-            _visit(child, _qualified(prefix, name), device, done, keep_alive, visited)
+            _visit(child, _qualified(prefix, name), device, done, keep_alive, visited, pending)
     if after_children:
-        _init_one(module, prefix, init_fn, device, done, keep_alive)
+        _init_one(module, prefix, init_fn, device, done, keep_alive, pending)
 
 
 def _init_one(
@@ -386,6 +396,7 @@ def _init_one(
     device: torch.device,
     done: dict[int, torch.Tensor],
     keep_alive: list[torch.Tensor],
+    pending: Callable[[torch.Tensor], bool],
 ) -> None:
     own: list[tuple[str, str, torch.Tensor]] = [
         ("param", name, p) for name, p in module._parameters.items() if p is not None
@@ -395,13 +406,13 @@ def _init_one(
         return
     reset_buffers = getattr(module, BUFFER_INIT_METHOD, None)
     has_buffer_init = callable(reset_buffers)
-    needs = [(kind, name, t) for kind, name, t in own if _is_meta(t) and id(t) not in done]
+    needs = [(kind, name, t) for kind, name, t in own if pending(t) and id(t) not in done]
     if init_fn is None and not has_buffer_init:
         if needs:
             kind, name, _ = needs[0]
             raise ValueError(
-                f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} is on the meta "
-                "device and has no initializer: define reset_parameters(), register one with "
+                f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} needs a value "
+                "but has no initializer: define reset_parameters(), register one with "
                 f"hp_dtensor.register_init_fn, or (for buffers) define {BUFFER_INIT_METHOD}()"
             )
         return
@@ -412,7 +423,7 @@ def _init_one(
         s = _scratch(t)
         if kind == "param":
             assert isinstance(t, nn.Parameter)
-            s = _as_parameter(s, t)
+            s = nn.Parameter(s, requires_grad=t.requires_grad)
             module._parameters[name] = s
         else:
             module._buffers[name] = s
@@ -432,10 +443,10 @@ def _init_one(
             written = value is not scratch[(kind, name)] or value._version != versions[(kind, name)]
             results[(kind, name)] = value
             original = originals[(kind, name)]
-            if _is_meta(original) and id(original) not in done and not written:
+            if pending(original) and id(original) not in done and not written:
                 raise ValueError(
-                    f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} is on the "
-                    "meta device but its module's initializer did not write it; register an "
+                    f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} needs a "
+                    "value but its module's initializer did not write it; register an "
                     f"initializer with hp_dtensor.register_init_fn (or {BUFFER_INIT_METHOD}() "
                     "for buffers)"
                 )
@@ -451,7 +462,7 @@ def _init_one(
             if done[key] is not original:  # it was replaced, not swapped: re-point this holder
                 setattr(module, name, done[key])
             continue
-        if not _is_meta(original):
+        if not pending(original):
             continue  # already materialized: keep its values
         full = results[(kind, name)].detach()
         if full.dtype != original.dtype or tuple(full.shape) != tuple(original.shape):

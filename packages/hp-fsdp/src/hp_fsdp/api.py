@@ -402,6 +402,9 @@ def fully_shard(
     in backward it is gathered again and its gradients reduce-scattered with one collective
     (plus an all-reduce over the replicate axis for HSDP), overlapping earlier units' backward.
     Apply it bottom-up: blocks first, then the root. Numerics equal PyTorch's bit for bit.
+    DTensor parameters of a tensor-parallel (1-D) mesh are sharded through their local tensors,
+    with torch's placements on the concatenated (dp, tp) mesh (``_StridedShard`` where the
+    tensor-parallel placement shards the same dim).
 
     Args:
         module: a module, or a list of modules forming one unit.
@@ -422,7 +425,8 @@ def fully_shard(
         ValueError: for a bad mesh, ``reshard_after_forward`` or policy, or pinned memory
             without an accelerator.
         TypeError: for a non-module argument or unknown policy type.
-        NotImplementedError: for ``dp_mesh_dims`` or DTensor (tensor-parallel) parameters.
+        NotImplementedError: for ``dp_mesh_dims``, DTensor parameters on a mesh of more than
+            one dim, or an int ``reshard_after_forward`` with DTensor parameters.
 
     See Also:
         ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.

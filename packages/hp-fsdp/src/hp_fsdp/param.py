@@ -27,9 +27,11 @@ from typing import cast
 
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from hp_fsdp.mesh_info import MeshInfo
 
@@ -67,6 +69,16 @@ class ParamModuleInfo:
 def _make_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
     """Wrap a local tensor as a DTensor without checks or autograd (torch's fast path)."""
     return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
+
+
+def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    """``spec`` with its tensor metadata in another dtype."""
+    meta = spec.tensor_meta
+    if meta is None or meta.dtype == dtype:
+        return spec
+    return DTensorSpec(
+        spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype)
+    )
 
 
 def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
@@ -132,24 +144,36 @@ class ShardedParam:
         offload_to_cpu: bool,
         pin_memory: bool,
     ) -> None:
+        # FSDP over tensor parallelism: a DTensor parameter is sharded through its local tensor.
+        self._tp_spec: DTensorSpec | None = None
+        data: torch.Tensor = param
         if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"hp_fsdp.fully_shard got a DTensor parameter {module_info.name!r} (FSDP over "
-                "tensor parallelism); this runtime shards plain tensors only so far"
-            )
+            self._tp_spec = param._spec
+            if self._tp_spec.mesh.ndim != 1:
+                raise NotImplementedError(
+                    f"fully_shard supports DTensor parameters on a 1-D (tensor-parallel) mesh, "
+                    f"got {module_info.name!r} on a {self._tp_spec.mesh.ndim}-D mesh"
+                )
+            if self._tp_spec.mesh.device_type != mesh_info.mesh.device_type:
+                raise ValueError(
+                    f"the DTensor parameter {module_info.name!r} lives on a "
+                    f"{self._tp_spec.mesh.device_type} mesh but fully_shard's mesh is "
+                    f"{mesh_info.mesh.device_type}"
+                )
+            data = param._local_tensor
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard cannot shard the scalar parameter {module_info.name!r}; make it a "
                 "1-D tensor with one element"
             )
-        if not param.is_contiguous():
+        if not data.is_contiguous():
             raise ValueError(
                 f"fully_shard needs contiguous parameters, got {module_info.name!r} with shape "
                 f"{tuple(param.shape)} and stride {param.stride()}"
             )
         if shard_dim < 0:
-            shard_dim += param.ndim
-        if not 0 <= shard_dim < param.ndim:
+            shard_dim += data.ndim
+        if not 0 <= shard_dim < data.ndim:
             raise ValueError(
                 f"shard dim {shard_dim} is out of range for the {param.ndim}-D parameter "
                 f"{module_info.name!r}"
@@ -160,24 +184,36 @@ class ShardedParam:
         self.shard_dim = shard_dim
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory
+        dp_placement: Placement = Shard(shard_dim)
+        spec_mesh = mesh_info.mesh
+        tp_placements: tuple[Placement, ...] = ()
+        if self._tp_spec is not None:
+            split_factor = self._tp_spec.num_shards_map[shard_dim]
+            if split_factor > 1:
+                dp_placement = _StridedShard(shard_dim, split_factor=split_factor)
+            tp_placements = tuple(self._tp_spec.placements)
+            spec_mesh = DeviceMesh._concatenate([mesh_info.mesh, self._tp_spec.mesh])
         self.placements: tuple[Placement, ...] = (
-            (Replicate(), Shard(shard_dim)) if mesh_info.is_hsdp else (Shard(shard_dim),)
+            (Replicate(), dp_placement, *tp_placements)
+            if mesh_info.is_hsdp
+            else (dp_placement, *tp_placements)
         )
-        self.orig_size = param.size()
+        self.orig_size = data.size()
         self.orig_stride = _contiguous_strides(self.orig_size)
         ws, rank = mesh_info.shard_size, mesh_info.shard_rank
-        if shard_dim > 0 and param.size(shard_dim) % ws != 0:
+        if shard_dim > 0 and data.size(shard_dim) % ws != 0:
             raise ValueError(
                 f"fully_shard needs Shard({shard_dim}) of {module_info.name!r} (size "
                 f"{tuple(param.shape)}) to split evenly over {ws} ranks"
             )
-        self._spec = DTensorSpec(
-            mesh_info.mesh,
-            self.placements,
-            tensor_meta=TensorMeta(param.size(), param.stride(), param.dtype),
+        meta = (
+            self._tp_spec.tensor_meta
+            if self._tp_spec is not None
+            else TensorMeta(param.size(), param.stride(), param.dtype)
         )
+        self._spec = DTensorSpec(spec_mesh, self.placements, tensor_meta=meta)
         # torch.chunk semantics: chunk 0 is the largest; trailing ranks may get nothing.
-        dim_size = param.size(shard_dim)
+        dim_size = data.size(shard_dim)
         chunk = -(-dim_size // ws) if dim_size > 0 else 0
         start = min(chunk * rank, dim_size)
         length = max(min(chunk, dim_size - start), 0)
@@ -190,10 +226,10 @@ class ShardedParam:
         self.sharded_stride = _contiguous_strides(self.sharded_size)
         self.padded_sharded_numel = self.padded_sharded_size.numel()
         with torch.no_grad():
-            padded = param.detach().new_zeros(self.padded_sharded_size)
+            padded = data.detach().new_zeros(self.padded_sharded_size)
             if length > 0:
                 padded.narrow(shard_dim, 0, length).copy_(
-                    param.detach().narrow(shard_dim, start, length)
+                    data.detach().narrow(shard_dim, start, length)
                 )
             if offload_to_cpu and not padded.is_meta:
                 padded = padded.cpu()
@@ -316,6 +352,9 @@ class ShardedParam:
             return
         assert self._unsharded_data is not None
         view = torch.as_strided(self._unsharded_data, self.orig_size, self.orig_stride, 0)
+        tp_spec = self._tp_spec
+        if tp_spec is not None:
+            view = _make_dtensor(view, _with_dtype(tp_spec, view.dtype), False)
         self._unsharded_param = nn.Parameter(view, requires_grad=self.sharded_param.requires_grad)
 
     @property
@@ -397,17 +436,39 @@ class ShardedParam:
         self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Remove and return the gradient to reduce (accumulated or fresh), or None."""
+        """Remove and return the (local) gradient to reduce, accumulated or fresh, or None."""
         if self.unsharded_accumulated_grad is not None:
             grad = self.unsharded_accumulated_grad
             self.unsharded_accumulated_grad = None
-            return grad
+            return self._local_grad(grad)
         param = self._unsharded_param
         if param is None or param.grad is None:
             return None
         grad = param.grad
         param.grad = None
-        return grad
+        return self._local_grad(grad)
+
+    def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor of a tensor-parallel gradient in the parameter's placements."""
+        tp_spec = self._tp_spec
+        if tp_spec is None:
+            return grad
+        if not isinstance(grad, DTensor):
+            raise TypeError(
+                f"the gradient of the tensor-parallel parameter {self.fqn!r} must be a DTensor, "
+                f"got {type(grad).__name__}"
+            )
+        if tuple(grad.placements) != tuple(tp_spec.placements):
+            grad = grad.redistribute(placements=tp_spec.placements)
+        local = grad._local_tensor
+        if isinstance(local, AsyncCollectiveTensor):  # a redistribution still in flight
+            local = local.wait()
+        return local
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        """Whether the parameter was a DTensor (FSDP over tensor parallelism)."""
+        return self._tp_spec is not None
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local tensor of the sharded size as a DTensor with this parameter's spec.
@@ -418,15 +479,7 @@ class ShardedParam:
         Returns:
             The DTensor (no autograd history).
         """
-        spec = self._spec
-        if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
-            meta = spec.tensor_meta
-            spec = DTensorSpec(
-                spec.mesh,
-                spec.placements,
-                tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype),
-            )
-        return _make_dtensor(local, spec, False)
+        return _make_dtensor(local, _with_dtype(self._spec, local.dtype), False)
 
     def __repr__(self) -> str:
         return f"ShardedParam(fqn={self.fqn!r}, size={tuple(self.orig_size)})"

@@ -267,6 +267,13 @@ class ParamGroup:
             ShardedParam(p, info, mesh_info, device, dim, offload, pin)
             for p, info, dim in zip(params, infos, shard_dims, strict=True)
         ]
+        if not isinstance(reshard_after_forward, bool) and any(
+            p.is_tensor_parallel for p in self.params
+        ):
+            raise NotImplementedError(
+                "reshard_after_forward as an int is not supported with DTensor (tensor-parallel) "
+                "parameters; use True or False"
+            )
         self.modules = modules
         self.mesh_info = mesh_info
         self.device = device

@@ -2,11 +2,12 @@
 
 :class:`AllGather` and :class:`ReduceScatter` have exactly the ``allocate`` / ``__call__``
 signatures of ``torch.distributed.fsdp``'s custom-communication hooks
-(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``). PyTorch's own classes are
-registered as virtual subclasses, so ``isinstance(torch_comm, hp_kernels.AllGather)`` holds and a
-runtime typed against ours accepts them; in the other direction, our implementations duck-type as
-torch's and can be handed to torch's ``fully_shard`` modules. :class:`AllReduce` extends the
-same pattern to the replicate-axis all-reduce of HSDP.
+(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``). PyTorch's own classes
+count as virtual subclasses (checked lazily, without importing ``torch.distributed.fsdp``), so
+``isinstance(torch_comm, hp_kernels.AllGather)`` holds and a runtime typed against ours accepts
+them; in the other direction, our implementations duck-type as torch's and can be handed to
+torch's ``fully_shard`` modules. :class:`AllReduce` extends the same pattern to the
+replicate-axis all-reduce of HSDP.
 
 Implementations: :class:`DefaultAllGather`, :class:`DefaultReduceScatter`,
 :class:`DefaultAllReduce` (plain process-group collectives into ``torch.empty`` buffers) and
@@ -15,6 +16,7 @@ Implementations: :class:`DefaultAllGather`, :class:`DefaultReduceScatter`,
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
@@ -42,6 +44,24 @@ class Comm(ABC):
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_api.Comm``: PyTorch FSDP2's interface.
     """
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type) -> Any:
+        """Accept PyTorch FSDP2's ``Comm`` subclasses as virtual subclasses.
+
+        Args:
+            candidate: The class being checked.
+
+        Returns:
+            True for subclasses of torch's ``Comm``,
+            else ``NotImplemented`` (the normal check applies).
+
+        See Also:
+            ``abc.ABCMeta.__subclasshook__``: the protocol implemented.
+        """
+        if cls is Comm and _is_torch_subclass(candidate, "Comm"):
+            return True
+        return NotImplemented
 
     @abstractmethod
     def allocate(
@@ -72,6 +92,24 @@ class AllGather(Comm):
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``: PyTorch FSDP2's interface.
     """
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type) -> Any:
+        """Accept PyTorch FSDP2's ``AllGather`` subclasses as virtual subclasses.
+
+        Args:
+            candidate: The class being checked.
+
+        Returns:
+            True for subclasses of torch's ``AllGather``,
+            else ``NotImplemented`` (the normal check applies).
+
+        See Also:
+            ``abc.ABCMeta.__subclasshook__``: the protocol implemented.
+        """
+        if cls is AllGather and _is_torch_subclass(candidate, "AllGather"):
+            return True
+        return NotImplemented
 
     allocate = Comm.allocate  # documented here too; still abstract
 
@@ -106,6 +144,24 @@ class ReduceScatter(Comm):
         ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``: PyTorch FSDP2's
         interface.
     """
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type) -> Any:
+        """Accept PyTorch FSDP2's ``ReduceScatter`` subclasses as virtual subclasses.
+
+        Args:
+            candidate: The class being checked.
+
+        Returns:
+            True for subclasses of torch's ``ReduceScatter``,
+            else ``NotImplemented`` (the normal check applies).
+
+        See Also:
+            ``abc.ABCMeta.__subclasshook__``: the protocol implemented.
+        """
+        if cls is ReduceScatter and _is_torch_subclass(candidate, "ReduceScatter"):
+            return True
+        return NotImplemented
 
     allocate = Comm.allocate  # documented here too; still abstract
 
@@ -168,17 +224,18 @@ class AllReduce(Comm):
         """
 
 
-def _register_torch_classes() -> None:
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_api
-    except ImportError:  # pragma: no cover - torch moved its private module
-        return
-    Comm.register(_fsdp_api.Comm)  # type: ignore[type-abstract]
-    AllGather.register(_fsdp_api.AllGather)  # type: ignore[type-abstract]
-    ReduceScatter.register(_fsdp_api.ReduceScatter)  # type: ignore[type-abstract]
+_TORCH_API = "torch.distributed.fsdp._fully_shard._fsdp_api"
 
 
-_register_torch_classes()
+def _is_torch_subclass(candidate: type, name: str) -> bool:
+    """Whether ``candidate`` derives from torch FSDP2's class ``name`` (if torch loaded it).
+
+    Looked up in ``sys.modules`` rather than imported: importing ``torch.distributed.fsdp`` costs
+    seconds, and a class deriving from torch's exists only once torch's module is loaded.
+    """
+    api = sys.modules.get(_TORCH_API)
+    base = getattr(api, name, None) if api is not None else None
+    return isinstance(base, type) and issubclass(candidate, base)
 
 
 def _allocate_empty(

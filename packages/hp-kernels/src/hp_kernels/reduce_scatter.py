@@ -5,9 +5,9 @@ Reduce-scatter input layout (exactly PyTorch FSDP2's, i.e. ``torch._chunk_cat`` 
 gradient in order, chunk ``r`` of that gradient flattened. A gradient sharded on dim 0 is padded
 with zero rows to ``ceil(d0 / world_size) * world_size`` rows and split in ``world_size`` row
 chunks. A gradient sharded on ``dim != 0`` must divide evenly there (as in torch); its chunk
-``r`` is ``torch.chunk(grad, world_size, dim)[r]`` in its natural row-major order. On gloo the
-summation order of an element depends on where it sits in this buffer, so bit parity with torch
-FSDP2 depends on reproducing the layout exactly.
+``r`` is ``torch.chunk(grad, world_size, dim)[r]`` in its natural row-major order. A backend's
+summation order for an element can depend on where it sits in this buffer, so bit parity with
+torch FSDP2 depends on reproducing the layout exactly.
 
 Division (``gradient_divide_factors``): for float32/bfloat16 reductions torch divides once after
 the sum (or uses AVG); for other dtypes (float16) it splits the factor ``N`` into a power of two

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hp_tp._dtensor import DeviceMesh, DTensor, Replicate, Shard
+from hp_tp._dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard
 
 __all__ = ["loss_parallel"]
 
@@ -61,6 +61,7 @@ def _pick_targets(
     ignore_index: int,
     class_start: int,
     group: dist.ProcessGroup,
+    batch_groups: tuple[dist.ProcessGroup, ...] = (),
 ) -> _Picked:
     """The negative (weighted) log-probability of each row's target: one all-reduce."""
     valid = target != ignore_index
@@ -80,6 +81,8 @@ def _pick_targets(
         total_weight = torch.where(valid, w_target, 0.0).sum()
     else:
         total_weight = valid.sum().to(log_probs.dtype)
+    for batch_group in batch_groups:  # the mean is over the global batch
+        dist.all_reduce(total_weight, op=dist.ReduceOp.SUM, group=batch_group)
     return _Picked(per_token, total_weight, owned, gather_index, valid, w_target)
 
 
@@ -137,12 +140,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         reduction: str,
         class_start: int,
         group: dist.ProcessGroup,
-        label_smoothing: float = 0.0,
-        n_classes: int = 0,
+        batch_groups: tuple[dist.ProcessGroup, ...],
+        label_smoothing: float,
+        n_classes: int,
     ) -> torch.Tensor:
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
         log_probs = _log_softmax_last(x, group)
-        picked = _pick_targets(log_probs, target, weight, ignore_index, class_start, group)
+        picked = _pick_targets(
+            log_probs, target, weight, ignore_index, class_start, group, batch_groups
+        )
         _save_picked(ctx, picked, reduction, log_probs)
         ctx.input_dtype = logits.dtype
         ctx.label_smoothing = label_smoothing
@@ -181,7 +187,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             gs = torch.where(valid, gs, 0.0).unsqueeze(-1) * (eps / ctx.n_classes)
             w_local = 1.0 if ctx.local_w is None else ctx.local_w
             grad_logits = (1.0 - eps) * (one_hot + probs) * g + (probs * ctx.w_sum - w_local) * gs
-        return (grad_logits.to(ctx.input_dtype),) + (None,) * 8
+        return (grad_logits.to(ctx.input_dtype),) + (None,) * 9
 
 
 class _VocabParallelLogSoftmax(torch.autograd.Function):
@@ -216,8 +222,11 @@ class _VocabParallelNLL(torch.autograd.Function):
         reduction: str,
         class_start: int,
         group: dist.ProcessGroup,
+        batch_groups: tuple[dist.ProcessGroup, ...],
     ) -> torch.Tensor:
-        picked = _pick_targets(log_probs, target, weight, ignore_index, class_start, group)
+        picked = _pick_targets(
+            log_probs, target, weight, ignore_index, class_start, group, batch_groups
+        )
         _save_picked(ctx, picked, reduction)
         ctx.shape = log_probs.shape
         ctx.dtype = log_probs.dtype
@@ -227,7 +236,7 @@ class _VocabParallelNLL(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         like = torch.empty(ctx.shape, dtype=ctx.dtype, device=grads[0].device)
         g, one_hot = _row_grad_and_neg_one_hot(ctx, grads[0], like)
-        return one_hot * g, None, None, None, None, None, None
+        return one_hot * g, None, None, None, None, None, None, None
 
 
 def _class_dim(ndim: int) -> int:
@@ -249,24 +258,16 @@ def _sharded_class_mesh_dim(input: DTensor) -> int | None:
     return _sharded_mesh_dim(input, _class_dim(input.ndim))
 
 
-def _local_target(target: Any, mesh: DeviceMesh) -> torch.Tensor:
-    if isinstance(target, DTensor):
-        if any(not isinstance(p, Replicate) for p in target.placements):
-            target = target.redistribute(mesh, [Replicate()] * mesh.ndim)
-        local: torch.Tensor = target.to_local()
-        return local
-    if isinstance(target, torch.Tensor):
-        return target
-    raise TypeError(f"the loss target must be a tensor, got {type(target).__name__}")
-
-
 class _ClassSharded(NamedTuple):
     mesh: DeviceMesh
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup  # the mesh dim sharding the classes
     class_start: int
     flat: torch.Tensor  # local input, classes last, rows flattened: [M, V_local]
     flat_target: torch.Tensor  # [M]
-    target_shape: torch.Size
+    target_shape: torch.Size  # local
+    target_global_shape: torch.Size
+    target_placements: tuple[Placement, ...]  # of the target and of a reduction="none" loss
+    batch_groups: tuple[dist.ProcessGroup, ...]  # mesh dims sharding the rows (not the classes)
     weight: torch.Tensor | None
 
 
@@ -290,26 +291,55 @@ def _class_sharded(
     mesh = input.device_mesh
     mesh_dim = _sharded_class_mesh_dim(input)
     assert mesh_dim is not None
+    cdim = _class_dim(input.ndim)
+    target_placements: list[Placement] = []
+    batch_dims: list[int] = []
     for i, p in enumerate(input.placements):
-        if i != mesh_dim and not isinstance(p, Replicate):
+        if i == mesh_dim or isinstance(p, Replicate):
+            target_placements.append(Replicate())
+        elif isinstance(p, Shard) and type(p) is Shard:
+            d = p.dim % input.ndim
+            target_placements.append(Shard(d if d < cdim else d - 1))
+            batch_dims.append(i)
+        else:
             raise ValueError(
-                f"loss_parallel {fn} needs its input sharded on the class dimension on one mesh "
-                f"dim and replicated on the others, got placements {tuple(input.placements)}"
+                f"loss_parallel {fn} needs its input sharded on the class dimension on exactly "
+                "one mesh dim and sharded on other tensor dims or replicated on the other mesh "
+                f"dims, got placements {tuple(input.placements)}"
             )
-    local_target = _local_target(target, mesh)
+    expected = torch.Size(tuple(input.shape[:cdim]) + tuple(input.shape[cdim + 1 :]))
+    if isinstance(target, DTensor):
+        if tuple(target.shape) != tuple(expected):
+            raise ValueError(
+                f"{fn} target of shape {tuple(target.shape)} does not match input of shape "
+                f"{tuple(input.shape)} (expected target shape {tuple(expected)})"
+            )
+        if tuple(target.placements) != tuple(target_placements):
+            target = target.redistribute(mesh, target_placements)
+        local_target: torch.Tensor = target.to_local()
+    elif isinstance(target, torch.Tensor):
+        if batch_dims:
+            raise ValueError(
+                f"loss_parallel {fn}: the input is sharded on a batch dimension too "
+                f"(placements {tuple(input.placements)}), so pass the target as a DTensor with "
+                f"placements {tuple(target_placements)}"
+            )
+        local_target = target
+    else:
+        raise TypeError(f"the {fn} target must be a tensor, got {type(target).__name__}")
     if local_target.is_floating_point():
         raise ValueError(
             f"loss_parallel {fn} needs class-index targets (an integer tensor), got "
             "floating-point class probabilities"
         )
-    cdim = _class_dim(input.ndim)
-    n_classes = input.shape[cdim]
-    expected = tuple(input.shape[:cdim]) + tuple(input.shape[cdim + 1 :])
-    if tuple(local_target.shape) != expected:
+    local = input.to_local()
+    local_expected = tuple(local.shape[:cdim]) + tuple(local.shape[cdim + 1 :])
+    if tuple(local_target.shape) != local_expected:
         raise ValueError(
             f"{fn} target of shape {tuple(local_target.shape)} does not match input of shape "
-            f"{tuple(input.shape)} (expected target shape {expected})"
+            f"{tuple(input.shape)} (expected target shape {tuple(expected)})"
         )
+    n_classes = input.shape[cdim]
     local_weight: torch.Tensor | None = None
     if weight is not None:
         full_w = weight.full_tensor() if isinstance(weight, DTensor) else weight
@@ -319,7 +349,6 @@ def _class_sharded(
                 f"{getattr(full_w, 'shape', full_w)!r}"
             )
         local_weight = full_w
-    local = input.to_local()
     moved = local.movedim(cdim, -1)
     return _ClassSharded(
         mesh=mesh,
@@ -328,6 +357,9 @@ def _class_sharded(
         flat=moved.reshape(-1, moved.shape[-1]),
         flat_target=local_target.reshape(-1),
         target_shape=local_target.shape,
+        target_global_shape=expected,
+        target_placements=tuple(target_placements),
+        batch_groups=tuple(mesh.get_group(i) for i in batch_dims),
         weight=local_weight,
     )
 
@@ -339,9 +371,23 @@ def _shard_start(n: int, n_shards: int, coord: int) -> int:
 
 
 def _loss_dtensor(loss: torch.Tensor, info: _ClassSharded, reduction: str) -> DTensor:
+    """The loss as a DTensor: per-token losses laid out like the target; a scalar replicated,
+    or a partial sum over the mesh dims that shard the rows."""
     if reduction == "none":
-        loss = loss.reshape(info.target_shape)
-    return DTensor.from_local(loss, info.mesh, [Replicate()] * info.mesh.ndim, run_check=False)
+        shape = tuple(info.target_global_shape)
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * max(shape[i + 1], 1)
+        return DTensor.from_local(
+            loss.reshape(info.target_shape),
+            info.mesh,
+            info.target_placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=tuple(stride),
+        )
+    placements = [Partial() if isinstance(p, Shard) else p for p in info.target_placements]
+    return DTensor.from_local(loss, info.mesh, placements, run_check=False)
 
 
 def _vocab_parallel_cross_entropy(
@@ -365,6 +411,7 @@ def _vocab_parallel_cross_entropy(
         reduction,
         info.class_start,
         info.group,
+        info.batch_groups,
         float(label_smoothing),
         input.shape[_class_dim(input.ndim)],
     )
@@ -389,6 +436,7 @@ def _vocab_parallel_nll_loss(
         reduction,
         info.class_start,
         info.group,
+        info.batch_groups,
     )
     return _loss_dtensor(loss, info, reduction)
 
@@ -469,16 +517,24 @@ def loss_parallel() -> Iterator[None]:
     Within the block, ``F.cross_entropy(input, target, ...)`` / ``nn.CrossEntropyLoss`` with
     ``input`` a DTensor sharded on the class dimension (dimension 1, or 0 for a 1-D input; the
     usual case is ``[tokens, vocab]`` logits with ``Shard(1)`` / ``Shard(-1)``) on exactly one
-    mesh dimension and replicated on the others returns the exact loss as a replicated DTensor.
-    Supported: ``weight`` (replicated), ``ignore_index``, ``reduction`` ``"mean"``, ``"sum"``
-    and ``"none"``, and ``label_smoothing`` (which PyTorch's version rejects; it costs one more
-    all-reduce). The target holds class indices, as a local tensor (the same on every rank of
-    the class-sharding dimension) or a DTensor. No rank ever holds more than its slice of the
+    mesh dimension returns the exact loss. Supported: ``weight`` (replicated), ``ignore_index``,
+    ``reduction`` ``"mean"``, ``"sum"`` and ``"none"``, and ``label_smoothing`` (which PyTorch's
+    version rejects; it costs one more all-reduce). No rank ever holds more than its slice of the
     logits; the forward issues three all-reduces of ``[tokens]``-sized tensors and the backward
-    none. The backward may run inside or after the block. The two halves of cross-entropy work
-    too: ``F.log_softmax(x, dim)`` on a DTensor sharded on ``dim`` returns the log-probabilities
-    sharded alike (its backward all-reduces one row sum), and ``F.nll_loss`` on class-sharded
-    log-probabilities returns the replicated loss. Calls on other inputs run unchanged.
+    none. The backward may run inside or after the block.
+
+    The other mesh dimensions may replicate the logits or shard another tensor dimension (a batch
+    or sequence dimension, e.g. data or context parallelism). The target holds class indices: a
+    local tensor (the same on every rank) when the other mesh dimensions replicate, otherwise a
+    DTensor laid out like the logits without the class dimension. The loss comes back as a
+    DTensor: with ``"none"`` laid out like the target; with ``"sum"`` and ``"mean"`` replicated,
+    or a ``Partial`` sum over the mesh dimensions that shard the batch. ``"mean"`` divides by the
+    global (weighted) count of tokens on any mesh (PyTorch's version rejects it on N-D meshes).
+
+    The two halves of cross-entropy work too: ``F.log_softmax(x, dim)`` on a DTensor sharded on
+    ``dim`` (and replicated elsewhere) returns the log-probabilities sharded alike (its backward
+    all-reduces one row sum), and ``F.nll_loss`` on class-sharded log-probabilities returns the
+    loss as above. Calls on other inputs run unchanged.
 
     Yields:
         None.
@@ -486,7 +542,8 @@ def loss_parallel() -> Iterator[None]:
     Raises:
         ValueError: inside the block, for ``label_smoothing`` outside [0, 1], class-probability
             targets, the deprecated ``size_average``/``reduce`` arguments, a target or weight of
-            the wrong shape, or logits sharded on another mesh dim too.
+            the wrong shape, a local target where the logits are also sharded on a batch
+            dimension, or logits with a ``Partial`` placement.
 
     See Also:
         ``torch.distributed.tensor.parallel.loss_parallel``: PyTorch's loss-parallel context;

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 import hp_dcp
@@ -79,21 +80,27 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def _world(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if _world(group) > 1:
+        dist.barrier(group=group)
 
 
-def _broadcast(obj: Any) -> Any:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def _broadcast(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    """``obj`` from the group's first rank, on every rank of the group."""
+    if _world(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def _is_group_leader(group: dist.ProcessGroup | None) -> bool:
+    return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,9 +195,7 @@ class OptimizersWrapper:
         optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     ) -> None:
         parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
-        opts = (
-            [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        )
+        opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         if len(parts) != len(opts):
             raise ValueError(
                 f"got {len(parts)} model parts and {len(opts)} optimizers; expected one "
@@ -514,7 +519,7 @@ class CheckpointManager:
                 raise TypeError(f"states[{key!r}] is not Stateful (state_dict/load_state_dict)")
             self.states[key] = value
         self._pending: Future[Any] | None = None
-        self._pending_step: int | None = None
+        self._staging: Future[Any] | None = None
         self._async_group: dist.ProcessGroup | None = None
         if self.enable and self.options.async_mode != "disabled" and _world() > 1:
             # background saves must not interleave their collectives with training's
@@ -562,6 +567,14 @@ class CheckpointManager:
 
     # -- save ----------------------------------------------------------------------------------
 
+    def _dcp_save(self, state: dict[str, Any], path: Path) -> None:
+        hp_dcp.save(
+            state,
+            checkpoint_id=path,
+            process_group=self.process_group,
+            no_dist=not dist.is_initialized(),
+        )
+
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
         if not self.enable:
             return False
@@ -580,14 +593,15 @@ class CheckpointManager:
 
     def _dataloader_state(self, state: Any) -> Any:
         """The loader's state once if every rank has the same, else per rank (never lost)."""
-        if _world() == 1:
+        group = self.process_group
+        if _world(group) == 1:
             return state
         try:
             mine = pickle.dumps(state)
         except Exception:
             mine = None
-        gathered: list[Any] = [None] * _world()
-        dist.all_gather_object(gathered, mine)
+        gathered: list[Any] = [None] * _world(group)
+        dist.all_gather_object(gathered, mine, group=group)
         if mine is not None and all(g == mine for g in gathered):
             return state
         return {_PER_RANK: {str(_rank()): state}}
@@ -627,41 +641,44 @@ class CheckpointManager:
         path = self.step_dir(curr_step)
         if last_step and self.options.last_save_model_only:
             dtype = _EXPORT_DTYPES[self.options.export_dtype]
-            hp_dcp.save(
-                self._model_state(dtype), checkpoint_id=path, process_group=self.process_group
-            )
+            self._dcp_save(self._model_state(dtype), path)
             if self.options.last_save_in_hf:
                 self.export_hf(self.folder / f"step-{curr_step}-hf", dtype=dtype)
             self._purge()
             return True
         state = self._full_state()
         if self.options.async_mode == "disabled" or last_step:
-            hp_dcp.save(state, checkpoint_id=path, process_group=self.process_group)
+            self._dcp_save(state, path)
             self._purge()
         else:
-            future = hp_dcp.async_save(
+            result = hp_dcp.async_save(
                 state,
                 checkpoint_id=path,
                 process_group=self._async_group or self.process_group,
+                no_dist=not dist.is_initialized(),
             )
-            self._pending = future if isinstance(future, Future) else None
-            self._pending_step = curr_step
-            if self._pending is None:  # an AsyncSaveResponse: wait for its upload future
-                self._pending = future.upload_completion  # type: ignore[union-attr]
+            if isinstance(result, AsyncSaveResponse):  # a stager that stages in the background
+                self._staging = result.staging_completion
+                self._pending = result.upload_completion
+            else:
+                self._pending = result
         if last_step and self.options.last_save_in_hf:
             self.export_hf(self.folder / f"step-{curr_step}-hf")
         return True
 
     def maybe_wait_for_staging(self) -> None:
-        """Return once the pending asynchronous save no longer reads the training tensors.
+        """Block until the pending asynchronous save no longer reads the training tensors.
 
-        hp-dcp's writer stages (copies to host memory) before :meth:`save` returns, so this
-        returns at once; it exists for TorchTitan's call sites.
+        Call it before the optimizer step that follows an asynchronous :meth:`save`. hp-dcp's
+        default writer stages (copies to host memory) before :meth:`save` returns, so then
+        there is nothing to wait for; a background stager is waited on here.
 
         See Also:
             ``torchtitan.components.checkpoint.CheckpointManager.maybe_wait_for_staging``.
         """
-        return
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
 
     def wait(self) -> None:
         """Block until the pending asynchronous save committed, then purge old checkpoints.
@@ -674,17 +691,17 @@ class CheckpointManager:
         """
         if self._pending is None:
             return
+        self.maybe_wait_for_staging()
         future, self._pending = self._pending, None
         future.result()
-        self._pending_step = None
         self._purge()
 
     def _purge(self) -> None:
-        if self.keep_latest_k > 0 and _rank() == 0:
+        if self.keep_latest_k > 0 and _is_group_leader(self.process_group):
             steps = [s for s in self.list_steps() if s != 0]  # the seed checkpoint stays
             for step in steps[: -self.keep_latest_k]:
                 shutil.rmtree(self.step_dir(step), ignore_errors=True)
-        _barrier()
+        _barrier(self.process_group)
 
     def create_seed_checkpoint(self) -> Path:
         """Save the freshly initialized model as ``step-0`` (model only), for identical init.
@@ -700,7 +717,7 @@ class CheckpointManager:
             ``create_seed_checkpoint``: TorchTitan's seed checkpoint.
         """
         path = self.step_dir(0)
-        hp_dcp.save(self._model_state(None), checkpoint_id=path, process_group=self.process_group)
+        self._dcp_save(self._model_state(None), path)
         return path
 
     # -- export ------------------------------------------------------------------------------
@@ -729,9 +746,7 @@ class CheckpointManager:
             ``torchtitan.components.checkpoint.CheckpointManager`` with
             ``last_save_model_only`` and ``export_dtype``.
         """
-        hp_dcp.save(
-            self._model_state(dtype), checkpoint_id=Path(path), process_group=self.process_group
-        )
+        self._dcp_save(self._model_state(dtype), Path(path))
         return Path(path)
 
     def export_hf(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
@@ -760,7 +775,7 @@ class CheckpointManager:
             )
         out = Path(path)
         full = self._full_model_state(dtype)
-        if _rank() == 0:
+        if _is_group_leader(self.process_group):
             hf = self.sd_adapter.to_hf(full)
             hp_dcp.save_hf_safetensors(hf, out)
             if hasattr(self.sd_adapter, "hf_config"):
@@ -768,7 +783,7 @@ class CheckpointManager:
                 if dtype is not None:
                     config["torch_dtype"] = str(dtype).removeprefix("torch.")
                 (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _barrier()
+        _barrier(self.process_group)
         return out
 
     def load_hf(self, path: str | Path) -> None:
@@ -828,7 +843,7 @@ class CheckpointManager:
         self.skipped = []
         if step == -1 and self.options.load_step != -1:
             step = self.options.load_step
-        steps: list[int] = _broadcast(self.list_steps())
+        steps: list[int] = _broadcast(self.list_steps(), self.process_group)
         if step != -1:
             if step not in steps:
                 raise FileNotFoundError(
@@ -841,11 +856,14 @@ class CheckpointManager:
             try:
                 self._load_dir(self.step_dir(candidate), model_only=candidate == 0)
             except _LOAD_ERRORS as exc:
-                logger.warning(
-                    "checkpoint %s is unusable (%s); falling back to the previous one",
-                    self.step_dir(candidate),
-                    exc,
-                )
+                if _is_group_leader(
+                    self.process_group
+                ):  # every rank gets the same error (hp-dcp gathers them)
+                    logger.warning(
+                        "checkpoint %s is unusable (%s); falling back to the previous one",
+                        self.step_dir(candidate),
+                        exc,
+                    )
                 self.skipped.append((candidate, str(exc)))
                 continue
             self.loaded_step = candidate
@@ -908,7 +926,12 @@ class CheckpointManager:
                 to_load[key] = self._dataloader_template(obj, keys, path)
             else:
                 to_load[key] = obj.state_dict()
-        hp_dcp.load(to_load, checkpoint_id=path, process_group=self.process_group)
+        hp_dcp.load(
+            to_load,
+            checkpoint_id=path,
+            process_group=self.process_group,
+            no_dist=not dist.is_initialized(),
+        )
         for key, value in to_load.items():
             if key == DATALOADER and isinstance(value, dict) and _PER_RANK in value:
                 value = value[_PER_RANK][str(_rank())]

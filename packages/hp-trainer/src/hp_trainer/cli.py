@@ -92,7 +92,41 @@ def _quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-@record
+def _prevalidate(config: JobConfig, world_size: int) -> None:
+    """Fail fast, before any process starts, on errors every rank would hit."""
+    from hp_trainer.data import BUILTIN_DATASETS
+    from hp_trainer.model_spec import get_model_spec
+    from hp_trainer.parallel_dims import ParallelDims
+
+    get_model_spec(config.model.name).model_args(config.model.flavor)
+    p = config.parallelism
+    ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        world_size=world_size,
+    )
+    dataset = config.data.dataset
+    if dataset not in BUILTIN_DATASETS and not os.path.exists(dataset):
+        raise ValueError(
+            f"data.dataset = {dataset!r} is neither a built-in dataset "
+            f"({', '.join(BUILTIN_DATASETS)}) nor an existing file or folder"
+        )
+
+
+def _train(config: JobConfig) -> None:
+    from hp_trainer.trainer import Trainer
+
+    trainer = Trainer(config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hp-train``.
 
@@ -110,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         ``torchtitan.train.main``: TorchTitan's entry point (run via ``run_train.sh``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in args or "-h" in args:
+        print(ConfigManager().help_text())
+        return 0
     try:
         config = ConfigManager().parse_args(args)
     except ValueError as exc:
@@ -117,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if needs_launcher(config):
         nproc = nproc_for(config)
+        try:
+            _prevalidate(config, nproc)
+        except ValueError as exc:
+            print(f"hp-train: error: {exc}", file=sys.stderr)
+            return 2
         print(f"hp-train: starting {nproc} local ranks with torch.distributed.run", flush=True)
         start = time.perf_counter()
         status = _launch(nproc, args)
@@ -133,13 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         print(json.dumps(config.to_dict(), indent=2))
-    from hp_trainer.trainer import Trainer
-
-    trainer = Trainer(config)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    # under a launcher, record() writes the failing rank's traceback to the agent's error file
+    record(_train)(config)
     return 0
 
 

@@ -41,8 +41,8 @@ __all__ = [
     "Llama3StateDictAdapter",
     "Qwen3StateDictAdapter",
     "StateDictAdapter",
-    "interleaved_to_half_rotary",
     "half_to_interleaved_rotary",
+    "interleaved_to_half_rotary",
 ]
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")

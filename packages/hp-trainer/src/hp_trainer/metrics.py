@@ -114,6 +114,7 @@ class MetricsProcessor:
         self.stream = stream if stream is not None else sys.stdout
         self.is_logging_rank = rank == 0 or not config.rank_0_only
         self.history: list[dict[str, Any]] = []
+        self.loss_curve: list[tuple[int, float]] = []
         self.device_name = _device_name()
         self.peak_flops = config.peak_flops or get_peak_flops(self.device_name)
         self._jsonl: TextIO | None = None
@@ -149,6 +150,18 @@ class MetricsProcessor:
             ``torchtitan.components.metrics.MetricsProcessor.should_log``.
         """
         return step == 1 or step % self.config.log_freq == 0 or step == self.total_steps
+
+    def observe_loss(self, step: int, loss: float) -> None:
+        """Record the loss of every step for the loss curve (logged or not).
+
+        Args:
+            step: 1-based step.
+            loss: Global mean loss of the step.
+
+        See Also:
+            ``torchtitan.components.metrics.MetricsProcessor.log``.
+        """
+        self.loss_curve.append((step, loss))
 
     def add_tokens(self, num_tokens: int) -> None:
         """Count tokens this rank processed since the last log.
@@ -245,7 +258,7 @@ class MetricsProcessor:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        if self.rank != 0 or not self.config.enable_plot or not self.history:
+        if self.rank != 0 or not self.config.enable_plot or not self.loss_curve:
             return None
         try:
             import matplotlib
@@ -257,8 +270,8 @@ class MetricsProcessor:
                 "loss plot skipped: it needs matplotlib (pip install 'hp-trainer[plot]')"
             )
             return None
-        steps = [r["step"] for r in self.history]
-        losses = [r["loss"] for r in self.history]
+        steps = [step for step, _ in self.loss_curve]
+        losses = [loss for _, loss in self.loss_curve]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot(steps, losses, marker="." if len(steps) < 60 else None)
         ax.set_xlabel("step")

@@ -382,6 +382,7 @@ class Trainer:
                 loss, norm = self.train_step(next(batches))
                 self.losses.append(loss)
                 self.grad_norms.append(norm)
+                self.metrics.observe_loss(self.step, loss)
                 if self.metrics.should_log(self.step):
                     self.metrics.log(self.step, loss, norm, lr)
         finally:
