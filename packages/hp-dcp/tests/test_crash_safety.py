@@ -301,3 +301,29 @@ def test_crash_during_commit_rename_points_to_complete_save(tmp_path: Path) -> N
     got = _empty_like(_plain_state(1))
     hp_dcp.load(got, checkpoint_id=path, no_dist=True)
     assert torch.equal(got["a"], _plain_state(1)["a"])
+
+
+def test_large_tensors_checksummed_behind_the_write_without_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+    real = hp_dcp.storage._ChecksumStream._is_owned
+
+    def spy(self: Any, view: memoryview) -> bool:
+        seen.append(real(self, view))
+        return seen[-1]
+
+    monkeypatch.setattr(hp_dcp.storage._ChecksumStream, "_is_owned", spy)
+    g = torch.Generator().manual_seed(3)
+    sd = {
+        "big": torch.randn(300, 100, generator=g),
+        "strided": torch.randn(100, 400, generator=g)[:, ::2],  # saved as a compact clone
+        "half": torch.randn(70000, generator=g).half(),
+    }
+    hp_dcp.save(sd, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert seen == [True, True, True]
+    hp_dcp.verify_checkpoint(tmp_path / "c")  # recomputes every CRC from the file
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    tdcp.load(got, checkpoint_id=tmp_path / "c", no_dist=True)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v), k

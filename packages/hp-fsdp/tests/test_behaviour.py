@@ -315,3 +315,27 @@ def test_engine_does_not_call_torch_fsdp() -> None:
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
+
+
+@distributed(world_size=2)
+def test_explicit_prefetch_lists() -> None:
+    h = _helpers()
+    model, _ = _build((2,))
+    layers = list(model.layers)  # type: ignore[arg-type]
+    model.set_modules_to_forward_prefetch(layers)  # type: ignore[operator]
+    layers[1].set_modules_to_backward_prefetch([layers[0]])
+    tokens, targets = h.make_batch(rank_seed(0))
+    with _comm_log() as log:  # first iteration: no recorded order, only the explicit lists
+        layers[0].down.register_forward_hook(lambda *_: log.append(("compute_end", 0)))
+        layers[1].down.register_full_backward_hook(lambda *_: log.append(("bwd_compute", 1)))
+        logits = model(tokens)
+        log.append(("backward",))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, h.VOCAB), targets.reshape(-1))
+        loss.backward()
+    ags = [e for e in log if e[0] == "issue" and e[1] == "ag"]
+    assert len(ags) == 5, log
+    # The root prefetches both blocks before block 0 computes.
+    assert _index(log, ags[2]) < _index(log, ("compute_end", 0)), log
+    # Block 1 prefetches block 0 in backward before its own backward computation.
+    assert _index(log, ags[3]) < _index(log, ags[4]) < _index(log, ("bwd_compute", 1)), log
+    assert all(isinstance(p, DTensor) for p in model.parameters())

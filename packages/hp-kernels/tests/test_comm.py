@@ -215,14 +215,15 @@ def test_fused_fsdp_path_bitwise_equals_torch_fully_shard(policy: str) -> None:
 
 
 @distributed(world_size=WS)
-def test_our_reduce_scatter_plugs_into_torch_fully_shard() -> None:
-    rank, ws = dist.get_rank(), dist.get_world_size()
+def test_our_reduce_scatters_plug_into_torch_fully_shard() -> None:
+    ws = dist.get_world_size()
     torch.manual_seed(0)
     ref = _Net()
     ours = copy.deepcopy(ref)
+    low = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (ws,))
-    fully_shard(ref, mesh=mesh)
-    fully_shard(ours, mesh=mesh)
+    for m in (ref, ours, low):
+        fully_shard(m, mesh=mesh)
     calls = []
 
     class _Spy(hk.DefaultReduceScatter):
@@ -231,12 +232,16 @@ def test_our_reduce_scatter_plugs_into_torch_fully_shard() -> None:
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
     ours.set_custom_reduce_scatter(_Spy())
+    low.set_custom_reduce_scatter(hk.Bf16AllToAllReduceScatter())
     torch.manual_seed(rank_seed(1))
     x = torch.randn(4, 6)
-    for m in (ref, ours):
+    for m in (ref, ours, low):
         m(x).sum().backward()
     shapes = [p.shape for p in _Net().parameters()]
     assert calls == [hk.reduce_scatter_numel(shapes, [0] * len(shapes), ws)]
-    for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters(), strict=True):
+    params = zip(ref.named_parameters(), ours.named_parameters(), low.parameters(), strict=True)
+    for (n, a), (_, b), c in params:
         assert torch.equal(a.grad.to_local(), b.grad.to_local()), n
-    del rank
+        # bf16 on the wire (AVG over ranks): within bf16 rounding of the fp32 reduction.
+        torch.testing.assert_close(c.grad.to_local(), a.grad.to_local(), rtol=2**-7, atol=1e-3)
+        assert not torch.equal(c.grad.to_local(), a.grad.to_local()) or a.grad.abs().max() == 0

@@ -26,13 +26,15 @@ runs; new ranks keep their seeded state and a warning says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
 import random
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +99,15 @@ def _broadcast(obj: Any, group: dist.ProcessGroup | None) -> Any:
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group we pass ``no_dist=True`` on purpose: drop DCP's warning."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _is_group_leader(group: dist.ProcessGroup | None) -> bool:
@@ -568,12 +579,13 @@ class CheckpointManager:
     # -- save ----------------------------------------------------------------------------------
 
     def _dcp_save(self, state: dict[str, Any], path: Path) -> None:
-        hp_dcp.save(
-            state,
-            checkpoint_id=path,
-            process_group=self.process_group,
-            no_dist=not dist.is_initialized(),
-        )
+        with _single_process_quiet():
+            hp_dcp.save(
+                state,
+                checkpoint_id=path,
+                process_group=self.process_group,
+                no_dist=not dist.is_initialized(),
+            )
 
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
         if not self.enable:
@@ -651,12 +663,13 @@ class CheckpointManager:
             self._dcp_save(state, path)
             self._purge()
         else:
-            result = hp_dcp.async_save(
-                state,
-                checkpoint_id=path,
-                process_group=self._async_group or self.process_group,
-                no_dist=not dist.is_initialized(),
-            )
+            with _single_process_quiet():
+                result = hp_dcp.async_save(
+                    state,
+                    checkpoint_id=path,
+                    process_group=self._async_group or self.process_group,
+                    no_dist=not dist.is_initialized(),
+                )
             if isinstance(result, AsyncSaveResponse):  # a stager that stages in the background
                 self._staging = result.staging_completion
                 self._pending = result.upload_completion
@@ -926,12 +939,13 @@ class CheckpointManager:
                 to_load[key] = self._dataloader_template(obj, keys, path)
             else:
                 to_load[key] = obj.state_dict()
-        hp_dcp.load(
-            to_load,
-            checkpoint_id=path,
-            process_group=self.process_group,
-            no_dist=not dist.is_initialized(),
-        )
+        with _single_process_quiet():
+            hp_dcp.load(
+                to_load,
+                checkpoint_id=path,
+                process_group=self.process_group,
+                no_dist=not dist.is_initialized(),
+            )
         for key, value in to_load.items():
             if key == DATALOADER and isinstance(value, dict) and _PER_RANK in value:
                 value = value[_PER_RANK][str(_rank())]

@@ -46,6 +46,18 @@ def _resolve(module: ModuleType, qualname: str) -> Any:
     return obj
 
 
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding and redistribution caches.
+
+    torch keys them by mesh equality, which ignores process-group names: after the groups of a
+    test are destroyed, a later test building an equal mesh would be handed the dead groups.
+    """
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 class _StateGuard:
     """Snapshot of process-wide state a test may change, restored after every job."""
 
@@ -63,9 +75,13 @@ class _StateGuard:
         import torch.distributed as dist
 
         # Groups created by the test (meshes, new_group) are destroyed; the default group stays.
+        destroyed = False
         for group in list(dist.distributed_c10d._world.pg_map):
             if group not in self._groups:
                 dist.destroy_process_group(group)
+                destroyed = True
+        if destroyed:
+            _clear_dtensor_caches()
         torch.random.set_rng_state(self._torch_rng)
         random.setstate(self._py_rng)
         if "numpy" in sys.modules:
