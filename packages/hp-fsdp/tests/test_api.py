@@ -173,3 +173,41 @@ def test_validation_errors() -> None:
             linear.set_modules_to_forward_prefetch([nn.Linear(2, 2)])  # type: ignore[list-item]
         with pytest.raises(ValueError, match="must be a bool"):
             linear.set_reshard_after_forward(2)  # type: ignore[arg-type]
+
+
+def _params(fn: object) -> list[tuple[str, object, object]]:
+    import inspect
+
+    sig = inspect.signature(fn)  # type: ignore[arg-type]
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "unshard",
+        "reshard",
+        "set_is_last_backward",
+        "set_requires_gradient_sync",
+        "set_requires_all_reduce",
+        "set_reshard_after_forward",
+        "set_reshard_after_backward",
+        "set_modules_to_forward_prefetch",
+        "set_modules_to_backward_prefetch",
+    ],
+)
+def test_method_signatures_match_torch(method: str) -> None:
+    assert _params(getattr(hp_fsdp.FSDPModule, method)) == _params(
+        getattr(torch_fsdp.FSDPModule, method)
+    )
+
+
+def test_fully_shard_signature_matches_torch() -> None:
+    ours = _params(hp_fsdp.fully_shard)
+    theirs = _params(torch_fsdp.fully_shard)
+    assert [(n, k) for n, k, _ in ours] == [(n, k) for n, k, _ in theirs]
+    for (name, _, default), (_, _, torch_default) in zip(ours, theirs, strict=True):
+        if dataclasses.is_dataclass(torch_default):
+            assert dataclasses.asdict(default) == dataclasses.asdict(torch_default), name  # type: ignore[arg-type]
+        else:
+            assert default == torch_default, name

@@ -78,6 +78,12 @@ def test_moe_gradcheck_float64() -> None:
 
     assert torch.autograd.gradcheck(fn, (tokens, probs, weight))
 
+    def unweighted(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        permuted, sorted_indices, _ = hk.permute_tokens(t, idx, 3)
+        return hk.unpermute_tokens(torch.tanh(permuted * w), sorted_indices, topk=2)
+
+    assert torch.autograd.gradcheck(unweighted, (tokens, weight))
+
 
 def test_moe_opcheck() -> None:
     gen = torch.Generator().manual_seed(2)

@@ -363,13 +363,63 @@ def test_trainer_containers_round_trip(folder: str) -> None:
         opts.zero_grad()
         manager.save(step)
     assert manager.list_steps() == [2]
+    assert not manager.save(3)
+    assert manager.save(3, force=True)  # e.g. on SIGTERM: off-interval, full, synchronous
+    assert manager.list_steps() == [2, 3]
     expected = {k: v.full_tensor() for k, v in model.state_dict().items()}
     exp_avg = [s["exp_avg"].full_tensor() for s in opts.optimizers[0].state.values()]
     model2, opts2, scheds2, manager2 = job(1)
-    assert manager2.load()
+    assert manager2.load(step=2)
     assert scheds2.schedulers[0].last_epoch == 2
     assert scheds2.get_last_lr() == scheds.get_last_lr()
     for k, v in model2.state_dict().items():
         assert torch.equal(v.full_tensor(), expected[k]), k
     got = [s["exp_avg"].full_tensor() for s in opts2.optimizers[0].state.values()]
     assert all(torch.equal(a, b) for a, b in zip(got, exp_avg, strict=True))
+
+
+class PerRankLoader:
+    """A loader whose position differs by rank (DCP would keep one rank's copy if not split)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = int(state["pos"])
+
+
+@distributed(world_size=2)
+def test_per_rank_dataloader_state_is_kept_per_rank(folder: str) -> None:
+    model, _ = small_manager(Path(folder))
+    loader = PerRankLoader()
+    manager = CheckpointManager(loader, [model], None, None, {}, CkptConfig(), base_folder=folder)
+    loader.pos = 100 + dist.get_rank()
+    manager.save(N)
+    keys = {e.key for e in hp_dcp.describe_checkpoint(Path(folder, "checkpoint", f"step-{N}"))}
+    assert {"dataloader._per_rank.0.pos", "dataloader._per_rank.1.pos"} <= keys
+    loader.pos = -1
+    assert manager.load()
+    assert loader.pos == 100 + dist.get_rank()
+
+
+def test_rng_state_round_trip_single_process() -> None:
+    import random
+
+    from hp_trainer.checkpoint import RNGState
+
+    rng = RNGState()
+    random.seed(5)
+    random.gauss(0.0, 1.0)  # leaves a cached gauss value in Python's state
+    torch.manual_seed(5)
+    state = copy.deepcopy(rng.state_dict())
+    assert set(state) == {"rank_0"}
+    expected = (random.random(), random.gauss(0.0, 1.0), torch.rand(3))
+    random.seed(6)
+    torch.manual_seed(6)
+    rng.load_state_dict(state)
+    got = (random.random(), random.gauss(0.0, 1.0), torch.rand(3))
+    assert got[:2] == expected[:2]
+    assert torch.equal(got[2], expected[2])

@@ -180,6 +180,18 @@ def test_export_and_import_hf_single_process(tmp_path: Path) -> None:
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
     assert fresh.lm_head.weight is fresh.tok_embeddings.weight  # tying survives the import
+    # a new run with an empty checkpoint folder starts from the HF weights (initial load)
+    cfg = _Cfg()
+    cfg.initial_load_path = str(tmp_path / "hf")  # type: ignore[attr-defined]
+    cfg.initial_load_in_hf = True  # type: ignore[attr-defined]
+    third = build(args, 2)
+    manager = CheckpointManager(
+        None, [third], None, None, {}, cfg, Qwen3StateDictAdapter(args), base_folder=tmp_path
+    )
+    assert manager.load()
+    assert manager.loaded_step == 0
+    for key, value in model.state_dict().items():
+        assert torch.equal(third.state_dict()[key], value), key
 
 
 def _sharded(args: DecoderArgs, seed: int) -> Decoder:

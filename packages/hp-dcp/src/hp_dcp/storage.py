@@ -352,8 +352,9 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
     * every rank writes into ``.<name>.hp-dcp-partial``; the coordinator writes ``.metadata``
       and the checksum sidecar and renames the directory to ``path`` only after all ranks
       finished, so a crash mid-save leaves the previous checkpoint at ``path`` untouched;
-    * a CRC-32 of every stored item, computed on the bytes as they are written, verified by
-      :class:`FileSystemReader`;
+    * a CRC-32 of every stored item, computed on the bytes as they are written (with
+      ``thread_count=1`` on a helper thread behind the writes, large tensors without a copy),
+      verified by :class:`FileSystemReader`;
     * the DTensor layout of every tensor in the sidecar (``hp-dcp inspect`` shows it).
 
     An existing checkpoint at ``path`` is replaced as a whole directory (``overwrite=True``);

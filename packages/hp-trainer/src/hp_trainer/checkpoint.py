@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -534,7 +535,19 @@ class CheckpointManager:
         self._async_group: dist.ProcessGroup | None = None
         if self.enable and self.options.async_mode != "disabled" and _world() > 1:
             # background saves must not interleave their collectives with training's
-            self._async_group = dist.new_group(backend=hp_device.BACKEND_GLOO)
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self._async_group = dist.new_group(ranks=ranks, backend=hp_device.BACKEND_GLOO)
+        self._stager: DefaultStager | None = None
+        if self.enable and self.options.async_mode == "async_with_pinned_mem":
+            # copies into reusable pinned host buffers in the background (accelerators only)
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=True,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=True,
+                )
+            )
         self.loaded_step: int | None = None
         self.skipped: list[tuple[int, str]] = []
         """(step, error) of the checkpoints passed over by the last :meth:`load`."""
@@ -627,7 +640,7 @@ class CheckpointManager:
             }
         return {MODEL: sd}
 
-    def save(self, curr_step: int, last_step: bool = False) -> bool:
+    def save(self, curr_step: int, last_step: bool = False, *, force: bool = False) -> bool:
         """Save a checkpoint if ``curr_step`` is due (every ``interval`` steps, or the last).
 
         The last step's save is model-only in ``export_dtype`` when ``last_save_model_only`` is
@@ -637,6 +650,8 @@ class CheckpointManager:
         Args:
             curr_step: The step just completed.
             last_step: Whether it is the last step of the run (always saved).
+            force: Keyword-only; save a full, synchronous checkpoint now whatever the interval
+                (a run stopped by SIGTERM, for instance). Ignored when checkpointing is off.
 
         Returns:
             Whether a checkpoint was saved (or, asynchronously, started).
@@ -647,7 +662,7 @@ class CheckpointManager:
         See Also:
             ``torchtitan.components.checkpoint.CheckpointManager.save``.
         """
-        if not self._should_save(curr_step, last_step):
+        if not (self._should_save(curr_step, last_step) or (force and self.enable)):
             return False
         self.wait()
         path = self.step_dir(curr_step)
@@ -659,7 +674,7 @@ class CheckpointManager:
             self._purge()
             return True
         state = self._full_state()
-        if self.options.async_mode == "disabled" or last_step:
+        if self.options.async_mode == "disabled" or last_step or force:
             self._dcp_save(state, path)
             self._purge()
         else:
@@ -668,6 +683,7 @@ class CheckpointManager:
                     state,
                     checkpoint_id=path,
                     process_group=self._async_group or self.process_group,
+                    async_stager=self._stager,
                     no_dist=not dist.is_initialized(),
                 )
             if isinstance(result, AsyncSaveResponse):  # a stager that stages in the background
@@ -970,6 +986,9 @@ class CheckpointManager:
             ``torchtitan.components.checkpoint.CheckpointManager.close``.
         """
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         if self._async_group is not None:
             dist.destroy_process_group(self._async_group)
             self._async_group = None
