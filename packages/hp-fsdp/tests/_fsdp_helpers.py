@@ -223,7 +223,9 @@ def train_step(
     total = torch.zeros(())
     for micro in range(cfg.micro_batches):
         last = micro == cfg.micro_batches - 1
-        if cfg.micro_batches > 1 and cfg.extra.get("reduce_every_micro_batch"):
+        if cfg.micro_batches > 1 and cfg.extra.get("all_reduce_last_only"):
+            model.set_requires_all_reduce(last)  # type: ignore[operator]
+        elif cfg.micro_batches > 1 and cfg.extra.get("reduce_every_micro_batch"):
             model.set_is_last_backward(last)  # type: ignore[operator]
         elif cfg.micro_batches > 1:
             model.set_requires_gradient_sync(last)  # type: ignore[operator]

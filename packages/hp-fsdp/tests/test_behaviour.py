@@ -339,3 +339,34 @@ def test_explicit_prefetch_lists() -> None:
     # Block 1 prefetches block 0 in backward before its own backward computation.
     assert _index(log, ags[3]) < _index(log, ags[4]) < _index(log, ("bwd_compute", 1)), log
     assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: p.grad.to_local().clone()  # type: ignore[union-attr]
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+@distributed(world_size=2)
+def test_two_models_in_one_process_do_not_interfere() -> None:
+    """Interleaved forward/backward of two sharded models equals running them one by one."""
+    h = _helpers()
+    first, _ = _build((2,))
+    second, _ = _build((2,), reshard=False)  # another policy, its own root context
+    batch_a, batch_b = h.make_batch(rank_seed(3)), h.make_batch(rank_seed(4))
+    h.loss_fn(first, batch_a).backward()
+    h.loss_fn(second, batch_b).backward()
+    alone_a, alone_b = _grads(first), _grads(second)
+    first.zero_grad()
+    second.zero_grad()
+    loss_a = h.loss_fn(first, batch_a)
+    loss_b = h.loss_fn(second, batch_b)
+    loss_a.backward()
+    loss_b.backward()
+    for name, grad in _grads(first).items():
+        assert torch.equal(grad, alone_a[name]), name
+    for name, grad in _grads(second).items():
+        assert torch.equal(grad, alone_b[name]), name
+    assert get_state(first).ctx is not get_state(second).ctx  # type: ignore[union-attr]

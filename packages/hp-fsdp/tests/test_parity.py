@@ -56,6 +56,11 @@ WS4 = {
     "hsdp_fp32": {"mesh_shape": (2, 2)},
     "hsdp_bf16": {"mesh_shape": (2, 2), "mp": "bf16"},
     "hsdp_grad_accumulation": {"mesh_shape": (2, 2), "micro_batches": 2},
+    "hsdp_all_reduce_last_micro_batch_only": {
+        "mesh_shape": (2, 2),
+        "micro_batches": 2,
+        "extra": {"all_reduce_last_only": True},
+    },
     "reshard_true": {"reshard": True},
     "reshard_false": {"reshard": False},
     "reshard_int2": {"reshard": 2},

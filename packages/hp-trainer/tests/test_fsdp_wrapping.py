@@ -223,3 +223,17 @@ def test_real_wrapping_sums_gradients() -> None:
         reference(t).sum().backward()  # gradient SUM over ranks (no division)
     grad = model.layers["1"].feed_forward.w2.weight.grad.full_tensor()
     torch.testing.assert_close(grad, reference.layers["1"].feed_forward.w2.weight.grad)
+
+
+@distributed(world_size=2)
+def test_real_expert_sharding_on_dim1() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = _ToyMoEDecoder(num_experts=1, dim=8)  # FSDP degree 2 > 1 expert: Shard(1)
+    apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
+    w1 = model.layers["0"].moe.experts.w1
+    assert w1.placements == (Shard(1),)
+    assert w1.to_local().shape == (1, 4, 16)
+    assert model.layers["0"].moe.router.weight.placements == (Shard(0),)

@@ -92,6 +92,7 @@ _ALIGN = 64
 # Writes at least this large are checksummed on the helper thread without a copy (see
 # _ChecksumStream); smaller ones are copied first.
 _DEFER_BYTES = 1 << 16
+_CRC_BEHIND_WRITES = True
 
 
 def staging_dir(path: str | os.PathLike[str]) -> Path:
@@ -575,7 +576,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
         crcs: list[_ItemCrc] = []
-        pool = ThreadPoolExecutor(1) if self.thread_count == 1 else None
+        pool = ThreadPoolExecutor(1) if self.thread_count == 1 and _CRC_BEHIND_WRITES else None
         try:
             with (staging / name).open("wb") as raw:
                 stream = _ChecksumStream(cast(BinaryIO, raw), pool)

@@ -200,6 +200,9 @@ class FSDPState:
     def _forward_prefetch(self) -> None:
         ctx = self.ctx
         group = self.group
+        position = len(ctx.current_forward_order)
+        if group is not None:
+            ctx.current_forward_order.append(group)
         if self.forward_prefetch is not None:
             for state in self.forward_prefetch:
                 if state.group is not None:
@@ -208,8 +211,6 @@ class FSDPState:
             return
         if group is None:
             return
-        position = len(ctx.current_forward_order)
-        ctx.current_forward_order.append(group)
         previous = ctx.forward_order
         if position + 1 < len(previous) and previous[position] is group:
             target = previous[position + 1]
