@@ -28,6 +28,9 @@ from torch.distributed.tensor import DTensor, Shard
 import hp_dcp
 from hp_dcp.storage import INCOMPLETE_MARKER, staging_dir
 
+# Single-process saves and loads: torch says so with a warning each time.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 def _plain_state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
@@ -303,27 +306,62 @@ def test_crash_during_commit_rename_points_to_complete_save(tmp_path: Path) -> N
     assert torch.equal(got["a"], _plain_state(1)["a"])
 
 
-def test_large_tensors_checksummed_behind_the_write_without_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen: list[bool] = []
-    real = hp_dcp.storage._ChecksumStream._is_owned
-
-    def spy(self: Any, view: memoryview) -> bool:
-        seen.append(real(self, view))
-        return seen[-1]
-
-    monkeypatch.setattr(hp_dcp.storage._ChecksumStream, "_is_owned", spy)
+def test_every_dtype_round_trips_and_torch_reads_our_encoding(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(3)
-    sd = {
-        "big": torch.randn(300, 100, generator=g),
-        "strided": torch.randn(100, 400, generator=g)[:, ::2],  # saved as a compact clone
-        "half": torch.randn(70000, generator=g).half(),
+    base = torch.randn(5, 7, generator=g) * 50
+    sd: dict[str, Any] = {
+        str(dtype).removeprefix("torch."): base.to(dtype)
+        for dtype in (
+            torch.float64,
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+            torch.float8_e4m3fn,  # not encoded by hp-dcp: written through torch.save
+        )
     }
+    sd["scalar"] = torch.tensor(3.5)
+    sd["empty"] = torch.empty(0, 4)
+    sd["transposed"] = torch.randn(6, 3, generator=g).t()
+    sd["big"] = torch.randn(300, 200, generator=g)
     hp_dcp.save(sd, checkpoint_id=tmp_path / "c", no_dist=True)
-    assert seen == [True, True, True]
-    hp_dcp.verify_checkpoint(tmp_path / "c")  # recomputes every CRC from the file
-    got = {k: torch.zeros_like(v) for k, v in sd.items()}
-    tdcp.load(got, checkpoint_id=tmp_path / "c", no_dist=True)
-    for k, v in sd.items():
-        assert torch.equal(got[k], v), k
+    hp_dcp.verify_checkpoint(tmp_path / "c")
+    for loader in (hp_dcp.load, tdcp.load):
+        got = {k: torch.zeros_like(v) for k, v in sd.items()}
+        loader(got, checkpoint_id=tmp_path / "c", no_dist=True)
+        for k, v in sd.items():
+            assert got[k].dtype == v.dtype, k
+            raw_got = got[k].contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(raw_got, v.contiguous().reshape(-1).view(torch.uint8)), k
+
+
+def test_malformed_tensor_blob_cannot_view_outside_its_storage(tmp_path: Path) -> None:
+    """A blob whose pickle claims a larger tensor than its storage is refused, not viewed."""
+    import io as _io
+
+    from hp_dcp._tensor_blob import decode_tensor, encode_tensor
+
+    buf = _io.BytesIO()
+    encode_tensor(torch.arange(4, dtype=torch.float32), buf.write)
+    blob = bytearray(buf.getvalue())
+    # Patch the pickled size (4,) -> (64,): BININT1 4 follows the storage offset BININT1 0.
+    at = blob.index(b"K\x00K\x04\x85")
+    blob[at + 3] = 64
+    assert decode_tensor(memoryview(blob)) is None
+    with pytest.raises(RuntimeError):
+        torch.load(_io.BytesIO(bytes(blob)), weights_only=True)
+
+
+def test_copy_ahead_hint_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("DEBUG", logger="hp_dcp.storage"):
+        hp_dcp.FileSystemWriter("unused", per_thread_copy_ahead=5)
+        hp_dcp.FileSystemWriter("unused")
+    hints = [r for r in caplog.records if "per_thread_copy_ahead=5" in r.getMessage()]
+    assert len(hints) == 1

@@ -50,3 +50,15 @@ def test_drop_in_signatures_match_torch() -> None:
             assert mine[name].default == p.default, f"{ours.__name__}.{name}"
         extra = [n for n in mine if n not in ref]
         assert all(mine[n].kind == inspect.Parameter.KEYWORD_ONLY for n in extra), extra
+
+
+def test_checksum_backend_matches_zlib() -> None:
+    import os
+    import zlib
+
+    from hp_dcp._checksum import crc32
+
+    data = os.urandom(1 << 20)
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[1000:], crc32(data[:1000])) == zlib.crc32(data)
+    assert crc32(memoryview(data)[5:77]) == zlib.crc32(data[5:77])

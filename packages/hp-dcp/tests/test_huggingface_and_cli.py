@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 import hp_dcp
 from hp_dcp.cli import main
 
+# Single-process saves and loads: torch says so with a warning each time.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 def _hf_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -157,6 +160,15 @@ def test_inspect_lists_and_extracts(tmp_path: Path, capsys: Any) -> None:
     assert code == 0
     assert torch.equal(load_file(str(tmp_path / "w.safetensors"))["w"], sd["w"])
     assert main(["verify", str(tmp_path / "c")]) == 0
+    victim = tmp_path / "c" / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hp-dcp: error: checksum mismatch")
+    assert "__0_0.distcp" in err
     with pytest.raises(KeyError, match=r"opt\.lr"):
         hp_dcp.extract_tensor(tmp_path / "c", "opt.lr")
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hp_fsdp
 import hp_tp
-from hp_dtensor.testing import distributed, run_distributed
+from hp_dtensor.testing import distributed
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, BATCH, BLOCKS = 48, 24, 12, 48, 12, 2, 1
 
@@ -285,13 +285,10 @@ def run_fsdp_tp_case(fsdp_impl: str) -> str:
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
     hp_tp.parallelize_module(ours, mesh["tp"], transformer_plan(hp_tp, "sp_loss"))
     torch_tp.parallelize_module(theirs, mesh["tp"], transformer_plan(torch_tp, "sp_loss"))
-    try:
-        for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
-            for layer in model.layers:
-                shard(layer, mesh=mesh["dp"])
-            shard(model, mesh=mesh["dp"])
-    except NotImplementedError as exc:  # hp_fsdp without FSDP-over-TP support yet
-        return f"skip: {exc}"
+    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        for layer in model.layers:
+            shard(layer, mesh=mesh["dp"])
+        shard(model, mesh=mesh["dp"])
     # the same 2-D placements as torch's FSDP x TP (_StridedShard where FSDP splits a TP shard),
     # so DCP checkpoints of either reshard into the other
     for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
@@ -354,14 +351,7 @@ def test_fsdp_x_tp_with_torch_fsdp() -> None:
     assert run_fsdp_tp_case("torch") == "ok"
 
 
+@distributed(world_size=4)
 def test_fsdp_x_tp_with_hp_fsdp() -> None:
     """FSDP(dp=2) x TP(tp=2) with hp_tp + hp_fsdp.fully_shard: placements and 10 steps."""
-    results = run_distributed(run_fsdp_tp_case, 4, "hp")
-    if results[0].startswith("skip"):
-        pytest.skip(f"hp_fsdp.fully_shard does not take TP (DTensor) parameters yet: {results[0]}")
-    assert results == ["ok"] * 4
-
-
-# Sorted with the 4-rank tests by the harness's pytest plugin (it cannot use @distributed: the
-# skip decision is taken in this process from the ranks' answer).
-test_fsdp_x_tp_with_hp_fsdp.__hp_world_size__ = 4  # type: ignore[attr-defined]
+    assert run_fsdp_tp_case("hp") == "ok"

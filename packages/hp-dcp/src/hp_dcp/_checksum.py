@@ -1,8 +1,8 @@
 """CRC-32 (the zlib polynomial) of checkpoint bytes, hardware-accelerated when possible.
 
-``isal`` (Intel ISA-L, the optional ``fast`` extra) computes the same CRC-32 as ``zlib`` about
-four times faster with carry-less multiplication; without it ``zlib.crc32`` is used. Both give
-identical values, so checkpoints verify the same way whichever is installed.
+``isal`` (Intel ISA-L, a dependency of hp-dcp) computes the same CRC-32 as ``zlib`` about four
+times faster with carry-less multiplication; where it cannot be imported ``zlib.crc32`` is used.
+Both give identical values, so checkpoints verify the same way whichever is used.
 """
 
 from __future__ import annotations

@@ -11,12 +11,15 @@ falls back to ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 import struct
 import sys
+import uuid
 import warnings
 import zipfile
+import zlib
 from collections import OrderedDict
 from typing import Any
 
@@ -151,6 +154,157 @@ def decode_tensor(blob: memoryview) -> torch.Tensor | None:
         pickle.UnpicklingError,
         struct.error,
         EOFError,
+        RuntimeError,  # e.g. sizes/strides out of the storage's bounds: torch refuses the view
+        ValueError,
     ):
         return None
     return obj if type(obj) is torch.Tensor else None
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+_STORAGE_NAMES = {
+    torch.float64: "DoubleStorage",
+    torch.float32: "FloatStorage",
+    torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+    torch.complex64: "ComplexFloatStorage",
+    torch.complex128: "ComplexDoubleStorage",
+}
+_RECORD_ALIGN = 64
+_ZIP32_MAX = 0xFFFFFFFF - (1 << 16)
+_DOS_DATE = 0x21  # 1980-01-01
+
+
+class _StorageRef:
+    """Pickled as torch.save's persistent storage id."""
+
+    def __init__(self, dtype: torch.dtype, numel: int) -> None:
+        self.dtype = dtype
+        self.numel = numel
+
+
+class _TensorRef:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        t = self.t
+        ref = _StorageRef(t.dtype, t.untyped_storage().nbytes() // t.element_size())
+        args: tuple[Any, ...] = (ref, t.storage_offset(), tuple(t.size()), t.stride(), False)
+        args += (OrderedDict(),)
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+class _TensorPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            return ("storage", getattr(torch, _STORAGE_NAMES[obj.dtype]), "0", "cpu", obj.numel)
+        return None
+
+
+def can_encode(t: torch.Tensor) -> bool:
+    """Whether :func:`encode_tensor` handles ``t`` (else use ``torch.save``)."""
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.dtype in _STORAGE_NAMES
+        and not t.requires_grad
+        and t.untyped_storage().nbytes() == t.nbytes
+        and t.nbytes < _ZIP32_MAX
+    )
+
+
+def _storage_view(t: torch.Tensor) -> memoryview:
+    n = t.untyped_storage().nbytes()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.untyped_storage().data_ptr())).cast("B")
+
+
+def encode_tensor(t: torch.Tensor, write: Any) -> None:
+    """Write ``t`` as a ``torch.save`` archive (loadable by ``torch.load``) through ``write``.
+
+    The archive has the records torch.save writes (``data.pkl``, ``byteorder``, the storage as
+    ``data/0``, ``version``, ...), uncompressed and 64-byte aligned relative to its start. The
+    storage bytes are handed to ``write`` in place (no copy). Its zip CRC field is left 0, as
+    torch.save writes it with ``compute_crc32`` off; hp-dcp checksums every item itself.
+    ``t`` must satisfy :func:`can_encode`.
+    """
+    buf = io.BytesIO()
+    _TensorPickler(buf, protocol=2).dump(_TensorRef(t))
+    records: list[tuple[str, Any, bool]] = [
+        ("data.pkl", buf.getvalue(), True),
+        (".format_version", b"1", True),
+        (".storage_alignment", b"64", True),
+        ("byteorder", sys.byteorder.encode(), True),
+        ("data/0", _storage_view(t), False),
+        ("version", b"3\n", True),
+        (".data/serialization_id", uuid.uuid4().hex.encode().ljust(40, b"0"), True),
+    ]
+    pos = 0
+    central: list[bytes] = []
+    for short, data, small in records:
+        name = f"archive/{short}".encode()
+        size = len(data)
+        crc = zlib.crc32(data) if small else 0
+        header_end = pos + 30 + len(name) + 4
+        pad = -header_end % _RECORD_ALIGN
+        extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        local = (
+            struct.pack(
+                "<4sHHHHHIIIHH",
+                _LOCAL_HEADER,
+                20,
+                0,
+                0,
+                0,
+                _DOS_DATE,
+                crc,
+                size,
+                size,
+                len(name),
+                len(extra),
+            )
+            + name
+            + extra
+        )
+        central.append(
+            struct.pack(
+                "<4sHHHHHHIIIHHHHHII",
+                b"PK\x01\x02",
+                20,
+                20,
+                0,
+                0,
+                0,
+                _DOS_DATE,
+                crc,
+                size,
+                size,
+                len(name),
+                0,
+                0,
+                0,
+                0,
+                0,
+                pos,
+            )
+            + name
+        )
+        write(local)
+        if size:
+            write(data)
+        pos += len(local) + size
+    directory = b"".join(central)
+    end = struct.pack(
+        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(records), len(records), len(directory), pos, 0
+    )
+    write(directory + end)

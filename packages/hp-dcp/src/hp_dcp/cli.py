@@ -18,6 +18,11 @@ from hp_dcp.convert import (
     hf_to_dcp,
     load_key_map,
 )
+from hp_dcp.errors import (
+    CheckpointCorruptionError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
 from hp_dcp.storage import verify_checkpoint
 
 __all__ = ["main"]
@@ -70,12 +75,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        The process exit status.
+        The process exit status: 0, or 1 after printing a one-line error (a damaged, incomplete
+        or unsafe checkpoint, a missing path or key, a bad argument).
 
     See Also:
         ``torch.distributed.checkpoint.format_utils``: PyTorch's offline conversion helpers.
     """
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (
+        CheckpointCorruptionError,
+        IncompleteCheckpointError,
+        UnsafeCheckpointError,
+        FileNotFoundError,
+        KeyError,
+        ValueError,
+    ) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"hp-dcp: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "convert":
         key_map = _key_map(args)
         if args.direction == "hf-to-dcp":

@@ -4,9 +4,9 @@ A checkpoint written here is a plain DCP directory (``.metadata`` plus ``__<rank
 files holding ``torch.save`` blobs) that ``torch.distributed.checkpoint.FileSystemReader`` reads
 as is. Two files are added next to them and ignored by PyTorch:
 
-* ``.hp_dcp_checksums.json``: a CRC-32 per stored item (computed on the bytes as they are written;
-  hardware-accelerated with the optional ``isal`` package),
-  the size of every file, and the DTensor layout (mesh shape, placements) of every tensor.
+* ``.hp_dcp_checksums.json``: a CRC-32 per stored item (computed on the bytes as they are
+  written, hardware-accelerated with ``isal``), the size of every file, and the DTensor layout
+  (mesh shape, placements) of every tensor.
 * while the save runs, ``.hp_dcp_incomplete``: the marker of an unfinished save.
 
 Ranks write into ``.<name>.hp-dcp-partial`` next to the target; the coordinator renames it to
@@ -20,14 +20,13 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import mmap
 import os
 import pickle
 import shutil
 import uuid
-import warnings
 from collections.abc import Sequence
-from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -58,7 +57,7 @@ from torch.futures import Future
 
 from hp_dcp._checksum import crc32
 from hp_dcp._safe_pickle import check_byte_item, load_metadata
-from hp_dcp._tensor_blob import decode_tensor
+from hp_dcp._tensor_blob import can_encode, decode_tensor, encode_tensor
 from hp_dcp.errors import (
     CheckpointCorruptionError,
     IncompleteCheckpointError,
@@ -89,10 +88,8 @@ _RESULT_KEY = "\x00hp_dcp_file_checksums"
 # Items start at multiples of this, so the (64-byte aligned) tensor records inside each
 # torch.save archive are aligned in the file, and in a memory map of it.
 _ALIGN = 64
-# Writes at least this large are checksummed on the helper thread without a copy (see
-# _ChecksumStream); smaller ones are copied first.
-_DEFER_BYTES = 1 << 16
-_CRC_BEHIND_WRITES = True
+_DEFAULT_COPY_AHEAD = 10_000_000
+_log = logging.getLogger(__name__)
 
 
 def staging_dir(path: str | os.PathLike[str]) -> Path:
@@ -220,77 +217,20 @@ def read_checksums(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return cast(dict[str, Any], data)
 
 
-class _ItemCrc:
-    """The running CRC-32 of one stored item, advanced by checksum jobs in write order."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any, keepalive: object = None) -> None:
-        self.value = crc32(data, self.value)
-
-
 class _ChecksumStream(io.RawIOBase):
-    """Writes through to a file while computing each item's CRC-32 of the bytes written.
+    """A write-only stream computing a running CRC-32 of everything written through it."""
 
-    With a ``pool`` (one worker thread), checksumming runs behind the writes, in order, so it
-    overlaps the copy into the page cache, the encoding of the next items and the final
-    ``fsync``. Small writes (zip headers from transient buffers) are gathered into a buffer; a
-    large write is queued without a copy only when it *is* the memory of the tensor being saved
-    (same address and size), which the queued job keeps alive; anything else is checksummed
-    inline after the queue drained.
-    """
-
-    def __init__(self, raw: BinaryIO, pool: ThreadPoolExecutor | None) -> None:
+    def __init__(self, raw: BinaryIO) -> None:
         super().__init__()
         self._raw = raw
-        self._pool = pool
-        self._item = _ItemCrc()
-        self._owned: torch.Tensor | None = None
-        self._small = bytearray()
-        self._last: _ThreadFuture[None] | None = None
-
-    def _flush_small(self) -> None:
-        if self._small and self._pool is not None:
-            self._last = self._pool.submit(self._item.update, bytes(self._small))
-            self._small.clear()
-
-    def begin_item(self, owned: torch.Tensor | None) -> _ItemCrc:
-        """Start a new item; ``owned`` is the CPU tensor whose storage torch.save writes."""
-        self._flush_small()
-        self._item = _ItemCrc()
-        self._owned = owned
-        return self._item
-
-    def wait(self) -> None:
-        """Block until every queued checksum job ran (re-raising a job's error)."""
-        self._flush_small()
-        if self._last is not None:
-            self._last.result()
+        self.crc = 0
 
     def writable(self) -> bool:
         return True
 
-    def _is_owned(self, view: memoryview) -> bool:
-        owned = self._owned
-        if owned is None or view.nbytes != owned.untyped_storage().nbytes():
-            return False
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffers warn; nothing is written
-            return bool(torch.frombuffer(view, dtype=torch.uint8).data_ptr() == owned.data_ptr())
-
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        if self._pool is None:
-            self._item.update(view)
-        elif view.nbytes < _DEFER_BYTES:
-            self._small += view
-        elif self._is_owned(view):
-            self._flush_small()
-            self._last = self._pool.submit(self._item.update, view, self._owned)
-        else:
-            self.wait()
-            self._item.update(view)
+        self.crc = crc32(view, self.crc)
         written = self._raw.write(view)
         return view.nbytes if written is None else written
 
@@ -353,9 +293,10 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
     * every rank writes into ``.<name>.hp-dcp-partial``; the coordinator writes ``.metadata``
       and the checksum sidecar and renames the directory to ``path`` only after all ranks
       finished, so a crash mid-save leaves the previous checkpoint at ``path`` untouched;
-    * a CRC-32 of every stored item, computed on the bytes as they are written (with
-      ``thread_count=1`` on a helper thread behind the writes, large tensors without a copy),
-      verified by :class:`FileSystemReader`;
+    * a CRC-32 of every stored item, computed on the bytes as they are written, verified by
+      :class:`FileSystemReader`; plain CPU tensors are encoded as ``torch.save`` archives by
+      hp-dcp itself (same format, storage bytes written in place, one checksum pass instead of
+      torch's zip CRC), anything else through ``torch.save``;
     * the DTensor layout of every tensor in the sidecar (``hp-dcp inspect`` shows it).
 
     An existing checkpoint at ``path`` is replaced as a whole directory (``overwrite=True``);
@@ -369,8 +310,9 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         sync_files: ``fsync`` every file (and the directories) before committing. Without it a
             power loss may leave a committed but incomplete checkpoint.
         thread_count: number of writer threads per rank, each writing its own file.
-        per_thread_copy_ahead: accepted for compatibility; tensors are copied to host memory one
-            item at a time right before they are written, so no copy-ahead budget applies.
+        per_thread_copy_ahead: a hint (logged at debug level when changed): tensors are copied
+            to host memory one item at a time right before they are written, so no copy-ahead
+            budget applies.
         cache_staged_state_dict: keep the host copy made by ``async_save`` staging for reuse.
         overwrite: replace an existing checkpoint at ``path``; ``False`` raises instead.
         _extensions: stream transforms are not supported; must be ``None`` or empty.
@@ -391,7 +333,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         single_file_per_rank: bool = True,
         sync_files: bool = True,
         thread_count: int = 1,
-        per_thread_copy_ahead: int = 10_000_000,
+        per_thread_copy_ahead: int = _DEFAULT_COPY_AHEAD,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
         _extensions: Sequence[Any] | None = None,
@@ -418,6 +360,12 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.per_thread_copy_ahead = per_thread_copy_ahead
+        if per_thread_copy_ahead != _DEFAULT_COPY_AHEAD:
+            _log.debug(
+                "FileSystemWriter(per_thread_copy_ahead=%d) is a hint hp-dcp does not use: "
+                "tensors are copied to host memory one item at a time as they are written",
+                per_thread_copy_ahead,
+            )
         self.overwrite = overwrite
         self.serialization_format = serialization_format
         self.save_id = str(uuid.uuid4())
@@ -572,49 +520,43 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         planner: SavePlanner,
     ) -> tuple[list[WriteResult], dict[str, Any]]:
         results: list[WriteResult] = []
-        checks: list[tuple[int, int]] = []
+        sums: list[list[int]] = []
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
-        crcs: list[_ItemCrc] = []
-        pool = ThreadPoolExecutor(1) if self.thread_count == 1 and _CRC_BEHIND_WRITES else None
-        try:
-            with (staging / name).open("wb") as raw:
-                stream = _ChecksumStream(cast(BinaryIO, raw), pool)
-                for item in ordered:
-                    data = planner.resolve_data(item)
-                    pad = -raw.tell() % _ALIGN
-                    if pad:  # aligned items let the reader view tensor bytes in place
-                        raw.write(b"\0" * pad)
-                    offset = stream.tell()
-                    if item.type == WriteItemType.BYTE_IO:
-                        crcs.append(stream.begin_item(None))
-                        stream.write(cast(io.BytesIO, data).getbuffer())
+        with (staging / name).open("wb") as raw:
+            stream = _ChecksumStream(cast(BinaryIO, raw))
+            for item in ordered:
+                data = planner.resolve_data(item)
+                pad = -raw.tell() % _ALIGN
+                if pad:  # aligned items let the reader view tensor bytes in place
+                    raw.write(b"\0" * pad)
+                offset = stream.tell()
+                stream.crc = 0
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(cast(io.BytesIO, data).getbuffer())
+                else:
+                    tensor = cast(torch.Tensor, data).detach()
+                    if tensor.device.type != "cpu":
+                        tensor = tensor.cpu()
+                    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                        tensor = tensor.clone()
+                    if can_encode(tensor):
+                        encode_tensor(tensor, stream.write)
                     else:
-                        tensor = cast(torch.Tensor, data).detach()
-                        if tensor.device.type != "cpu":
-                            tensor = tensor.cpu()
-                        if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                            tensor = tensor.clone()
-                        crcs.append(stream.begin_item(tensor))
                         torch.save(tensor, cast(BinaryIO, stream))
-                    length = stream.tell() - offset
-                    checks.append((offset, length))
-                    results.append(
-                        WriteResult(
-                            index=item.index,
-                            size_in_bytes=length,
-                            storage_data=_StorageInfo(name, offset, length),
-                        )
+                length = stream.tell() - offset
+                sums.append([offset, length, stream.crc])
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length),
                     )
-                raw.flush()
-                size = raw.tell()
-                if self.sync_files:
-                    os.fsync(raw.fileno())
-                stream.wait()
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
-        sums = [[off, length, c.value] for (off, length), c in zip(checks, crcs, strict=True)]
+                )
+            raw.flush()
+            size = raw.tell()
+            if self.sync_files:
+                os.fsync(raw.fileno())
         return results, {"size": size, "items": sums}
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
