@@ -21,13 +21,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import tomllib
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workspace import ROOT, load_packages
+from workspace import ROOT, load_packages, requirement_name
 
 TORCH_PIN = "torch==2.13.0"
-#: Third-party runtime dependencies of our packages, fetched into the wheelhouse.
-THIRD_PARTY = ["safetensors>=0.4"]
 
 
 def _run(*cmd: str | Path) -> str:
@@ -55,7 +55,30 @@ def build_wheelhouse(wheelhouse: Path) -> None:
             wheelhouse,
             package.directory,
         )
-    _run(sys.executable, "-m", "pip", "download", "--no-deps", "--dest", wheelhouse, *THIRD_PARTY)
+    _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--dest",
+        wheelhouse,
+        *third_party_requirements(),
+    )
+
+
+def third_party_requirements() -> list[str]:
+    """Runtime requirements of our packages that are neither siblings nor torch."""
+    packages = load_packages()
+    ours = {p.dist for p in packages}
+    found: set[str] = set()
+    for package in packages:
+        data = tomllib.loads((package.directory / "pyproject.toml").read_text())
+        for requirement in data["project"].get("dependencies", []):
+            name = requirement_name(requirement)
+            if name not in ours and name != "torch":
+                found.add(requirement)
+    return sorted(found)
 
 
 def _installed(python: Path) -> set[str]:

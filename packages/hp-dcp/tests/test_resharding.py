@@ -106,14 +106,25 @@ def save_layouts(root: str, layouts: list[str], use_torch: bool) -> dict[str, An
     return out
 
 
-def load_layout(path: str, layout: str, use_torch: bool) -> dict[str, Any]:
-    """Load ``path`` into a freshly initialized model in ``layout``; return its full state."""
+def load_layout(
+    path: str, layout: str, use_torch: bool, hp_helpers: bool = False
+) -> dict[str, Any]:
+    """Load ``path`` into a freshly initialized model in ``layout``; return its full state.
+
+    ``hp_helpers`` uses the state-dict helpers hp-dcp re-exports (hp-dtensor's) instead of
+    torch's, as the docs show.
+    """
     model, opt, dp_rank = build(layout, init_seed=123, lr=0.5)
     train_step(model, opt, dp_rank)  # different state everywhere before the load
-    msd, osd = get_state_dict(model, opt)
+    getter, setter = (
+        (hp_dcp.get_state_dict, hp_dcp.set_state_dict)
+        if hp_helpers
+        else (get_state_dict, set_state_dict)
+    )
+    msd, osd = getter(model, opt)
     sd = {"model": msd, "optim": osd}
     (tdcp.load if use_torch else hp_dcp.load)(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    setter(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return full_state(model, opt)
 
 
@@ -189,8 +200,8 @@ def _phase_ws2_load(root: str) -> dict[str, Any]:
 
 def _phase_ws3_load(root: str) -> dict[str, Any]:
     return {
-        "fsdp_tp_ws4->fsdp": load_layout(f"{root}/fsdp_tp_ws4", "fsdp", False),
-        "hsdp_ws4->tp": load_layout(f"{root}/hsdp_ws4", "tp", False),
+        "fsdp_tp_ws4->fsdp": load_layout(f"{root}/fsdp_tp_ws4", "fsdp", False, True),
+        "hsdp_ws4->tp": load_layout(f"{root}/hsdp_ws4", "tp", False, True),
     }
 
 

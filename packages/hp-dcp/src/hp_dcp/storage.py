@@ -635,7 +635,11 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
-        """The checkpoint directory this writer commits to."""
+        """The checkpoint directory this writer commits to.
+
+        See Also:
+            ``torch.distributed.checkpoint.FileSystemWriter.checkpoint_id``.
+        """
         return self.path
 
     @classmethod
@@ -967,7 +971,11 @@ class FileSystemReader(StorageReader):
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
-        """The checkpoint directory this reader reads."""
+        """The checkpoint directory this reader reads.
+
+        See Also:
+            ``torch.distributed.checkpoint.FileSystemReader.checkpoint_id``.
+        """
         return self.path
 
     @classmethod
