@@ -59,21 +59,9 @@ def tiny_config(
     )
 
 
-def _forget_old_meshes() -> None:
-    # DTensor caches sharding decisions keyed by mesh *equality*; the pool destroys the previous
-    # test's process groups, so a cached spec would point at a dead group of an equal mesh.
-    import torch.distributed.tensor._redistribute as redistribute
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    redistribute.clear_redistribute_planner_cache()
-
-
 def _train(
     folder: str, model: str, local_bs: int, global_bs: int, par: dict[str, Any], ref: bool = False
 ) -> Any:
-    _forget_old_meshes()
     cfg = tiny_config(
         Path(folder),
         model=model,
@@ -126,7 +114,6 @@ def test_parallel_losses_match_single_process(
 
 
 def _train_meta(folder: str) -> Any:
-    _forget_old_meshes()
     cfg = tiny_config(Path(folder), run_name=f"meta{dist.get_rank()}", parallelism={})
     cfg.model.init_device = "meta"
     trainer = Trainer(cfg)
