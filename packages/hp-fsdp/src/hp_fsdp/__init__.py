@@ -4,17 +4,62 @@ See Also:
     ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.
 """
 
+from hp_dtensor import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from hp_fsdp.__about__ import __version__
-from hp_fsdp.api import FSDPModule, HSDPModule, UnshardHandle, fully_shard
+from hp_fsdp.api import (
+    FSDPModule,
+    HSDPModule,
+    UnshardHandle,
+    disable_fsdp_module_new_init,
+    fully_shard,
+    get_cls_to_fsdp_cls,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+from hp_fsdp.hsdp_utils import get_hsdp_state, hsdp_sync_stream, is_dtensor_managed_param
+from hp_fsdp.mesh_info import (
+    DataParallelMeshDims,
+    DDPMeshInfo,
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+    ShardPlacementResult,
+)
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DDPMeshInfo",
+    "DataParallelMeshDims",
+    "FSDPMeshInfo",
     "FSDPModule",
+    "HSDPMeshInfo",
     "HSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardPlacementResult",
+    "StateDictOptions",
     "UnshardHandle",
     "__version__",
+    "disable_fsdp_module_new_init",
     "fully_shard",
+    "get_cls_to_fsdp_cls",
+    "get_hsdp_state",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "hsdp_sync_stream",
+    "is_dtensor_managed_param",
+    "register_fsdp_forward_method",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+    "share_comm_ctx",
 ]

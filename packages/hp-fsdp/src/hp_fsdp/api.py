@@ -6,8 +6,15 @@ See Also:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, cast, overload
+import contextlib
+import contextvars
+import functools
+import logging
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, NoReturn, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -16,13 +23,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hp_dtensor.device import (
+    BACKEND_NCCL,
     DEVICE_TYPE_CPU,
+    DEVICE_TYPE_CUDA,
     get_device,
     get_device_type,
     is_accelerator,
     pin_memory_available,
 )
-from hp_fsdp.mesh_info import mesh_info_from_mesh
+from hp_dtensor.device import stream as device_stream
+from hp_fsdp.mesh_info import (
+    DataParallelMeshDims,
+    ShardPlacementResult,
+    mesh_info_from_mesh,
+)
 from hp_fsdp.param import MANAGED_FLAG as _MANAGED_FLAG
 from hp_fsdp.param_group import ParamGroup, resolve_reshard_after_forward
 from hp_fsdp.policies import (
@@ -32,11 +46,84 @@ from hp_fsdp.policies import (
     to_mp_policy,
     to_offload_policy,
 )
+from hp_fsdp.root_state import RootContext
 from hp_fsdp.state import FSDPState, get_state
+from hp_kernels import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 
 __all__ = ["FSDPModule", "HSDPModule", "UnshardHandle", "fully_shard"]
 
 _CLS_TO_FSDP_CLS: dict[type, type] = {}
+_NEW_INIT_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hp_fsdp_new_init", default=True
+)
+_log = logging.getLogger("hp_fsdp")
+
+
+def _log_hint_once(ctx: RootContext, key: str, message: str) -> None:
+    """Log a best-effort hint's fallback once per root (shared comm context) at debug level."""
+    if key in ctx.comm.logged_hints:
+        return
+    ctx.comm.logged_hints.add(key)
+    _log.debug(message)
+
+
+def _symm_mem_unavailable(state: FSDPState) -> str | None:
+    """Why symmetric memory cannot be used by this unit, or None when it can."""
+    if state.device.type != DEVICE_TYPE_CUDA:
+        return f"this unit computes on {state.device.type}"
+    group = state.group
+    if group is not None:
+        backend = dist.get_backend(group.mesh_info.shard_group)
+        if backend != BACKEND_NCCL:
+            return f"its process group uses {backend}"
+    major, _ = getattr(torch, DEVICE_TYPE_CUDA).get_device_capability(state.device)
+    if major < 9:
+        return f"the device has compute capability {major}.x"
+    return None
+
+
+def _pg_allocate(
+    group: dist.ProcessGroup,
+    size: Sequence[int | torch.SymInt],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    backend = group._get_backend(device)
+    if backend.supports_tensor_alloc(device):
+        numel = math.prod(int(s) for s in size)
+        return backend.allocate_tensor(numel, dtype=dtype, device=device)
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
+def _pg_supports_alloc(group: dist.ProcessGroup, device: torch.device) -> bool:
+    try:
+        return bool(group._get_backend(device).supports_tensor_alloc(device))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class _PGAllocAllGather(DefaultAllGather):
+    """All-gather whose buffers come from the process group's allocator."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _pg_allocate(self._group, size, dtype, device)
+
+
+class _PGAllocReduceScatter(DefaultReduceScatter):
+    """Reduce-scatter whose buffers come from the process group's allocator."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _pg_allocate(self._group, size, dtype, device)
 
 
 class UnshardHandle:
@@ -46,7 +133,7 @@ class UnshardHandle:
         ``torch.distributed.fsdp.UnshardHandle``: PyTorch's handle.
     """
 
-    def __init__(self, groups: list[ParamGroup] | None = None) -> None:
+    def __init__(self, *, groups: list[ParamGroup] | None = None) -> None:
         self._groups = groups
 
     def wait(self) -> None:
@@ -84,7 +171,8 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         orig_cls = cls.__mro__[cls._orig_cls_mro_index]
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
-        self.__init__(*args, **kwargs)
+        if _NEW_INIT_ENABLED.get():
+            self.__init__(*args, **kwargs)
         return self
 
     def _get_fsdp_state(self) -> FSDPState:
@@ -132,7 +220,7 @@ class FSDPModule:
             group.lazy_init(state.ctx if state.is_root is not None else None)
             group.unshard(async_op)
             groups.append(group)
-        handle = UnshardHandle(groups)
+        handle = UnshardHandle(groups=groups)
         if async_op:
             return handle
         handle.wait()
@@ -247,6 +335,459 @@ class FSDPModule:
         """
         self._get_fsdp_state().backward_prefetch = _states_of(modules)
 
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        return [s.group for s in self._units(recurse) if s.group is not None]
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted a forward or backward (call on the root).
+
+        Waits for in-flight all-gathers, reshards every unit and clears the iteration's
+        trackers; in-flight gradient reductions, HSDP partial reductions and no-sync
+        accumulations are discarded, so restart a gradient-accumulation sequence. Kind (c):
+        works everywhere.
+
+        Raises:
+            RuntimeError: when called on a nested unit rather than the root.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.reset_iter_state``: PyTorch's method.
+        """
+        self._get_fsdp_state().reset_iter_state()
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the next forward's all-gathers wait for ``event`` instead of the whole stream.
+
+        Kind (b), a hint: on an accelerator the root waits for the event before the next
+        forward's first all-gather; on the CPU there are no streams, so PyTorch's fallback
+        (ordinary program order) applies and the call logs once at debug level.
+
+        Args:
+            event: an event recorded after the optimizer step.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_post_optim_event``: PyTorch's method.
+        """
+        state = self._get_fsdp_state()
+        if is_accelerator(state.device):
+            state.ctx.post_optim_event = event
+            return
+        _log_hint_once(
+            state.ctx,
+            "set_post_optim_event",
+            "set_post_optim_event: no streams on the CPU; all-gathers follow program order",
+        )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size.
+
+        Kind (c). With fp32/bf16 reductions torch pre-multiplies through ``PREMUL_SUM``, which
+        gloo and hccl lack; hp-fsdp sums and divides the result by ``factor`` (bitwise equal
+        to torch with :meth:`set_force_sum_reduction_for_comms` enabled).
+
+        Args:
+            factor: a positive divide factor for this unit (not recursive, as in PyTorch).
+
+        Raises:
+            ValueError: for a non-positive factor.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: PyTorch's method.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
+        for group in self._groups(False):
+            group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor` (warns).
+
+        Args:
+            factor: the divide factor.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_reduce_scatter_divide_factor``.
+        """
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with ``SUM`` only and divide locally (no ``AVG``/``PREMUL_SUM`` collectives).
+
+        Kind (c).
+
+        Args:
+            enable: force sum reductions for this unit (not recursive, as in PyTorch).
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms``.
+        """
+        for group in self._groups(False):
+            group.force_sum_reduction = bool(enable)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Set whether this unit all-gathers its parameters again in backward.
+
+        Kind (c). False is for units whose backward does not read the parameter values (an
+        embedding): the re-gather is skipped and gradients are still reduced.
+
+        Args:
+            unshard_in_backward: gather in backward (default True).
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_unshard_in_backward``: PyTorch's method.
+        """
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Use ``comm`` for this unit's all-gathers (its ``allocate`` provides the buffer).
+
+        Kind (c). ``comm`` is an :class:`hp_kernels.AllGather` (PyTorch's ``AllGather``
+        subclasses qualify too).
+
+        Args:
+            comm: the all-gather implementation.
+
+        Raises:
+            TypeError: when ``comm`` is not an ``AllGather``.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_custom_all_gather``: PyTorch's method.
+        """
+        if not isinstance(comm, AllGather):
+            raise TypeError(f"expected an hp_kernels.AllGather, got {type(comm).__name__}")
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Use ``comm`` for this unit's gradient reduce-scatters.
+
+        Kind (c). ``comm`` is an :class:`hp_kernels.ReduceScatter` (PyTorch's subclasses
+        qualify too).
+
+        Args:
+            comm: the reduce-scatter implementation.
+
+        Raises:
+            TypeError: when ``comm`` is not a ``ReduceScatter``.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter``: PyTorch's method.
+        """
+        if not isinstance(comm, ReduceScatter):
+            raise TypeError(f"expected an hp_kernels.ReduceScatter, got {type(comm).__name__}")
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.custom_reduce_scatter = comm
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: Any | None = None,
+    ) -> None:
+        """Call ``hook`` on each reduced gradient shard before its division and write-back.
+
+        With HSDP the hook runs after the replicate-axis all-reduce, with FSDP after the
+        reduce-scatter; it may modify the tensor in place. Kind (a) for ``stream``: a stream
+        is a capability of accelerators, and passing one on the CPU raises.
+
+        Args:
+            hook: called with the flat reduced shard (reduce dtype) of each unit.
+            stream: an accelerator stream to run the hook on (None: the current one).
+
+        Raises:
+            ValueError: for a stream on a CPU unit.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_all_reduce_hook``: PyTorch's method.
+        """
+        state = self._get_fsdp_state()
+        if stream is not None and not is_accelerator(state.device):
+            raise ValueError(
+                "set_all_reduce_hook(stream=...) needs an accelerator; this unit computes on "
+                f"{state.device}, pass stream=None"
+            )
+        if state.group is None:
+            return
+        if stream is None:
+            state.group.all_reduce_hook = hook
+            return
+        accelerator_stream = stream
+
+        def on_stream(tensor: torch.Tensor) -> None:
+            with device_stream(accelerator_stream):
+                hook(tensor)
+
+        state.group.all_reduce_hook = on_stream
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Use symmetric memory for this unit's all-gather buffers.
+
+        Kind (a): a capability of NCCL on accelerators of compute capability 9.0 (SM90) or
+        newer; elsewhere it raises.
+
+        Args:
+            backend: ``"NCCL"``, PyTorch's only option.
+
+        Raises:
+            RuntimeError: when the unit is not on such an accelerator with NCCL.
+            ValueError: for another backend name.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_symm_mem_for_comm``: PyTorch's method.
+        """
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL', got {backend!r}")
+        state = self._get_fsdp_state()
+        reason = _symm_mem_unavailable(state)
+        if reason is not None:
+            raise RuntimeError(
+                "set_symm_mem_for_comm needs NCCL symmetric memory on an accelerator of compute "
+                f"capability 9.0 (SM90) or newer; {reason}"
+            )
+        from torch.distributed._symmetric_memory import empty as symm_empty
+
+        class _SymmMemAllGather(DefaultAllGather):
+            def allocate(
+                self,
+                size: Sequence[int | torch.SymInt],
+                *,
+                dtype: torch.dtype,
+                device: torch.device,
+            ) -> torch.Tensor:
+                dims = [int(d) for d in size]
+                return symm_empty(*dims, dtype=dtype, device=device)
+
+        if state.group is not None:
+            state.group.custom_all_gather = _SymmMemAllGather()
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate communication buffers from the process group's allocator where it has one.
+
+        Kind (b), a hint: backends without their own allocator (gloo) keep PyTorch's fallback,
+        ordinary allocations, and the call logs once at debug level.
+
+        Args:
+            enable: use the process group's allocator.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm``.
+        """
+        state = self._get_fsdp_state()
+        group = state.group
+        if group is None or not enable:
+            if group is not None:
+                group.custom_all_gather = None
+                group.custom_reduce_scatter = None
+            return
+        shard_group = group.mesh_info.shard_group
+        if not _pg_supports_alloc(shard_group, state.device):
+            _log_hint_once(
+                state.ctx,
+                "allocate_memory_from_process_group",
+                "set_allocate_memory_from_process_group_for_comm: the "
+                f"{dist.get_backend(shard_group)} process group has no tensor allocator for "
+                f"{state.device}; buffers come from the ordinary allocator",
+            )
+            return
+        group.custom_all_gather = _PGAllocAllGather(group.mesh_info.shard_group)
+        group.custom_reduce_scatter = _PGAllocReduceScatter(group.mesh_info.shard_group)
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatter zero gradients for parameters that got none in this backward.
+
+        Kind (c). Needed when ranks take different branches of a unit (e.g. mixture of
+        experts): every rank then issues the same reduce-scatter.
+
+        Args:
+            reduce_scatter_unused_params: include unused trainable parameters with zeros.
+            recurse: apply to every unit under this module.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_reduce_scatter_unused_params``.
+        """
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Set how many gradient reductions a unit leaves in flight when it issues its own.
+
+        Kind (c). 1 (the default) finishes the previous unit's reduction before issuing the
+        next; more overlap communication longer at the cost of memory.
+
+        Args:
+            max_input_buffers: at least 1.
+            recurse: apply to every unit under this module.
+
+        Raises:
+            ValueError: for a value below 1 or not an int.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_reduce_scatter_max_input_buffers``.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.max_inflight_reductions = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Issue reduce-scatters on their own process group (same ranks as the shard group).
+
+        Kind (c). The group is created once per shard group and root, so reductions and
+        all-gathers can overlap on backends that serialize one group's collectives. Collective:
+        every rank must call it.
+
+        Args:
+            enable: use the separate group (False: back to the shard group).
+            recurse: apply to every unit under this module.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_separate_reduce_scatter_group``.
+        """
+        ctx = self._get_fsdp_state().ctx
+        for group in self._groups(recurse):
+            group.reduce_scatter_group = (
+                ctx.comm.separate_group(group.mesh_info.shard_group) if enable else None
+            )
+
+    def set_gradient_scaling_factor(self, factor: float | torch.Tensor | None) -> None:
+        """Multiply reduced gradients by ``factor`` (HyperParallel's extension).
+
+        Applied after the reduction and division, before the cast to the parameter dtype;
+        a tensor factor is read at every reduction (so it can change between steps without
+        another call). None (the default) skips the multiplication entirely. Applies to this
+        unit only, like PyTorch's per-unit reduction setters. Kind (c).
+
+        Args:
+            factor: None, a number, or a one-element tensor.
+
+        Raises:
+            TypeError: for another type.
+            ValueError: for a tensor with more than one element.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: PyTorch's
+            nearest counterpart (a divisor applied through the collective).
+        """
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1:
+                raise ValueError(
+                    f"a tensor gradient scaling factor must have one element, got {factor.shape}"
+                )
+        elif factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, int | float)
+        ):
+            raise TypeError(
+                f"gradient scaling factor must be None, a number or a tensor, got "
+                f"{type(factor).__name__}"
+            )
+        value = float(factor) if isinstance(factor, int | float) else factor
+        for group in self._groups(False):
+            group.gradient_scaling_factor = value
+
+    def set_reduce_op_type(self, reduce_op_type: str) -> None:
+        """Choose how gradients are reduced: ``"avg"`` (default) or ``"sum"`` (HyperParallel).
+
+        ``"sum"`` sums over all data-parallel ranks without dividing (``SUM`` collectives);
+        ``"avg"`` restores the default averaging (or :meth:`set_gradient_divide_factor`'s
+        factor). Applies to this unit only, like PyTorch's per-unit reduction setters.
+        Kind (c).
+
+        Args:
+            reduce_op_type: ``"avg"`` or ``"sum"`` (case-insensitive).
+
+        Raises:
+            ValueError: for another value.
+
+        See Also:
+            ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: ``1.0`` there is
+            ``"sum"`` here.
+        """
+        kind = reduce_op_type.lower() if isinstance(reduce_op_type, str) else reduce_op_type
+        if kind not in ("avg", "sum"):
+            raise ValueError(f"reduce_op_type must be 'avg' or 'sum', got {reduce_op_type!r}")
+        for group in self._groups(False):
+            group.reduce_op_type = kind
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a state dict into the sharded parameters (``nn.Module`` semantics).
+
+        Each entry of a sharded parameter may be a DTensor (redistributed if its placements
+        differ), a plain tensor of the global shape (this rank's shard is taken), or a plain
+        tensor of this rank's local shard shape; when both shapes are equal the global
+        reading wins. ``strict`` and ``assign`` behave as in ``nn.Module``; with ``assign``
+        the new tensors become the sharded parameters (tied ones stay tied). Kind (c).
+
+        Args:
+            state_dict: the state dict.
+            strict: require exactly matching keys.
+            assign: assign the loaded tensors instead of copying into the existing ones.
+
+        Returns:
+            ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
+
+        See Also:
+            ``torch.nn.Module.load_state_dict``: the contract.
+        """
+        module = cast(nn.Module, self)
+        groups = self._groups(True)
+        for group in groups:
+            group.to_sharded()
+        by_param = {p.sharded_param: p for g in groups for p in g.params}
+        converted: dict[str, Any] = OrderedDict(state_dict)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            converted._metadata = metadata  # type: ignore[attr-defined]
+        for name, param in module.named_parameters(remove_duplicate=False):
+            sharded = by_param.get(param)
+            if sharded is not None and name in converted:
+                value = converted[name]
+                if isinstance(value, torch.Tensor):
+                    converted[name] = sharded.load_value(value)
+        result = super().load_state_dict(converted, strict, assign)  # type: ignore[misc]
+        if assign:
+            for sharded in by_param.values():
+                sharded.readopt()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients, including unreduced accumulations of no-sync micro-batches.
+
+        Clears the sharded parameters' gradients as ``nn.Module.zero_grad`` does, plus the
+        unsharded gradients accumulated under ``set_requires_gradient_sync(False)`` and HSDP
+        partial reductions, so the next synced backward starts from zero. Kind (c).
+
+        Args:
+            set_to_none: set gradients to None instead of zeroing them.
+
+        See Also:
+            ``torch.nn.Module.zero_grad``: the contract.
+        """
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        for group in self._groups(True):
+            group.partial_reduce_output = None
+            for param in group.params:
+                param.unsharded_accumulated_grad = None
+                if param.has_unsharded_param:
+                    param.unsharded_param.grad = None
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
@@ -359,11 +900,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> FSDPModule: ...
 
 
@@ -373,11 +914,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -386,11 +927,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard a module's parameters over a data-parallel mesh (FSDP, or HSDP on a 2-D mesh).
 
@@ -477,14 +1018,22 @@ def fully_shard(
         dims: list[int] = []
         for param in params:
             placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+            if isinstance(placement, ShardPlacementResult):
+                if placement.mesh_info.mesh != mesh:
+                    raise NotImplementedError(
+                        "shard_placement_fn returned a ShardPlacementResult on another mesh; "
+                        "hp_fsdp shards a unit over one mesh: apply fully_shard separately to "
+                        "the modules of that mesh (e.g. the experts) with mesh=..."
+                    )
+                placement = placement.placement
             if placement is None:
                 dims.append(0)
             elif isinstance(placement, Shard):
                 dims.append(placement.dim)
             else:
                 raise TypeError(
-                    "shard_placement_fn must return Shard(dim) or None, got "
-                    f"{type(placement).__name__}"
+                    "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, "
+                    f"got {type(placement).__name__}"
                 )
         state.group = ParamGroup(params, roots, mesh_info, device, resolved, dims, mp, offload)
     for root in roots:
@@ -503,3 +1052,110 @@ def _root_modules(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
             if sub is not module:
                 nested.add(sub)
     return tuple(m for m in candidates if m not in nested)
+
+
+def _fully_shard_state(module: nn.Module) -> FSDPState | None:
+    """Return the hp-fsdp state of ``module`` (None when fully_shard was not applied).
+
+    Args:
+        module: any module.
+
+    Returns:
+        Its state, or None.
+
+    See Also:
+        ``torch.distributed.fsdp.fully_shard.state``: PyTorch's accessor.
+    """
+    return get_state(module)
+
+
+fully_shard.state = _fully_shard_state  # type: ignore[attr-defined]
+
+
+def get_cls_to_fsdp_cls() -> dict[type, type]:
+    """The cache of generated classes: original module class to its ``FSDP<Original>`` class.
+
+    Returns:
+        The live mapping (shared by all ``fully_shard`` calls in the process).
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fully_shard.get_cls_to_fsdp_cls``.
+    """
+    return _CLS_TO_FSDP_CLS
+
+
+@contextlib.contextmanager
+def disable_fsdp_module_new_init() -> Iterator[None]:
+    """Within the block, constructing an ``FSDP<Original>`` class does not call ``__init__``.
+
+    ``FSDPModule.__new__`` builds the original class (so container indexing returns plain
+    modules) and normally initializes it; code that builds instances itself (``copy``-like
+    reconstruction) disables that.
+
+    Yields:
+        Nothing.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fully_shard.disable_fsdp_module_new_init``.
+    """
+    token = _NEW_INIT_ENABLED.set(False)
+    try:
+        yield
+    finally:
+        _NEW_INIT_ENABLED.reset(token)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run a unit's pre/post-forward logic (unshard, reshard, backward hooks) around a method.
+
+    For a module that is not a fully_shard unit this does nothing, as in PyTorch.
+
+    Args:
+        module: the unit.
+        method_name: the name of a method called instead of ``forward`` (e.g. ``generate``).
+
+    Raises:
+        ValueError: when the module has no such method.
+
+    See Also:
+        ``torch.distributed.fsdp.register_fsdp_forward_method``: PyTorch's function.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    original = getattr(module, method_name)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state = module._get_fsdp_state()
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        output = original(*args, **kwargs)
+        return state._post_forward(module, args, output)
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots share one communication context (call before their first forward).
+
+    The roots (e.g. the model chunks of a pipeline stage) then share the process groups
+    hp-fsdp creates lazily (``reshard_after_forward=k`` groups, separate reduce-scatter groups)
+    and the once-only hint logging, instead of creating their own.
+
+    Args:
+        modules: the root units.
+
+    Raises:
+        TypeError: for a module that is not a fully_shard unit.
+        ValueError: for an empty list.
+
+    See Also:
+        ``torch.distributed.fsdp.share_comm_ctx``: PyTorch's function (shares streams).
+    """
+    states = _states_of(modules)
+    if not states:
+        raise ValueError("share_comm_ctx needs at least one fully_shard module, got []")
+    shared = states[0].ctx.comm
+    for state in states[1:]:
+        state.ctx.comm = shared

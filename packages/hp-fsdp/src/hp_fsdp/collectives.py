@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from hp_kernels import (
+    AllGather,
+    ReduceScatter,
     all_gather_copy_in,
     all_gather_copy_out,
     gradient_divide_factors,
@@ -59,6 +61,7 @@ def issue_all_gather(
     rank: int,
     device: torch.device,
     async_op: bool,
+    comm: AllGather | None = None,
 ) -> AllGatherResult:
     """Pack ``inputs`` (cast to ``dtype``) and issue one all-gather over ``group``.
 
@@ -70,6 +73,8 @@ def issue_all_gather(
         rank: this rank's index in it.
         device: the device of the buffers.
         async_op: return before the collective completes.
+        comm: a custom all-gather (``set_custom_all_gather``); its ``allocate`` provides the
+            output buffer. None uses ``torch.distributed.all_gather_single``.
 
     Returns:
         The pending :class:`AllGatherResult`.
@@ -78,8 +83,18 @@ def issue_all_gather(
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather``.
     """
     splits = [t.numel() for t in inputs]
-    ag_input, ag_output = all_gather_copy_in(inputs, splits, world_size, rank, dtype, device)
-    work = dist.all_gather_single(ag_output, ag_input, group=group, async_op=async_op)
+    if world_size == 1:  # nothing to gather (replicate-only mesh): pack, no collective
+        _, ag_output = all_gather_copy_in(inputs, splits, 1, 0, dtype, device)
+        return AllGatherResult(ag_output, splits, 1, None)
+    if comm is None:
+        ag_input, ag_output = all_gather_copy_in(inputs, splits, world_size, rank, dtype, device)
+        work = dist.all_gather_single(ag_output, ag_input, group=group, async_op=async_op)
+    else:
+        buffer = comm.allocate((world_size * sum(splits),), dtype=dtype, device=device)
+        ag_input, ag_output = all_gather_copy_in(
+            inputs, splits, world_size, rank, dtype, device, out=buffer
+        )
+        work = comm(ag_output, ag_input, group, async_op)
     return AllGatherResult(ag_output, splits, world_size, work if async_op else None)
 
 
@@ -106,33 +121,54 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
 
 
 def divide_factors(
-    reduce_dtype: torch.dtype, data_parallel_size: int
-) -> tuple[float | None, float | None, dist.ReduceOp.RedOpType]:
-    """How a reduction divides by the data-parallel size, as torch FSDP2 does by default.
+    reduce_dtype: torch.dtype,
+    shard_size: int,
+    replicate_size: int = 1,
+    factor: float | None = None,
+    force_sum: bool = False,
+) -> tuple[float | None, float | None, dist.ReduceOp.RedOpType, dist.ReduceOp.RedOpType]:
+    """How a reduction divides gradients, as torch FSDP2 does (without ``PREMUL_SUM``).
 
-    fp32 and bf16 reduce with ``AVG`` (no extra division). Other dtypes (fp16) reduce with
-    ``SUM`` and divide by a power of two near the square root of the size before the sum and by
-    the rest after it, to avoid overflow and underflow.
+    fp32 and bf16 with no custom factor reduce with ``AVG`` (no extra division). A custom
+    ``factor`` equal to the shard size averages the reduce-scatter and sums the all-reduce;
+    any other custom factor sums and divides the result by ``factor`` (torch would pre-multiply
+    with ``PREMUL_SUM``, which gloo and hccl lack). With ``force_sum`` or another reduce dtype
+    (fp16) every collective sums; fp16 divides by a power of two near the square root of the
+    factor before the sum and by the rest after it, to avoid overflow and underflow.
 
     Args:
         reduce_dtype: the dtype of the reduction.
-        data_parallel_size: shard size times replicate size.
+        shard_size: the size of the shard axis.
+        replicate_size: the size of the replicate axis (1 for FSDP).
+        factor: the custom gradient divide factor (None: the data-parallel size).
+        force_sum: reduce with ``SUM`` only and divide locally.
 
     Returns:
-        ``(pre_divide, post_divide, reduce_op)``; None means no division.
+        ``(pre_divide, post_divide, reduce_scatter_op, all_reduce_op)``; None means no
+        division.
 
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors``.
     """
-    if reduce_dtype in (torch.float32, torch.bfloat16):
-        if data_parallel_size == 1:
-            return None, None, dist.ReduceOp.SUM
-        return None, None, dist.ReduceOp.AVG
-    pre, post = gradient_divide_factors(data_parallel_size, reduce_dtype)
+    data_parallel_size = shard_size * replicate_size
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    sum_op = dist.ReduceOp.SUM
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            if data_parallel_size == 1:
+                return None, None, sum_op, sum_op
+            return None, None, dist.ReduceOp.AVG, dist.ReduceOp.AVG
+        if factor == shard_size and shard_size > 1:
+            return None, None, dist.ReduceOp.AVG, sum_op
+        return None, (None if factor == 1 else float(factor)), sum_op, sum_op
+    if factor is None:
+        factor = float(data_parallel_size)
+    pre, post = gradient_divide_factors(data_parallel_size, reduce_dtype, factor)
     return (
         None if pre is None or pre == 1 else float(pre),
         None if post is None or post == 1 else float(post),
-        dist.ReduceOp.SUM,
+        sum_op,
+        sum_op,
     )
 
 
@@ -145,6 +181,7 @@ def issue_reduce_scatter(
     world_size: int,
     op: dist.ReduceOp.RedOpType,
     pre_divide: float | None,
+    comm: ReduceScatter | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
     """Pack gradients in torch's layout and issue one reduce-scatter (``grads`` is cleared).
 
@@ -156,6 +193,8 @@ def issue_reduce_scatter(
         world_size: its size.
         op: the reduce op.
         pre_divide: divide the packed input by this before the collective.
+        comm: a custom reduce-scatter (``set_custom_reduce_scatter``); its ``allocate``
+            provides the output buffer. None uses ``torch.distributed.reduce_scatter_single``.
 
     Returns:
         ``(input, output, work)``: keep ``input`` alive until ``work`` completes.
@@ -170,6 +209,10 @@ def issue_reduce_scatter(
     numel = rs_input.numel() // world_size
     if world_size == 1:
         return rs_input, rs_input.view(-1), None
-    rs_output = torch.empty(numel, dtype=reduce_dtype, device=rs_input.device)
-    work = dist.reduce_scatter_single(rs_output, rs_input, group=group, op=op, async_op=True)
+    if comm is None:
+        rs_output = torch.empty(numel, dtype=reduce_dtype, device=rs_input.device)
+        work = dist.reduce_scatter_single(rs_output, rs_input, group=group, op=op, async_op=True)
+    else:
+        rs_output = comm.allocate((numel,), dtype=reduce_dtype, device=rs_input.device)
+        work = comm(rs_output, rs_input, group, op, True)
     return rs_input, rs_output, work

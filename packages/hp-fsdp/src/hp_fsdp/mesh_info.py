@@ -10,8 +10,18 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
-__all__ = ["MeshInfo", "PostForwardInfo", "mesh_info_from_mesh"]
+__all__ = [
+    "DDPMeshInfo",
+    "DataParallelMeshDims",
+    "FSDPMeshInfo",
+    "HSDPMeshInfo",
+    "MeshInfo",
+    "PostForwardInfo",
+    "ShardPlacementResult",
+    "mesh_info_from_mesh",
+]
 
 
 @dataclass(eq=False)
@@ -90,3 +100,131 @@ def mesh_info_from_mesh(mesh: DeviceMesh) -> MeshInfo:
             "a 2-D mesh for HSDP needs mesh_dim_names, e.g. ('replicate', 'shard'), got none"
         )
     return MeshInfo(mesh)
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Names of the data-parallel dims of a full SPMD mesh (``fully_shard(dp_mesh_dims=...)``).
+
+    Args:
+        shard: the dim name(s) parameters are sharded over.
+        replicate: the dim name(s) parameters are replicated over.
+
+    See Also:
+        ``torch.distributed.fsdp.DataParallelMeshDims``: PyTorch's dataclass (same fields).
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+
+@dataclass
+class _DataParallelMeshInfoBase:
+    mesh: DeviceMesh
+    shard_mesh_dim: int | None = None
+    replicate_mesh_dim: int | None = None
+    dp_mesh_dims: DataParallelMeshDims | None = None
+    spmd_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.shard_mesh_dim is None and self.replicate_mesh_dim is None:
+            raise ValueError(
+                "a data-parallel mesh info needs shard_mesh_dim, replicate_mesh_dim or both, "
+                "got neither"
+            )
+
+
+@dataclass
+class FSDPMeshInfo(_DataParallelMeshInfoBase):
+    """A mesh dim to shard over: its process group, size and this rank's index.
+
+    Args:
+        mesh: the device mesh.
+        shard_mesh_dim: the dim parameters are sharded over.
+        replicate_mesh_dim: the dim replicated over (only for :class:`HSDPMeshInfo`).
+        dp_mesh_dims: the data-parallel dim names of a full SPMD mesh (PyTorch's field).
+        spmd_mesh: that full mesh.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo``: PyTorch's class.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shard_mesh_dim is None:
+            raise ValueError(f"{type(self).__name__} needs shard_mesh_dim, got None")
+        self.shard_mesh_size: int = self.mesh.size(self.shard_mesh_dim)
+        self.shard_process_group: dist.ProcessGroup = self.mesh.get_group(self.shard_mesh_dim)
+        self.shard_mesh_rank: int = self.mesh.get_local_rank(self.shard_mesh_dim)
+
+
+@dataclass
+class DDPMeshInfo(_DataParallelMeshInfoBase):
+    """A mesh dim to replicate over (gradients all-reduced): its group, size and rank.
+
+    Args:
+        mesh: the device mesh.
+        shard_mesh_dim: the dim sharded over (only for :class:`HSDPMeshInfo`).
+        replicate_mesh_dim: the dim parameters are replicated over.
+        dp_mesh_dims: the data-parallel dim names of a full SPMD mesh (PyTorch's field).
+        spmd_mesh: that full mesh.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.DDPMeshInfo``: PyTorch's class.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.replicate_mesh_dim is None:
+            raise ValueError(f"{type(self).__name__} needs replicate_mesh_dim, got None")
+        self.replicate_mesh_size: int = self.mesh.size(self.replicate_mesh_dim)
+        self.replicate_process_group: dist.ProcessGroup = self.mesh.get_group(
+            self.replicate_mesh_dim
+        )
+        self.replicate_mesh_rank: int = self.mesh.get_local_rank(self.replicate_mesh_dim)
+
+
+@dataclass
+class HSDPMeshInfo(FSDPMeshInfo, DDPMeshInfo):
+    """A replicate dim and a shard dim (HSDP).
+
+    Args:
+        mesh: the 2-D device mesh.
+        shard_mesh_dim: the dim parameters are sharded over.
+        replicate_mesh_dim: the dim they are replicated over.
+        dp_mesh_dims: the data-parallel dim names of a full SPMD mesh (PyTorch's field).
+        spmd_mesh: that full mesh.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo``: PyTorch's class.
+    """
+
+
+@dataclass
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return: a placement and the mesh to shard over.
+
+    Args:
+        placement: ``Shard(dim)``, or None for ``Shard(0)``.
+        mesh_info: the parameter's data-parallel mesh.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult``.
+    """
+
+    placement: Shard | None
+    mesh_info: FSDPMeshInfo
+
+
+def public_mesh_info(info: MeshInfo) -> FSDPMeshInfo:
+    """The :class:`FSDPMeshInfo` / :class:`HSDPMeshInfo` describing a unit's mesh.
+
+    Args:
+        info: the unit's internal mesh description.
+
+    Returns:
+        The public description (HSDP: replicate dim 0, shard dim 1).
+    """
+    if info.is_hsdp:
+        return HSDPMeshInfo(info.mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    return FSDPMeshInfo(info.mesh, shard_mesh_dim=0)

@@ -481,5 +481,54 @@ class ShardedParam:
         """
         return _make_dtensor(local, _with_dtype(self._spec, local.dtype), False)
 
+    def load_value(self, value: torch.Tensor) -> DTensor:
+        """Turn a state-dict entry into a DTensor with this parameter's spec.
+
+        Args:
+            value: a DTensor (redistributed when its placements differ), a plain tensor of the
+                global shape (this rank's shard is taken), or a plain tensor of this rank's
+                local shard shape. When the global and local shapes coincide, the value is read
+                as global.
+
+        Returns:
+            A DTensor of this parameter's dtype, device and placements.
+
+        Raises:
+            ValueError: for a plain tensor of neither shape.
+        """
+        spec = self._spec
+        meta = spec.tensor_meta
+        assert meta is not None
+        global_shape = meta.shape
+        dtype = self.sharded_param.dtype
+        if isinstance(value, DTensor):
+            if value.device_mesh == spec.mesh and tuple(value.placements) == self.placements:
+                local = value._local_tensor
+            else:
+                value = value.full_tensor()
+        if not isinstance(value, DTensor):
+            if value.shape == global_shape:
+                from torch.distributed.tensor import distribute_tensor
+
+                full = value.detach().to(device=self.sharded_param.device, dtype=dtype)
+                local = distribute_tensor(
+                    full, spec.mesh, list(self.placements), src_data_rank=None
+                )._local_tensor
+            elif value.shape == self.sharded_size:
+                local = value.detach()
+            else:
+                raise ValueError(
+                    f"cannot load {self.fqn!r}: expected a DTensor, a tensor of the global shape "
+                    f"{tuple(global_shape)} or of this rank's shard shape "
+                    f"{tuple(self.sharded_size)}, got shape {tuple(value.shape)}"
+                )
+        local = local.to(device=self.sharded_param.device, dtype=dtype)
+        return self.to_sharded_dtensor(local)
+
+    def readopt(self) -> None:
+        """Re-adopt the registered sharded parameter and re-tie every registration."""
+        self.reset_sharded_param()
+        self._set_on_modules(self.sharded_param)
+
     def __repr__(self) -> str:
         return f"ShardedParam(fqn={self.fqn!r}, size={tuple(self.orig_size)})"

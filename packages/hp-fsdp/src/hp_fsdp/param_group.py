@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +33,7 @@ from hp_fsdp.collectives import (
 from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
 from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hp_kernels import post_reduce
+from hp_kernels import AllGather, ReduceScatter, post_reduce
 
 if TYPE_CHECKING:
     from hp_fsdp.root_state import RootContext
@@ -193,6 +193,14 @@ class PendingReduction:
         self._write_grads()
         self._stage = 2
 
+    def discard(self) -> None:
+        """Wait for the collective in flight and drop the result (``reset_iter_state``)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._rs_input = None
+        self._stage = 2
+
     def finish(self) -> None:
         """Run all remaining stages."""
         while self._stage != 2:
@@ -201,12 +209,26 @@ class PendingReduction:
     @torch.no_grad()
     def _write_grads(self) -> None:
         output = self._output
-        orig_dtype = self.group.orig_dtype
+        group = self.group
+        if group.all_reduce_hook is not None:
+            group.all_reduce_hook(output)
+        orig_dtype = group.orig_dtype
         post_divide = self._post_divide
+        scale = group.gradient_scaling_factor
+        float_scale: float | None = None
+        if isinstance(scale, torch.Tensor):
+            if post_divide is not None:
+                output = post_reduce(output, divide_factor=post_divide, inplace=True)
+                post_divide = None
+            output.mul_(scale.to(device=output.device, dtype=output.dtype))
+        elif scale is not None:
+            float_scale = float(scale)
         if orig_dtype is not None and output.dtype != orig_dtype:
-            output = post_reduce(output, divide_factor=post_divide, out_dtype=orig_dtype)
-        elif post_divide is not None:
-            output = post_reduce(output, divide_factor=post_divide, inplace=True)
+            output = post_reduce(
+                output, divide_factor=post_divide, scale=float_scale, out_dtype=orig_dtype
+            )
+        elif post_divide is not None or float_scale is not None:
+            output = post_reduce(output, divide_factor=post_divide, scale=float_scale, inplace=True)
         offset = 0
         for param in self.params:
             new_grad = torch.as_strided(
@@ -288,6 +310,17 @@ class ParamGroup:
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.unshard_async_op = False
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.reduce_op_type = "avg"
+        self.gradient_scaling_factor: float | torch.Tensor | None = None
+        self.custom_all_gather: AllGather | None = None
+        self.custom_reduce_scatter: ReduceScatter | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.reduce_scatter_unused_params = False
+        self.max_inflight_reductions = 1
+        self.reduce_scatter_group: dist.ProcessGroup | None = None
         self.partial_reduce_output: torch.Tensor | None = None
         self.orig_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
@@ -385,7 +418,9 @@ class ParamGroup:
             world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         dtype = self.params[0].compute_dtype
         inputs = [p.all_gather_input() for p in self.params]
-        self._ag = issue_all_gather(inputs, dtype, group, world_size, rank, self.device, True)
+        self._ag = issue_all_gather(
+            inputs, dtype, group, world_size, rank, self.device, True, self.custom_all_gather
+        )
         self._ag_from_post_forward = from_post_forward
 
     def wait_for_unshard(self) -> None:
@@ -525,8 +560,9 @@ class ParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
-        self.wait_for_unshard()
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_for_unshard()
         if default_prefetch:
             self._backward_prefetch()
 
@@ -556,6 +592,10 @@ class ParamGroup:
             if not param.has_unsharded_param:
                 continue
             grad = param.take_unsharded_grad()
+            if grad is None and self.reduce_scatter_unused_params:
+                if not param.sharded_param.requires_grad:
+                    continue
+                grad = torch.zeros(param.orig_size, dtype=param.compute_dtype, device=self.device)
             if grad is not None:
                 with_grad.append(param)
                 grads.append(grad)
@@ -563,7 +603,7 @@ class ParamGroup:
             self.to_sharded()
         ctx = self.ctx
         if ctx is not None:
-            ctx.advance_reductions()
+            ctx.advance_reductions(self.max_inflight_reductions)
         if not grads:
             return
         reduction = self._issue_reduction(with_grad, grads)
@@ -580,20 +620,39 @@ class ParamGroup:
             raise RuntimeError(f"fully_shard expects one gradient dtype per unit, got {dtypes}")
         reduce_dtype = self.reduce_dtype or grads[0].dtype
         mesh_info = self.mesh_info
-        dp_size = mesh_info.shard_size * mesh_info.replicate_size
-        pre, post, op = divide_factors(reduce_dtype, dp_size)
+        factor = 1.0 if self.reduce_op_type == "sum" else self.gradient_divide_factor
+        pre, post, rs_op, ar_op = divide_factors(
+            reduce_dtype,
+            mesh_info.shard_size,
+            mesh_info.replicate_size,
+            factor,
+            self.force_sum_reduction,
+        )
         rs_input, rs_output, work = issue_reduce_scatter(
             grads,
             [p.shard_dim for p in params],
             reduce_dtype,
-            mesh_info.shard_group,
+            self.reduce_scatter_group or mesh_info.shard_group,
             mesh_info.shard_size,
-            op,
+            rs_op,
             pre,
+            self.custom_reduce_scatter,
         )
         return PendingReduction(
-            self, params, rs_input, rs_output, work, post, op, self.all_reduce_grads
+            self, params, rs_input, rs_output, work, post, ar_op, self.all_reduce_grads
         )
+
+    def reset_iter_state(self) -> None:
+        """Drop in-flight all-gathers, gradients and accumulations; reshard (after a failure)."""
+        self.drop_pending_all_gather()
+        self.to_sharded()
+        self.training_state = TrainingState.IDLE
+        self.partial_reduce_output = None
+        self._post_forward_indices.clear()
+        for param in self.params:
+            param.unsharded_accumulated_grad = None
+            if param.has_unsharded_param:
+                param.unsharded_param.grad = None
 
     def finalize_backward(self) -> None:
         """End-of-backward cleanup: drop unused prefetches and backward-prefetch indices."""

@@ -14,7 +14,8 @@ See Also:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -24,7 +25,44 @@ if TYPE_CHECKING:
     from hp_fsdp.param_group import ParamGroup, PendingReduction
     from hp_fsdp.state import FSDPState
 
-__all__ = ["RootContext"]
+__all__ = ["ROOTS", "CommResources", "RootContext"]
+
+
+class CommResources:
+    """Process groups a root creates once and reuses (shared across roots by ``share_comm_ctx``).
+
+    Attributes:
+        post_forward_groups: the groups of ``reshard_after_forward=k``, per (mesh ranks, k).
+        separate_groups: the reduce-scatter groups of ``set_separate_reduce_scatter_group``,
+            per shard-group ranks.
+        logged_hints: the best-effort hints already logged (each logs once).
+
+    See Also:
+        ``torch.distributed.fsdp.share_comm_ctx``: PyTorch's shared communication context.
+    """
+
+    def __init__(self) -> None:
+        self.post_forward_groups: dict[tuple[tuple[int, ...], int], PostForwardInfo] = {}
+        self.separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.logged_hints: set[str] = set()
+
+    def separate_group(self, shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """A second process group over the ranks of ``shard_group`` (created once, collective).
+
+        Args:
+            shard_group: the unit's shard group.
+
+        Returns:
+            The group reduce-scatters are issued on.
+        """
+        ranks = tuple(dist.get_process_group_ranks(shard_group))
+        group = self.separate_groups.get(ranks)
+        if group is None:
+            new = dist.new_group(list(ranks), use_local_synchronization=True)
+            assert new is not None
+            group = new
+            self.separate_groups[ranks] = group
+        return group
 
 
 class RootContext:
@@ -57,7 +95,8 @@ class RootContext:
         self.post_forward_order: list[ParamGroup] = []
         self.pending_reductions: list[PendingReduction] = []
         self.max_inflight_reductions = 1
-        self._post_forward_groups: dict[tuple[tuple[int, ...], int], PostForwardInfo] = {}
+        self.comm = CommResources()
+        self.post_optim_event: Any | None = None
 
     def post_forward_info(self, mesh_info: MeshInfo, k: int) -> PostForwardInfo:
         """The group of ``k`` consecutive shard ranks this rank reshards to after forward.
@@ -77,7 +116,7 @@ class RootContext:
         """
         mesh_ranks = mesh_info.mesh.mesh.reshape(-1, mesh_info.shard_size)
         key = (tuple(int(r) for r in mesh_ranks.reshape(-1).tolist()), k)
-        info = self._post_forward_groups.get(key)
+        info = self.comm.post_forward_groups.get(key)
         if info is not None:
             return info
         me = dist.get_rank()
@@ -91,23 +130,29 @@ class RootContext:
             raise RuntimeError(
                 f"rank {me} is not in the mesh {mesh_info.mesh}; cannot reshard to {k} ranks"
             )
-        self._post_forward_groups[key] = mine
+        self.comm.post_forward_groups[key] = mine
         return mine
 
-    def advance_reductions(self) -> None:
+    def advance_reductions(self, max_inflight: int | None = None) -> None:
         """Move every pending reduction one stage on, finishing those that complete.
 
-        Then, while more than ``max_inflight_reductions`` remain, finish the oldest. Called by
-        a unit's post-backward before it issues its own reduce-scatter, so each reduction
-        overlaps at least one later unit's backward computation.
+        Then, while more than ``max_inflight`` remain, finish the oldest. Called by a unit's
+        post-backward before it issues its own reduce-scatter, so each reduction overlaps at
+        least one later unit's backward computation.
+
+        Args:
+            max_inflight: how many reductions to leave in flight (None:
+                ``max_inflight_reductions``); a unit passes its
+                ``set_reduce_scatter_max_input_buffers`` value.
         """
+        limit = self.max_inflight_reductions if max_inflight is None else max_inflight
         pending = self.pending_reductions
         if not pending:
             return
         for reduction in pending:
             reduction.advance()
         remaining = [r for r in pending if not r.done]
-        while len(remaining) > self.max_inflight_reductions:
+        while len(remaining) > limit:
             remaining[0].finish()
             remaining.pop(0)
         self.pending_reductions = remaining
@@ -118,3 +163,7 @@ class RootContext:
         self.pending_reductions = []
         for reduction in pending:
             reduction.finish()
+
+
+#: Weak registry of the initialized roots (for ``hsdp_sync_stream()`` without a module).
+ROOTS: weakref.WeakSet[RootContext] = weakref.WeakSet()

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map_only
 from hp_dtensor.device import is_accelerator
 from hp_fsdp.param_group import ParamGroup, TrainingState
 from hp_fsdp.policies import MixedPrecisionPolicy
-from hp_fsdp.root_state import RootContext
+from hp_fsdp.root_state import ROOTS, RootContext
 
 __all__ = ["STATE_ATTR", "FSDPState", "get_state"]
 
@@ -98,6 +98,7 @@ class FSDPState:
         if self.is_root is not None:
             return
         self.is_root = True
+        ROOTS.add(self.ctx)
         if len(self.modules) != 1:
             raise RuntimeError(
                 "the root of fully_shard must be a single module, got a list-of-modules unit "
@@ -154,6 +155,10 @@ class FSDPState:
             return args, kwargs
         ctx.iter_forward_root = self
         ctx.current_forward_order = []
+        event = ctx.post_optim_event
+        if event is not None:  # set_post_optim_event (accelerators only)
+            ctx.post_optim_event = None
+            event.wait()
         if is_accelerator(self.device):
             device = self.device
             args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
@@ -310,4 +315,36 @@ class FSDPState:
         if ctx.is_last_backward:
             ctx.finish_reductions()
             ctx.post_forward_order.clear()
+        ctx.callback_queued = False
+
+    # ------------------------------------------------------------------ recovery
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted a forward or backward (root only).
+
+        Waits for in-flight all-gathers, discards in-flight gradient reductions (the failed
+        iteration's gradients, HSDP partial reductions and no-sync accumulations are lost),
+        reshards every unit and clears the per-iteration trackers.
+
+        Raises:
+            RuntimeError: when called on a unit that is not the root.
+        """
+        if self.is_root is False:
+            raise RuntimeError(
+                "reset_iter_state must be called on the root fully_shard module (the module "
+                "whose forward runs first), not on a nested unit"
+            )
+        ctx = self.ctx
+        for reduction in ctx.pending_reductions:
+            reduction.discard()
+        ctx.pending_reductions = []
+        ctx.post_forward_order.clear()
+        ctx.current_forward_order = []
+        states = ctx.states or [self]
+        for state in states:
+            state._modules_to_run.clear()
+            state.training_state = TrainingState.IDLE
+            group = state.group
+            if group is not None:
+                group.reset_iter_state()
+        ctx.iter_forward_root = None
         ctx.callback_queued = False

@@ -1,0 +1,80 @@
+"""HyperParallel-style helpers: state access, managed-parameter test, waiting for reductions.
+
+See Also:
+    ``torch.distributed.fsdp.fully_shard``: PyTorch's API these helpers complement.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from hp_fsdp.param import MANAGED_FLAG
+from hp_fsdp.root_state import ROOTS, RootContext
+from hp_fsdp.state import FSDPState, get_state
+
+__all__ = ["get_hsdp_state", "hsdp_sync_stream", "is_dtensor_managed_param"]
+
+
+def get_hsdp_state(module: nn.Module) -> FSDPState | None:
+    """Return the hp-fsdp state of ``module`` (HyperParallel's name for ``fully_shard.state``).
+
+    Args:
+        module: any module.
+
+    Returns:
+        Its state, or None when ``fully_shard`` was not applied to it.
+
+    See Also:
+        ``torch.distributed.fsdp.fully_shard.state``: PyTorch's accessor.
+    """
+    return get_state(module)
+
+
+def is_dtensor_managed_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a sharded (DTensor) parameter owned by a ``fully_shard`` unit.
+
+    Args:
+        param: any tensor.
+
+    Returns:
+        True for the sharded parameters of hp-fsdp units (and ``replicate``), else False.
+
+    See Also:
+        ``torch.distributed.tensor.DTensor``: the parameter type checked.
+    """
+    return isinstance(param, DTensor) and bool(getattr(param, MANAGED_FLAG, False))
+
+
+def hsdp_sync_stream(module: nn.Module | None = None) -> None:
+    """Wait for pending gradient reductions and write the reduced gradients.
+
+    Reductions normally finish at the end of the backward; after a backward with
+    ``set_is_last_backward(False)`` they stay in flight until the next one, or until this
+    call. Works on every device.
+
+    Args:
+        module: a unit; its root's reductions are finished. None finishes those of every
+            root in the process.
+
+    Raises:
+        TypeError: when ``module`` is not a fully_shard unit.
+
+    See Also:
+        ``torch.distributed.fsdp.FSDPModule.set_is_last_backward``: the setting that leaves
+        reductions pending.
+    """
+    contexts: list[RootContext]
+    if module is None:
+        contexts = list(ROOTS)
+    else:
+        state = get_state(module)
+        if state is None:
+            raise TypeError(
+                f"hsdp_sync_stream expects a module fully_shard was applied to, got "
+                f"{type(module).__name__}"
+            )
+        contexts = [state.ctx]
+    for ctx in contexts:
+        ctx.finish_reductions()

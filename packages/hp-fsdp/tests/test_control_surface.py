@@ -1,0 +1,539 @@
+"""The FSDPModule control surface and HyperParallel's extensions, observed on CPU gloo.
+
+Each check compares against an oracle: torch's ``fully_shard`` with the same setting (bitwise),
+a default hp-fsdp run (exact scaling relations), or a single process. Checks are folded into few
+test functions per world size to keep the worker-pool time low.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as torch_collectives
+from torch.distributed.tensor import DTensor
+
+import hp_fsdp
+from hp_dtensor.testing import distributed, rank_seed
+from hp_kernels import DefaultAllGather, DefaultReduceScatter
+
+
+def _helpers() -> ModuleType:
+    name = "hp_fsdp_tests_helpers"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).with_name("_fsdp_helpers.py")
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor:
+    assert t is not None
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: _local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _parity(world: int, setup: Callable[[Any], None], steps: int = 2, **cfg: Any) -> None:
+    """Ours and torch's with the same setter calls, trained side by side: bitwise equal."""
+    h = _helpers()
+    config = h.Config(mesh_shape=cfg.pop("mesh_shape", (world,)), steps=steps, **cfg)
+    ours, theirs, _, _ = h.build_pair(config)
+    setup(ours)
+    setup(theirs)
+    h.compare_training(ours, theirs, config, dist.get_rank())
+
+
+def _one_backward(setup: Callable[[Any], None] | None, world: int, keep_model: bool = False) -> Any:
+    """Gradients of one backward of an hp-fsdp model (same seed, rank-dependent data)."""
+    h = _helpers()
+    mesh = h.build_mesh((world,))
+    torch.manual_seed(0)
+    model = h.TinyLM(blocks=1)
+    h.apply_sharding(model, hp_fsdp, h.Config(mesh_shape=(world,)), mesh)
+    if keep_model:
+        return model
+    if setup is not None:
+        setup(model)
+    h.loss_fn(model, h.make_batch(h.data_seed(0, 0, dist.get_rank()))).backward()
+    return _grads(model)
+
+
+class _CountingAllGather(DefaultAllGather):
+    def __init__(self) -> None:
+        self.calls = 0
+        self.allocations = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocations += 1
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+class _CountingReduceScatter(DefaultReduceScatter):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+class _TorchCountingAllGather(torch_collectives.DefaultAllGather):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class _Branchy(nn.Module):
+    """One unit whose ranks take different branches (unused parameters differ per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
+        return self.a(x) if use_a else self.b(x)
+
+
+class _Scorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.proj.weight.t()).sum(-1)
+
+
+def _check_reduction_settings(world: int) -> None:
+    base = _one_backward(None, world)
+    summed = _one_backward(lambda m: m.set_reduce_op_type("sum"), world)
+    for name, grad in base.items():
+        torch.testing.assert_close(summed[name], grad * world, rtol=1e-5, atol=1e-6)
+    halved = _one_backward(lambda m: m.set_gradient_scaling_factor(0.5), world)
+    tensor_scaled = _one_backward(lambda m: m.set_gradient_scaling_factor(torch.tensor(0.5)), world)
+    doubled = _one_backward(lambda m: m.set_all_reduce_hook(lambda t: t.mul_(2)), world)
+    for name, grad in base.items():
+        assert torch.equal(halved[name], grad * 0.5), name
+        assert torch.equal(tensor_scaled[name], grad * 0.5), name
+        assert torch.equal(doubled[name], grad * 2), name
+    restored = _one_backward(
+        lambda m: (m.set_gradient_scaling_factor(3.0), m.set_gradient_scaling_factor(None)), world
+    )
+    for name, grad in base.items():
+        assert torch.equal(restored[name], grad), name
+
+
+def _alias_setup(model: Any) -> None:
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_reduce_scatter_divide_factor(3.0)
+
+
+def _divide_factor_setup(model: Any) -> None:
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_gradient_divide_factor(2.0 * dist.get_world_size())
+
+
+@distributed(world_size=2, timeout=120)
+def test_control_surface_ws2() -> None:
+    h = _helpers()
+    rank = dist.get_rank()
+    # set_gradient_divide_factor(f) with force-sum: bitwise equal to torch with the same.
+    _parity(2, _divide_factor_setup)
+    # The deprecated alias sets the same factor (bitwise with torch's alias) and warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _parity(2, _alias_setup)
+    probe = _one_backward(None, 2, keep_model=True)
+    with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
+        probe.set_reduce_scatter_divide_factor(3.0)
+    # sum = ws x avg; scaling factor 0.5 (float or tensor) halves; the hook runs on the shard.
+    _check_reduction_settings(2)
+
+    # Custom all-gather / reduce-scatter (ours, and torch's class): called, parity kept.
+    ag, rs, torch_ag = _CountingAllGather(), _CountingReduceScatter(), _TorchCountingAllGather()
+    config = h.Config(mesh_shape=(2,), steps=1)
+    ours, theirs, _, _ = h.build_pair(config)
+    ours.set_custom_all_gather(ag)
+    ours.layers[0].set_custom_all_gather(torch_ag)
+    ours.set_custom_reduce_scatter(rs)
+    h.compare_training(ours, theirs, config, rank)
+    assert ag.calls >= 1
+    assert ag.allocations == ag.calls
+    assert torch_ag.calls == 2  # forward + backward of the resharded block
+    assert rs.calls == 1
+    with pytest.raises(TypeError, match="AllGather"):
+        ours.set_custom_all_gather(rs)
+
+    # Capabilities and hints on the CPU.
+    with pytest.raises(ValueError, match="accelerator"):
+        ours.set_all_reduce_hook(lambda t: None, stream=object())
+    with pytest.raises(RuntimeError, match="SM90"):
+        ours.set_symm_mem_for_comm()
+    handler = _ListHandler()
+    logger = logging.getLogger("hp_fsdp")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        for _ in range(2):
+            ours.set_post_optim_event(object())  # type: ignore[arg-type]
+            ours.set_allocate_memory_from_process_group_for_comm(True)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert sum("set_post_optim_event" in m for m in handler.messages) == 1, handler.messages
+    assert sum("allocator" in m for m in handler.messages) == 1, handler.messages
+
+    # Unit-level options that keep torch's numbers: parity with torch set the same way.
+    def options(m: Any) -> None:
+        m.set_reduce_scatter_max_input_buffers(2)
+        m.set_separate_reduce_scatter_group(True)
+        m.set_reshard_after_backward(False, recurse=False)
+        m.layers[0].set_reshard_after_backward(True, recurse=True)
+
+    _parity(2, options)
+    with pytest.raises(ValueError, match="max_input_buffers"):
+        ours.set_reduce_scatter_max_input_buffers(0)
+
+    # set_unshard_in_backward(False) on the embedding/head unit skips its backward all-gather.
+    _check_unshard_in_backward()
+    # set_reduce_scatter_unused_params(True): ranks take different branches and complete.
+    _check_unused_params()
+    # reset_iter_state after an exception mid-forward: the next steps keep parity.
+    _check_reset_iter_state()
+    # register_fsdp_forward_method, state accessors, class cache, new-init switch.
+    _check_module_level_api()
+    # load_state_dict with each input kind; zero_grad clears no-sync accumulation.
+    _check_load_state_dict_and_zero_grad()
+    # hsdp_sync_stream finishes reductions left pending by set_is_last_backward(False).
+    _check_hsdp_sync_stream()
+
+
+class _EmbedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(tokens))
+
+
+def _embed_mlp_grads(base: nn.Module, skip: bool) -> tuple[int, dict[str, torch.Tensor]]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = copy.deepcopy(base)
+    hp_fsdp.fully_shard(model.embed, mesh=mesh)
+    hp_fsdp.fully_shard(model, mesh=mesh)
+    if skip:  # the embedding's backward reads no parameter values
+        model.embed.set_unshard_in_backward(False)
+    calls: list[int] = []
+    original = dist.all_gather_single
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = spy
+    try:
+        tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank_seed(3)))
+        model(tokens).square().mean().backward()
+    finally:
+        dist.all_gather_single = original
+    return len(calls), _grads(model)
+
+
+def _check_unshard_in_backward() -> None:
+    torch.manual_seed(0)
+    base = _EmbedMLP()
+    n_default, g_default = _embed_mlp_grads(base, False)
+    n_skip, g_skip = _embed_mlp_grads(base, True)
+    assert n_skip == n_default - 1, (n_default, n_skip)
+    assert g_skip.keys() == g_default.keys()
+    for name, grad in g_default.items():
+        assert torch.equal(g_skip[name], grad), name
+
+
+def _check_unused_params() -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    base = _Branchy()
+    model = copy.deepcopy(base)
+    hp_fsdp.fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank_seed(5))
+    x = torch.randn(4, 8)
+    model(x, rank % 2 == 0).sum().backward()
+    # Oracle: every rank's contribution summed on one process, divided by the world size.
+    inputs = [torch.empty(4, 8) for _ in range(world)]
+    dist.all_gather(inputs, x)
+    ref = copy.deepcopy(base)
+    for r, xr in enumerate(inputs):
+        (ref(xr, r % 2 == 0).sum() / world).backward()
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor)
+        ref_grad = ref.get_parameter(name).grad
+        assert ref_grad is not None
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-6)
+
+
+class _FailOnce(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("injected failure")
+        return self.inner(x)
+
+
+def _check_reset_iter_state() -> None:
+    h = _helpers()
+    config = h.Config(mesh_shape=(dist.get_world_size(),), steps=2)
+    ours, theirs, _, _ = h.build_pair(config)
+    rank = dist.get_rank()
+    for model in (ours, theirs):
+        h.loss_fn(model, h.make_batch(h.data_seed(9, 0, rank))).backward()
+        model.zero_grad()
+        norm = model.norm
+        original = norm.forward
+
+        def boom(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected failure")
+
+        norm.forward = boom
+        with pytest.raises(RuntimeError, match="injected"):
+            h.loss_fn(model, h.make_batch(0))
+        norm.forward = original
+        with pytest.raises(RuntimeError, match="root"):
+            model.layers[0].reset_iter_state()
+        model.reset_iter_state()
+    h.compare_training(ours, theirs, config, rank)
+
+
+def _check_module_level_api() -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = _Scorer()
+    ref = copy.deepcopy(model)
+    hp_fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    x = torch.randn(3, 8)
+    model(x)  # lazy init as root
+    with pytest.raises(Exception):  # noqa: B017, PT011 - sharded weight cannot meet a plain input
+        model.score(x)
+    hp_fsdp.register_fsdp_forward_method(model, "score")
+    out = model.score(x)
+    torch.testing.assert_close(out, ref.score(x))
+    assert isinstance(model.proj.weight, DTensor)  # resharded afterwards
+    hp_fsdp.register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # no-op for plain modules
+
+    state = hp_fsdp.fully_shard.state(model)
+    assert state is not None
+    assert state is hp_fsdp.get_hsdp_state(model)
+    assert hp_fsdp.fully_shard.state(nn.Linear(2, 2)) is None
+    assert hp_fsdp.is_dtensor_managed_param(model.proj.weight)
+    assert not hp_fsdp.is_dtensor_managed_param(nn.Parameter(torch.ones(2)))
+    fsdp_cls = hp_fsdp.get_cls_to_fsdp_cls()[_Scorer]
+    assert type(model) is fsdp_cls
+    assert isinstance(model, hp_fsdp.HSDPModule)
+    assert issubclass(fsdp_cls, _Scorer)
+    made = fsdp_cls()  # __new__ builds (and initializes) the original class
+    assert type(made) is _Scorer
+    assert hasattr(made, "proj")
+    with hp_fsdp.disable_fsdp_module_new_init():
+        bare = fsdp_cls()
+    assert type(bare) is _Scorer
+    assert "_modules" not in bare.__dict__
+
+
+def _check_load_state_dict_and_zero_grad() -> None:
+    h = _helpers()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = h.Config(mesh_shape=(world,), steps=1)
+    ours, theirs, ref, _ = h.build_pair(config)
+    torch.manual_seed(77)
+    source = h.TinyLM(blocks=config.blocks)
+    full = source.state_dict()
+    sharded_source = copy.deepcopy(source)
+    h.apply_sharding(sharded_source, hp_fsdp, config, h.build_mesh((world,)))
+    dtensors = sharded_source.state_dict()
+    locals_ = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in dtensors.items()}
+
+    def check(model: nn.Module) -> None:
+        for name, param in model.named_parameters():
+            assert isinstance(param, DTensor)
+            assert torch.equal(param.full_tensor(), full[name]), name
+
+    for kind in (full, dtensors, locals_):
+        fresh, _, _, _ = h.build_pair(config)
+        fresh.load_state_dict(kind)
+        check(fresh)
+        # and the loaded model still trains like torch's loading the same global weights
+    assigned, _, _, _ = h.build_pair(config)
+    assigned.load_state_dict(dtensors, assign=True)
+    check(assigned)
+    assert assigned.embed.weight is assigned.head.weight  # tied parameters stay tied
+    theirs.load_state_dict(dtensors)
+    h.compare_training(assigned, theirs, config, rank)
+    with pytest.raises(RuntimeError, match="Unexpected"):
+        ours.load_state_dict({**full, "bogus": torch.ones(1)})
+    missing = ours.load_state_dict({"pos": full["pos"]}, strict=False)
+    assert "embed.weight" in missing.missing_keys
+    with pytest.raises(ValueError, match="shape"):
+        ours.load_state_dict({**full, "pos": torch.ones(3, 3)})
+
+    # zero_grad clears the unsharded accumulation of a no-sync micro-batch.
+    model, _, _, _ = h.build_pair(config)
+    model.set_requires_gradient_sync(False)
+    h.loss_fn(model, h.make_batch(h.data_seed(1, 0, rank))).backward()
+    model.zero_grad()
+    model.set_requires_gradient_sync(True)
+    h.loss_fn(model, h.make_batch(h.data_seed(2, 0, rank))).backward()
+    fresh, _, _, _ = h.build_pair(config)
+    h.loss_fn(fresh, h.make_batch(h.data_seed(2, 0, rank))).backward()
+    expected = _grads(fresh)
+    for name, grad in _grads(model).items():
+        assert torch.equal(grad, expected[name]), name
+    del ref
+
+
+def _check_hsdp_sync_stream() -> None:
+    h = _helpers()
+    rank = dist.get_rank()
+    config = h.Config(mesh_shape=(dist.get_world_size(),), steps=1)
+    ours, theirs, _, _ = h.build_pair(config)
+    ours.set_is_last_backward(False)
+    h.loss_fn(ours, h.make_batch(rank)).backward()
+    h.loss_fn(theirs, h.make_batch(rank)).backward()
+    pending = hp_fsdp.get_hsdp_state(ours)
+    assert pending is not None
+    assert pending.ctx.pending_reductions, "expected reductions left in flight"
+    hp_fsdp.hsdp_sync_stream(ours)
+    assert not pending.ctx.pending_reductions
+    h.assert_bitwise(ours, theirs, "after hsdp_sync_stream")
+    hp_fsdp.hsdp_sync_stream()  # every root: nothing pending, returns
+    with pytest.raises(TypeError, match="fully_shard"):
+        hp_fsdp.hsdp_sync_stream(nn.Linear(2, 2))
+
+
+@distributed(world_size=3, timeout=120)
+def test_control_surface_ws3() -> None:
+    _parity(3, _divide_factor_setup)
+    _check_reduction_settings(3)
+    _check_unused_params()
+
+
+def _all_reduce_counter() -> tuple[list[int], Callable[[], None]]:
+    calls: list[int] = []
+    original = dist.all_reduce
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = spy
+
+    def restore() -> None:
+        dist.all_reduce = original
+
+    return calls, restore
+
+
+@distributed(world_size=4, timeout=120)
+def test_control_surface_ws4_hsdp_and_shared_ctx() -> None:
+    h = _helpers()
+    rank = dist.get_rank()
+    # set_requires_all_reduce(False) skips the replicate-axis reduction (HSDP 2x2).
+    config = h.Config(mesh_shape=(2, 2), steps=1)
+    ours, theirs, _, mesh = h.build_pair(config)
+    ours.set_requires_all_reduce(False)
+    theirs.set_requires_all_reduce(False)
+    calls, restore = _all_reduce_counter()
+    try:
+        h.loss_fn(ours, h.make_batch(rank)).backward()
+    finally:
+        restore()
+    assert not calls
+    h.loss_fn(theirs, h.make_batch(rank)).backward()
+    ours.set_requires_all_reduce(True)
+    theirs.set_requires_all_reduce(True)
+    calls, restore = _all_reduce_counter()
+    try:
+        h.loss_fn(ours, h.make_batch(rank + 10)).backward()
+    finally:
+        restore()
+    assert len(calls) == 3  # one per unit: 2 blocks and the root
+    h.loss_fn(theirs, h.make_batch(rank + 10)).backward()
+    h.assert_bitwise(ours, theirs, "requires_all_reduce False then True")
+    # HSDP with sum reduction: ws x the average.
+    summed, _, _, _ = h.build_pair(config)
+    summed.set_reduce_op_type("sum")
+    avg, _, _, _ = h.build_pair(config)
+    for model in (summed, avg):
+        h.loss_fn(model, h.make_batch(rank)).backward()
+    expected = {n: g * 4 for n, g in _grads(avg).items()}
+    for name, grad in _grads(summed).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6)
+    del mesh
+
+    # share_comm_ctx: two roots with reshard_after_forward=2 share their post-forward groups.
+    cfg2 = h.Config(mesh_shape=(4,), steps=2, reshard=2)
+    a_ours, a_theirs, _, _ = h.build_pair(cfg2)
+    b_ours, b_theirs, _, _ = h.build_pair(cfg2)
+    hp_fsdp.share_comm_ctx([a_ours, b_ours])
+    h.compare_training(a_ours, a_theirs, cfg2, rank)
+    h.compare_training(b_ours, b_theirs, cfg2, rank)
+    state_a, state_b = hp_fsdp.get_hsdp_state(a_ours), hp_fsdp.get_hsdp_state(b_ours)
+    assert state_a is not None
+    assert state_b is not None
+    assert state_a.ctx.comm is state_b.ctx.comm
+    groups = list(state_a.ctx.comm.post_forward_groups.values())
+    assert len(groups) == 1  # created once for both roots
+    layer_state = hp_fsdp.get_hsdp_state(b_ours.layers[0])
+    assert layer_state is not None
+    assert layer_state.group is not None
+    assert layer_state.group.post_forward_info is groups[0]
