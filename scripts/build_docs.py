@@ -17,6 +17,22 @@ def main() -> int:
         shutil.rmtree(generated)
     env = dict(os.environ)
     env.setdefault("HP_DOCS_OFFLINE", "1")
+    # Generate the autosummary stubs before the build: stubs written during the build itself are
+    # found too late for the toctree ("document isn't included in any toctree").
+    sources = [
+        str(p) for p in sorted(docs.rglob("*.rst")) if not {"_build", "_templates"} & set(p.parts)
+    ]
+    autogen = [
+        sys.executable,
+        "-m",
+        "sphinx.ext.autosummary.generate",
+        "-t",
+        str(docs / "_templates"),
+        *sources,
+    ]
+    code = subprocess.call(autogen, env=env)
+    if code != 0:
+        return code
     cmd = [
         sys.executable,
         "-m",
@@ -24,7 +40,6 @@ def main() -> int:
         "-n",
         "-W",
         "--keep-going",
-        "-q",
         "-b",
         "html",
         str(docs),

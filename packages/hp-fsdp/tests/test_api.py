@@ -53,9 +53,11 @@ def test_hsdp_module_is_fsdp_module() -> None:
 )
 def test_policy_fields_match_torch(ours: type, theirs: type) -> None:
     def fields(cls: type) -> list[tuple[str, object]]:
-        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+        return [(f.name, f.default) for f in dataclasses.fields(cls) if not f.kw_only]
 
     assert fields(ours) == fields(theirs)
+    extras = [f for f in dataclasses.fields(ours) if f.kw_only]
+    assert all(f.name not in {g.name for g in dataclasses.fields(theirs)} for f in extras)
 
 
 def test_torch_policy_instances_are_accepted() -> None:

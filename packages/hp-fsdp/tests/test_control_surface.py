@@ -20,12 +20,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as torch_collectives
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import hp_fsdp
+import hp_fsdp.param_group
 from hp_dtensor.testing import distributed, rank_seed
 from hp_kernels import DefaultAllGather, DefaultReduceScatter
 
@@ -146,31 +149,93 @@ class _Scorer(nn.Module):
 
 def _check_reduction_settings(world: int) -> None:
     base = _one_backward(None, world)
-    summed = _one_backward(lambda m: m.set_reduce_op_type("sum"), world)
+    summed = _one_backward(_each(lambda u: u.set_reduce_op_type("sum")), world)
     for name, grad in base.items():
         torch.testing.assert_close(summed[name], grad * world, rtol=1e-5, atol=1e-6)
-    halved = _one_backward(lambda m: m.set_gradient_scaling_factor(0.5), world)
-    tensor_scaled = _one_backward(lambda m: m.set_gradient_scaling_factor(torch.tensor(0.5)), world)
-    doubled = _one_backward(lambda m: m.set_all_reduce_hook(lambda t: t.mul_(2)), world)
+    halved = _one_backward(_each(lambda u: u.set_gradient_scaling_factor(0.5)), world)
+    tensor_scaled = _one_backward(
+        _each(lambda u: u.set_gradient_scaling_factor(torch.tensor(0.5))), world
+    )
+    doubled = _one_backward(_each(lambda u: u.set_all_reduce_hook(lambda t: t.mul_(2))), world)
     for name, grad in base.items():
         assert torch.equal(halved[name], grad * 0.5), name
         assert torch.equal(tensor_scaled[name], grad * 0.5), name
         assert torch.equal(doubled[name], grad * 2), name
     restored = _one_backward(
-        lambda m: (m.set_gradient_scaling_factor(3.0), m.set_gradient_scaling_factor(None)), world
+        _each(lambda u: (u.set_gradient_scaling_factor(3.0), u.set_gradient_scaling_factor(None))),
+        world,
     )
     for name, grad in base.items():
         assert torch.equal(restored[name], grad), name
 
 
-def _alias_setup(model: Any) -> None:
-    model.set_force_sum_reduction_for_comms(True)
-    model.set_reduce_scatter_divide_factor(3.0)
+def _group(module: nn.Module) -> Any:
+    state = hp_fsdp.get_hsdp_state(module)
+    assert state is not None
+    assert state.group is not None
+    return state.group
 
 
-def _divide_factor_setup(model: Any) -> None:
-    model.set_force_sum_reduction_for_comms(True)
-    model.set_gradient_divide_factor(2.0 * dist.get_world_size())
+def _units(model: nn.Module) -> list[Any]:
+    return [m for m in model.modules() if isinstance(m, (hp_fsdp.FSDPModule, TorchFSDPModule))]
+
+
+def _each(fn: Callable[[Any], Any]) -> Callable[[nn.Module], None]:
+    def apply(model: nn.Module) -> None:
+        for unit in _units(model):
+            fn(unit)
+
+    return apply
+
+
+def _alias_setup(model: nn.Module) -> None:
+    for unit in _units(model):
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_reduce_scatter_divide_factor(3.0)
+
+
+def _divide_factor_setup(model: nn.Module) -> None:
+    for unit in _units(model):  # per unit, as in torch
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(2.0 * dist.get_world_size())
+
+
+def _main_grad_run(
+    dtype: torch.dtype, flag: bool, seeds: list[int]
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(dtype)
+    policy = hp_fsdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, apply_grad_on_fp32_main_grad=flag
+    )
+    hp_fsdp.fully_shard(model[0], mesh=mesh, mp_policy=policy)
+    hp_fsdp.fully_shard(model, mesh=mesh, mp_policy=policy)
+    for seed in seeds:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank_seed(seed)))
+        model(x.to(dtype)).float().square().mean().backward()
+    mains = {n: _local(p.main_grad) for n, p in model.named_parameters() if flag}
+    return model, mains
+
+
+def _check_fp32_main_grad() -> None:
+    # float32 parameters: main_grad is .grad, bitwise equal to the default policy's gradient.
+    plain, _ = _main_grad_run(torch.float32, False, [1])
+    model, mains = _main_grad_run(torch.float32, True, [1])
+    expected = _grads(plain)
+    for name, param in model.named_parameters():
+        assert param.grad is param.main_grad, name
+        assert torch.equal(mains[name], expected[name]), name
+    # bfloat16 parameters: main_grad stays float32 and accumulates in float32 across backwards.
+    both, mains_both = _main_grad_run(torch.bfloat16, True, [1, 2])
+    _, mains_1 = _main_grad_run(torch.bfloat16, True, [1])
+    _, mains_2 = _main_grad_run(torch.bfloat16, True, [2])
+    for name, param in both.named_parameters():
+        assert mains_both[name].dtype == torch.float32, name
+        assert torch.equal(mains_both[name], mains_1[name] + mains_2[name]), name
+        assert torch.equal(_local(param.grad), mains_both[name].to(torch.bfloat16)), name
+    both.zero_grad()
+    assert all(getattr(p, "main_grad", None) is None for p in both.parameters())
 
 
 @distributed(world_size=2, timeout=120)
@@ -228,10 +293,16 @@ def test_control_surface_ws2() -> None:
     def options(m: Any) -> None:
         m.set_reduce_scatter_max_input_buffers(2)
         m.set_separate_reduce_scatter_group(True)
-        m.set_reshard_after_backward(False, recurse=False)
-        m.layers[0].set_reshard_after_backward(True, recurse=True)
 
     _parity(2, options)
+    # set_reshard_after_backward / _forward with recurse=False touch this unit only.
+    probe.set_reshard_after_backward(False, recurse=False)
+    probe.set_reshard_after_forward(False, recurse=False)
+    root_group, layer_group = _group(probe), _group(probe.layers[0])
+    assert (root_group.reshard_after_backward, layer_group.reshard_after_backward) == (False, True)
+    assert (root_group.reshard_after_forward, layer_group.reshard_after_forward) == (False, True)
+    probe.set_reshard_after_backward(False)
+    assert layer_group.reshard_after_backward is False
     with pytest.raises(ValueError, match="max_input_buffers"):
         ours.set_reduce_scatter_max_input_buffers(0)
 
@@ -247,6 +318,8 @@ def test_control_surface_ws2() -> None:
     _check_load_state_dict_and_zero_grad()
     # hsdp_sync_stream finishes reductions left pending by set_is_last_backward(False).
     _check_hsdp_sync_stream()
+    # MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True).
+    _check_fp32_main_grad()
 
 
 class _EmbedMLP(nn.Module):
@@ -394,7 +467,7 @@ def _check_load_state_dict_and_zero_grad() -> None:
     h = _helpers()
     world, rank = dist.get_world_size(), dist.get_rank()
     config = h.Config(mesh_shape=(world,), steps=1)
-    ours, theirs, ref, _ = h.build_pair(config)
+    ours, _, ref, _ = h.build_pair(config)
     torch.manual_seed(77)
     source = h.TinyLM(blocks=config.blocks)
     full = source.state_dict()
@@ -417,8 +490,10 @@ def _check_load_state_dict_and_zero_grad() -> None:
     assigned.load_state_dict(dtensors, assign=True)
     check(assigned)
     assert assigned.embed.weight is assigned.head.weight  # tied parameters stay tied
-    theirs.load_state_dict(dtensors)
-    h.compare_training(assigned, theirs, config, rank)
+    # The assigned parameters are adopted by the engine: training matches copy-loading.
+    copied, _, _, _ = h.build_pair(config)
+    copied.load_state_dict(full)
+    h.compare_training(assigned, copied, h.Config(mesh_shape=(world,), steps=2), rank)
     with pytest.raises(RuntimeError, match="Unexpected"):
         ours.load_state_dict({**full, "bogus": torch.ones(1)})
     missing = ours.load_state_dict({"pos": full["pos"]}, strict=False)
@@ -460,11 +535,134 @@ def _check_hsdp_sync_stream() -> None:
         hp_fsdp.hsdp_sync_stream(nn.Linear(2, 2))
 
 
+def _check_replicate() -> None:
+    """hp_fsdp.replicate against torch's FSDP-based replicate (bitwise) and a single process."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+
+    h = _helpers()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = h.TinyLM(blocks=1)
+    ours, theirs, ref = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    for model, fn in ((ours, hp_fsdp.replicate), (theirs, torch_replicate)):
+        for layer in model.layers:
+            fn(layer, mesh=mesh)
+        fn(model, mesh=mesh)
+    assert isinstance(ours, hp_fsdp.ReplicateModule)
+    assert isinstance(ours, hp_fsdp.FSDPModule)
+    weight = ours.layers[0].up.weight
+    assert isinstance(weight, DTensor)
+    assert weight.placements == (Replicate(),)
+    assert weight.to_local().shape == weight.shape
+    config = h.Config(mesh_shape=(world,), steps=2)
+    h.compare_training(ours, theirs, config, rank)
+    # Against one process on the global batch: same update on every rank.
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(config.steps):
+        losses = [h.loss_fn(ref, h.make_batch(h.data_seed(step, 0, r))) for r in range(world)]
+        torch.stack(losses).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(
+            param.to_local(), ref.get_parameter(name).detach(), rtol=1e-4, atol=1e-4
+        )
+
+
+def _build_with(world: int, **kwargs: Any) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(ours with extra fully_shard keywords, torch's, unsharded reference), same seed."""
+    h = _helpers()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = h.TinyLM()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    for layer in ours.layers:
+        hp_fsdp.fully_shard(layer, mesh=mesh, **kwargs)
+    hp_fsdp.fully_shard(ours, mesh=mesh, **kwargs)
+    h.apply_sharding(theirs, torch_fsdp, h.Config(mesh_shape=(world,)), mesh)
+    return ours, theirs, base
+
+
+def _check_fully_shard_extensions() -> None:
+    h = _helpers()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = h.Config(mesh_shape=(world,), steps=2)
+    # comm_fusion_zero_copy: shards live in one flat buffer, no copy-in; bitwise with torch.
+    ours, theirs, _ = _build_with(world, comm_fusion_zero_copy=True)
+    calls: list[int] = []
+    original = hp_fsdp.param_group.issue_all_gather
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    hp_fsdp.param_group.issue_all_gather = spy
+    try:
+        h.compare_training(ours, theirs, config, rank)
+    finally:
+        hp_fsdp.param_group.issue_all_gather = original
+    assert not calls, "zero-copy units must all-gather their flat shard buffer directly"
+    layer = ours.layers[0]
+    ptrs = {p.to_local().untyped_storage().data_ptr() for p in layer.parameters()}
+    assert len(ptrs) == 1, "a zero-copy unit's local shards share one buffer"
+
+    # comm_fusion=False: one all-gather per parameter, same numbers up to reduction order.
+    unfused, _, _ = _build_with(world, comm_fusion=False)
+    fused, _, _ = _build_with(world)
+    counts: list[int] = []
+
+    def count(*args: Any, **kwargs: Any) -> Any:
+        counts.append(1)
+        return original(*args, **kwargs)
+
+    hp_fsdp.param_group.issue_all_gather = count
+    try:
+        h.loss_fn(unfused, h.make_batch(rank)).backward()
+    finally:
+        hp_fsdp.param_group.issue_all_gather = original
+    n_params = len(list(unfused.parameters()))
+    n_block = len(list(unfused.layers[0].parameters()))
+    assert len(counts) == n_params + 2 * n_block  # blocks gathered again in backward
+    h.loss_fn(fused, h.make_batch(rank)).backward()
+    expected = _grads(fused)
+    for name, grad in _grads(unfused).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6)
+
+    # Sharded gradient accumulation: no unsharded gradient kept between micro-batches;
+    # matches a single process on the global batches (tolerance: a different summation).
+    acc, _, ref = _build_with(world, sharded_accumulated_grad=True)
+    opt = torch.optim.AdamW(acc.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        for micro in range(2):
+            acc.set_requires_gradient_sync(micro == 1)
+            h.loss_fn(acc, h.make_batch(h.data_seed(step, micro, rank))).backward()
+            if micro == 0:
+                group = _group(acc.layers[0])
+                assert all(p.unsharded_accumulated_grad is None for p in group.params)
+                assert all(p.unsharded_param.grad is None for p in group.params)
+                assert acc.layers[0].up.weight.grad is not None  # already a reduced shard
+            batches = [h.make_batch(h.data_seed(step, micro, r)) for r in range(world)]
+            torch.stack([h.loss_fn(ref, b) for b in batches]).mean().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, param in acc.named_parameters():
+        full = param.full_tensor()
+        torch.testing.assert_close(full, ref.get_parameter(name).detach(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="replicate"):
+        hp_fsdp.fully_shard(nn.Linear(4, 4), replicate_params={nn.Parameter(torch.ones(1))})
+
+
 @distributed(world_size=3, timeout=120)
 def test_control_surface_ws3() -> None:
     _parity(3, _divide_factor_setup)
     _check_reduction_settings(3)
     _check_unused_params()
+    _check_replicate()
+    _check_fully_shard_extensions()
 
 
 def _all_reduce_counter() -> tuple[list[int], Callable[[], None]]:
@@ -511,7 +709,7 @@ def test_control_surface_ws4_hsdp_and_shared_ctx() -> None:
     h.assert_bitwise(ours, theirs, "requires_all_reduce False then True")
     # HSDP with sum reduction: ws x the average.
     summed, _, _, _ = h.build_pair(config)
-    summed.set_reduce_op_type("sum")
+    _each(lambda u: u.set_reduce_op_type("sum"))(summed)
     avg, _, _, _ = h.build_pair(config)
     for model in (summed, avg):
         h.loss_fn(model, h.make_batch(rank)).backward()

@@ -139,3 +139,26 @@ def test_meta_init_under_fsdp_trains(tmp_path: Path) -> None:
     results = run_distributed(_train_meta, 2, str(tmp_path), timeout=120)
     torch.testing.assert_close(torch.tensor(results[0]), torch.tensor(results[1]))
     assert results[0][-1] < results[0][0] - 0.5
+
+
+def _train_compiled(folder: str) -> Any:
+    cfg = tiny_config(
+        Path(folder),
+        steps=2,
+        parallelism={"data_parallel_shard_degree": 2},
+        run_name=f"compiled{dist.get_rank()}",
+    )
+    cfg.compile.enable = True
+    cfg.compile.backend = "aot_eager"
+    trainer = Trainer(cfg)
+    losses = trainer.train()
+    trainer.close()
+    return losses
+
+
+def test_compiled_blocks_under_fsdp_match_eager(tmp_path: Path) -> None:
+    compiled = run_distributed(_train_compiled, 2, str(tmp_path), timeout=180)
+    eager, _, _ = _train(str(tmp_path), "llama3", 4, -1, {}, ref=True)
+    torch.testing.assert_close(
+        torch.tensor(compiled[0]), torch.tensor(eager[:2]), rtol=1e-5, atol=1e-5
+    )

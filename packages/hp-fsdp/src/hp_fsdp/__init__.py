@@ -33,6 +33,7 @@ from hp_fsdp.mesh_info import (
     ShardPlacementResult,
 )
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.replicate import ReplicateModule, replicate
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -44,6 +45,7 @@ __all__ = [
     "HSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReplicateModule",
     "ShardPlacementResult",
     "StateDictOptions",
     "UnshardHandle",
@@ -58,6 +60,7 @@ __all__ = [
     "hsdp_sync_stream",
     "is_dtensor_managed_param",
     "register_fsdp_forward_method",
+    "replicate",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",

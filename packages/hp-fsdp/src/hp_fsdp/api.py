@@ -34,6 +34,7 @@ from hp_dtensor.device import (
 from hp_dtensor.device import stream as device_stream
 from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
+    MeshInfo,
     ShardPlacementResult,
     mesh_info_from_mesh,
 )
@@ -784,6 +785,8 @@ class FSDPModule:
         for group in self._groups(True):
             group.partial_reduce_output = None
             for param in group.params:
+                if getattr(param.sharded_param, "main_grad", None) is not None:
+                    param.sharded_param.main_grad = None  # type: ignore[attr-defined]
                 param.unsharded_accumulated_grad = None
                 if param.has_unsharded_param:
                     param.unsharded_param.grad = None
@@ -905,6 +908,10 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
+    replicate_params: set[nn.Parameter] | None = ...,
+    comm_fusion: bool = ...,
+    comm_fusion_zero_copy: bool | None = ...,
+    sharded_accumulated_grad: bool = ...,
 ) -> FSDPModule: ...
 
 
@@ -919,6 +926,10 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: DataParallelMeshDims | None = ...,
+    replicate_params: set[nn.Parameter] | None = ...,
+    comm_fusion: bool = ...,
+    comm_fusion_zero_copy: bool | None = ...,
+    sharded_accumulated_grad: bool = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -932,6 +943,10 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    replicate_params: set[nn.Parameter] | None = None,
+    comm_fusion: bool = True,
+    comm_fusion_zero_copy: bool | None = None,
+    sharded_accumulated_grad: bool = False,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard a module's parameters over a data-parallel mesh (FSDP, or HSDP on a 2-D mesh).
 
@@ -958,6 +973,19 @@ def fully_shard(
         offload_policy: the offload policy (ours or PyTorch's).
         ignored_params: parameters left alone (not sharded, not reduced).
         dp_mesh_dims: PyTorch's SPMD-mesh option; not supported by this runtime yet (raises).
+        replicate_params: HyperParallel's parameters kept whole and all-reduced inside a
+            unit; not supported yet (raises): apply ``replicate`` to their module instead.
+        comm_fusion: one fused collective per unit (default); False issues one all-gather and
+            one reduce-scatter per parameter (for debugging; numbers may differ in the last
+            bits at world sizes that are not powers of two).
+        comm_fusion_zero_copy: keep the unit's local shards in one flat buffer that is the
+            all-gather input itself (no copy-in when the parameters are gathered in their own
+            dtype). None means False.
+        sharded_accumulated_grad: under ``set_requires_gradient_sync(False)`` still
+            reduce-scatter every micro-batch and accumulate sharded gradients (HSDP: the
+            replicate-axis all-reduce waits for the synced micro-batch). Saves the unsharded
+            gradient memory; the summation order differs from torch's (compare with a
+            tolerance).
 
     Returns:
         The module (or list), with its class swapped to ``FSDP<Original>``.
@@ -976,6 +1004,11 @@ def fully_shard(
         raise NotImplementedError(
             "hp_fsdp.fully_shard does not support dp_mesh_dims yet; pass the data-parallel "
             "(sub)mesh as mesh instead"
+        )
+    if replicate_params:
+        raise NotImplementedError(
+            "fully_shard(replicate_params=...) is not supported yet; apply hp_fsdp.replicate to "
+            "the modules owning those parameters (before fully_shard of their parent)"
         )
     if isinstance(module, nn.Module):
         roots: tuple[nn.Module, ...] = (module,)
@@ -1005,6 +1038,39 @@ def fully_shard(
     if mesh is None:
         mesh = _default_mesh()
     mesh_info = mesh_info_from_mesh(mesh)
+    _shard_units(
+        roots,
+        mesh,
+        mesh_info,
+        reshard_after_forward,
+        shard_placement_fn,
+        mp,
+        offload,
+        ignored_params,
+        _swap_class,
+    )
+    group = get_state(roots[0]).group  # type: ignore[union-attr]
+    if group is not None:
+        group.comm_fusion = bool(comm_fusion)
+        group.comm_fusion_zero_copy = bool(comm_fusion_zero_copy)
+        group.sharded_accumulated_grad = bool(sharded_accumulated_grad)
+    if isinstance(module, nn.Module):
+        return cast(FSDPModule, module)
+    return [cast(FSDPModule, m) for m in module]
+
+
+def _shard_units(
+    roots: tuple[nn.Module, ...],
+    mesh: DeviceMesh,
+    mesh_info: MeshInfo,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    mp: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    swap: Callable[[nn.Module], None],
+) -> None:
+    """Build the unit of ``roots`` (shared by ``fully_shard`` and ``replicate``)."""
     device = get_device() if is_accelerator(mesh.device_type) else torch.device(DEVICE_TYPE_CPU)
     auto = reshard_after_forward is None
     resolved = resolve_reshard_after_forward(
@@ -1037,10 +1103,7 @@ def fully_shard(
                 )
         state.group = ParamGroup(params, roots, mesh_info, device, resolved, dims, mp, offload)
     for root in roots:
-        _swap_class(root)
-    if isinstance(module, nn.Module):
-        return cast(FSDPModule, module)
-    return [cast(FSDPModule, m) for m in module]
+        swap(root)
 
 
 def _root_modules(modules: list[nn.Module]) -> tuple[nn.Module, ...]:

@@ -30,12 +30,14 @@ class MeshInfo:
 
     Args:
         mesh: the 1-D (FSDP) or 2-D (HSDP: replicate x shard) device mesh.
+        replicate_only: the mesh is 1-D and only replicates (``replicate``): shard size 1.
 
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo``: PyTorch's class.
     """
 
     mesh: DeviceMesh
+    replicate_only: bool = False
     shard_group: dist.ProcessGroup = field(init=False)
     shard_size: int = field(init=False)
     shard_rank: int = field(init=False)
@@ -43,6 +45,14 @@ class MeshInfo:
     replicate_size: int = field(init=False, default=1)
 
     def __post_init__(self) -> None:
+        if self.replicate_only:
+            # No shard axis: collectives over it are skipped (size 1); the group is a stand-in.
+            self.shard_group = self.mesh.get_group(0)
+            self.shard_size = 1
+            self.shard_rank = 0
+            self.replicate_group = self.mesh.get_group(0)
+            self.replicate_size = self.mesh.size(0)
+            return
         shard_dim = self.mesh.ndim - 1
         self.shard_group = self.mesh.get_group(shard_dim)
         self.shard_size = self.mesh.size(shard_dim)

@@ -193,11 +193,16 @@ class ShardedParam:
                 dp_placement = _StridedShard(shard_dim, split_factor=split_factor)
             tp_placements = tuple(self._tp_spec.placements)
             spec_mesh = DeviceMesh._concatenate([mesh_info.mesh, self._tp_spec.mesh])
-        self.placements: tuple[Placement, ...] = (
-            (Replicate(), dp_placement, *tp_placements)
-            if mesh_info.is_hsdp
-            else (dp_placement, *tp_placements)
-        )
+        if mesh_info.replicate_only:
+            if self._tp_spec is not None:
+                raise NotImplementedError(
+                    f"replicate does not support DTensor parameters yet, got {module_info.name!r}"
+                )
+            self.placements: tuple[Placement, ...] = (Replicate(),)
+        elif mesh_info.is_hsdp:
+            self.placements = (Replicate(), dp_placement, *tp_placements)
+        else:
+            self.placements = (dp_placement, *tp_placements)
         self.orig_size = data.size()
         self.orig_stride = _contiguous_strides(self.orig_size)
         ws, rank = mesh_info.shard_size, mesh_info.shard_rank
@@ -480,6 +485,43 @@ class ShardedParam:
             The DTensor (no autograd history).
         """
         return _make_dtensor(local, _with_dtype(self._spec, local.dtype), False)
+
+    @property
+    def padded_shard(self) -> torch.Tensor:
+        """The flat padded local shard (what this rank contributes to the all-gather)."""
+        return self._padded_shard
+
+    @torch.no_grad()
+    def rebase_padded_shard(self, buffer: torch.Tensor) -> None:
+        """Move the padded shard into ``buffer`` (a flat slice of a unit-wide buffer).
+
+        Args:
+            buffer: a flat tensor of :attr:`padded_sharded_numel` elements.
+        """
+        buffer.copy_(self._padded_shard)
+        self._padded_shard = buffer
+        length = self.sharded_size[self.shard_dim]
+        local = buffer.view(self.padded_sharded_size).narrow(self.shard_dim, 0, length)
+        cast(DTensor, self.sharded_param)._local_tensor = local
+
+    @torch.no_grad()
+    def accumulate_main_grad(self, new_grad: torch.Tensor) -> None:
+        """Add a reduced float32 shard into ``main_grad`` and refresh ``.grad`` from it.
+
+        Args:
+            new_grad: the reduced local gradient shard, float32.
+        """
+        sharded = self.sharded_param
+        main = getattr(sharded, "main_grad", None)
+        if isinstance(main, DTensor):
+            main._local_tensor += new_grad
+        else:
+            main = self.to_sharded_dtensor(new_grad.clone())
+            sharded.main_grad = main  # type: ignore[attr-defined]
+        if sharded.dtype == main.dtype:
+            sharded.grad = main
+        else:
+            sharded.grad = self.to_sharded_dtensor(main._local_tensor.to(sharded.dtype))
 
     def load_value(self, value: torch.Tensor) -> DTensor:
         """Turn a state-dict entry into a DTensor with this parameter's spec.

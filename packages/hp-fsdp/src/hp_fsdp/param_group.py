@@ -213,6 +213,9 @@ class PendingReduction:
         if group.all_reduce_hook is not None:
             group.all_reduce_hook(output)
         orig_dtype = group.orig_dtype
+        main_grad = group.mp_policy.apply_grad_on_fp32_main_grad
+        if main_grad:
+            orig_dtype = torch.float32  # finish in float32; cast per parameter below
         post_divide = self._post_divide
         scale = group.gradient_scaling_factor
         float_scale: float | None = None
@@ -238,7 +241,9 @@ class PendingReduction:
             sharded = param.sharded_param
             if param.offload_to_cpu and new_grad.device.type != DEVICE_TYPE_CPU:
                 new_grad = new_grad.to(DEVICE_TYPE_CPU, non_blocking=False)
-            if sharded.grad is not None:
+            if main_grad:
+                param.accumulate_main_grad(new_grad)
+            elif sharded.grad is not None:
                 grad = sharded.grad
                 if not isinstance(grad, DTensor):
                     raise TypeError(
@@ -326,6 +331,11 @@ class ParamGroup:
         self.reduce_dtype: torch.dtype | None = None
         self.fqn = ""
         self._ag: AllGatherResult | None = None
+        self._ag_parts: list[AllGatherResult] = []  # comm_fusion=False: one per parameter
+        self.comm_fusion = True
+        self.comm_fusion_zero_copy = False
+        self.sharded_accumulated_grad = False
+        self._flat_shard: torch.Tensor | None = None
         self._ag_from_post_forward = False
         self._post_forward_indices: list[int] = []
         self._initialized = False
@@ -387,6 +397,37 @@ class ParamGroup:
                 f"gathered in {compute}; put parameters of other dtypes in their own unit"
             )
         self._initialized = True
+        if self.comm_fusion_zero_copy:
+            self._init_flat_shard()
+
+    @torch.no_grad()
+    def _init_flat_shard(self) -> None:
+        """Move every padded local shard into one flat buffer (the all-gather input)."""
+        dtypes = {p.padded_shard.dtype for p in self.params}
+        if len(dtypes) != 1 or any(p.offload_to_cpu for p in self.params):
+            raise ValueError(
+                "comm_fusion_zero_copy needs one parameter dtype per unit and no CPU offload, got "
+                f"dtypes {dtypes}"
+            )
+        total = sum(p.padded_sharded_numel for p in self.params)
+        flat = torch.empty(total, dtype=dtypes.pop(), device=self.device)
+        offset = 0
+        for param in self.params:
+            param.rebase_padded_shard(flat.narrow(0, offset, param.padded_sharded_numel))
+            offset += param.padded_sharded_numel
+        self._flat_shard = flat
+
+    def _zero_copy_input(self) -> torch.Tensor | None:
+        """The flat shard buffer when it can be all-gathered as is, else None."""
+        flat = self._flat_shard
+        if flat is None or self.custom_all_gather is not None or not self.comm_fusion:
+            return None
+        if self.params[0].compute_dtype != flat.dtype:
+            return None
+        ptr = flat.untyped_storage().data_ptr()
+        if any(p.padded_shard.untyped_storage().data_ptr() != ptr for p in self.params):
+            return None  # a shard was re-materialized (to_empty, load with assign)
+        return flat
 
     # ------------------------------------------------------------------ unshard
     @property
@@ -408,6 +449,8 @@ class ParamGroup:
         """
         if self._ag is not None or self.is_unsharded or not self.params:
             return
+        if self.training_state == TrainingState.PRE_BACKWARD and not self.unshard_in_backward:
+            return  # set_unshard_in_backward(False): backward reads no parameter values
         from_post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
         if from_post_forward:
             assert self.post_forward_info is not None
@@ -418,9 +461,23 @@ class ParamGroup:
             world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         dtype = self.params[0].compute_dtype
         inputs = [p.all_gather_input() for p in self.params]
-        self._ag = issue_all_gather(
-            inputs, dtype, group, world_size, rank, self.device, True, self.custom_all_gather
-        )
+        if not self.comm_fusion:  # one collective per parameter (debugging)
+            self._ag_parts = [
+                issue_all_gather(
+                    [inp], dtype, group, world_size, rank, self.device, True, self.custom_all_gather
+                )
+                for inp in inputs
+            ]
+            self._ag = self._ag_parts[0]
+        elif (flat := self._zero_copy_input()) is not None and not from_post_forward:
+            output = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+            work = dist.all_gather_single(output, flat, group=group, async_op=True)
+            splits = [p.padded_sharded_numel for p in self.params]
+            self._ag = AllGatherResult(output, splits, world_size, work)
+        else:
+            self._ag = issue_all_gather(
+                inputs, dtype, group, world_size, rank, self.device, True, self.custom_all_gather
+            )
         self._ag_from_post_forward = from_post_forward
 
     def wait_for_unshard(self) -> None:
@@ -439,7 +496,12 @@ class ParamGroup:
                 regroup.append((param, staging, out))
                 out = staging
             outs.append(out)
-        wait_all_gather(result, outs)
+        if self._ag_parts:
+            parts, self._ag_parts = self._ag_parts, []
+            for part, out in zip(parts, outs, strict=True):
+                wait_all_gather(part, [out])
+        else:
+            wait_all_gather(result, outs)
         if regroup:
             with (
                 torch.no_grad(),
@@ -460,8 +522,10 @@ class ParamGroup:
         if result is None:
             return
         self._ag = None
-        if result.work is not None:
-            result.work.wait()
+        parts, self._ag_parts = self._ag_parts or [result], []
+        for part in parts:
+            if part.work is not None:
+                part.work.wait()
 
     def reshard(self) -> None:
         """Free the unsharded parameters (after forward: per ``reshard_after_forward``)."""
@@ -580,7 +644,7 @@ class ParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         for param in self.params:
             param.accumulate_unsharded_grad_if_needed()
-        if not self.reduce_grads:
+        if not self.reduce_grads and not self.sharded_accumulated_grad:
             if self.reshard_after_backward:
                 self.to_sharded()
             for param in self.params:
@@ -606,11 +670,18 @@ class ParamGroup:
             ctx.advance_reductions(self.max_inflight_reductions)
         if not grads:
             return
-        reduction = self._issue_reduction(with_grad, grads)
-        if ctx is not None:
-            ctx.pending_reductions.append(reduction)
-        else:
-            reduction.finish()
+        if self.comm_fusion:
+            reductions = [self._issue_reduction(with_grad, grads)]
+        else:  # one collective per parameter (debugging)
+            reductions = [
+                self._issue_reduction([p], [g]) for p, g in zip(with_grad, grads, strict=True)
+            ]
+            grads.clear()
+        for reduction in reductions:
+            if ctx is not None:
+                ctx.pending_reductions.append(reduction)
+            else:
+                reduction.finish()
 
     def _issue_reduction(
         self, params: list[ShardedParam], grads: list[torch.Tensor]
@@ -638,9 +709,10 @@ class ParamGroup:
             pre,
             self.custom_reduce_scatter,
         )
-        return PendingReduction(
-            self, params, rs_input, rs_output, work, post, ar_op, self.all_reduce_grads
-        )
+        # Sharded accumulation: a no-sync micro-batch reduce-scatters and keeps the shard
+        # (HSDP: without the replicate-axis all-reduce, done on the synced micro-batch).
+        do_all_reduce = self.all_reduce_grads and self.reduce_grads
+        return PendingReduction(self, params, rs_input, rs_output, work, post, ar_op, do_all_reduce)
 
     def reset_iter_state(self) -> None:
         """Drop in-flight all-gathers, gradients and accumulations; reshard (after a failure)."""

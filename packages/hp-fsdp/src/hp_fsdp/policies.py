@@ -10,7 +10,7 @@ See Also:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,10 @@ class MixedPrecisionPolicy:
         reduce_dtype: dtype of the gradient reduction; None reduces in ``param_dtype``.
         output_dtype: dtype the unit's floating-point outputs are cast to; None leaves them.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        apply_grad_on_fp32_main_grad: keyword-only (HyperParallel's extension): keep each
+            reduced gradient in float32 as ``param.main_grad`` (a DTensor, accumulated in
+            float32 across backwards); ``param.grad`` is the same tensor for float32 parameters,
+            or its cast to the parameter dtype otherwise, so a standard optimizer still works.
 
     See Also:
         ``torch.distributed.fsdp.MixedPrecisionPolicy``: PyTorch's policy (same fields).
@@ -43,6 +47,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    apply_grad_on_fp32_main_grad: bool = field(default=False, kw_only=True)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hp_trainer.config import CompileConfig
@@ -10,10 +11,10 @@ __all__ = ["apply_compile"]
 
 
 def apply_compile(model: nn.Module, compile_config: CompileConfig) -> None:
-    """Compile every block of ``model.layers`` in place (names and state-dict keys unchanged).
+    """Compile the forward of every block of ``model.layers`` (names and state-dict keys unchanged).
 
-    Per-block compilation reuses one compiled graph for all identical blocks and composes with
-    FSDP applied afterwards.
+    Per-block compilation reuses one compiled graph for all identical blocks. Only ``forward`` is
+    compiled, so module hooks (FSDP applied afterwards) run eagerly around the graph.
 
     Args:
         model: A model with a ``layers`` ``ModuleDict``.
@@ -29,4 +30,9 @@ def apply_compile(model: nn.Module, compile_config: CompileConfig) -> None:
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError("torch.compile per block needs the model's blocks in model.layers")
     for block in layers.values():
-        block.compile(backend=compile_config.backend, fullgraph=compile_config.fullgraph)
+        # Compile the block's forward only: module hooks (FSDP's all-gather/reshard, installed
+        # afterwards) stay outside the graph and run eagerly around it.
+        compiled = torch.compile(
+            block.forward, backend=compile_config.backend, fullgraph=compile_config.fullgraph
+        )
+        block.forward = compiled
