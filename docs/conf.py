@@ -65,7 +65,7 @@ if OFFLINE:
         (r"py:.*", r"(Tensor|Module|Parameter|DTensor|DeviceMesh|Placement|Shard|Replicate)"),
         (r"py:.*", r"(Partial|Callable|Iterator|Iterable|Sequence|Mapping|Any|Self|Generator)"),
         (r"py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|None|object|type|Path)"),
-        (r"py:.*", r"(ParamSpec|TypeVar|Future|Work|ProcessGroup)"),
+        (r"py:.*", r"(ParamSpec|TypeVar|Future|Work|ProcessGroup|SerializationFormat)"),
         (r"py:.*", r"~?([\w.]+\.)?(P|R|T|P\.args|P\.kwargs)"),
         (r"py:.*", r"(nn\..*|dist\..*|optional|callable|dtype|device|Stream|Event|Optimizer)"),
     ]

@@ -20,7 +20,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -45,21 +45,28 @@ class Comm(ABC):
         ``torch.distributed.fsdp._fully_shard._fsdp_api.Comm``: PyTorch FSDP2's interface.
     """
 
+    #: Name of PyTorch FSDP2's interface class this one mirrors; its subclasses count as ours.
+    _torch_interface: ClassVar[str] = "Comm"
+
     @classmethod
     def __subclasshook__(cls, candidate: type) -> Any:
-        """Accept PyTorch FSDP2's ``Comm`` subclasses as virtual subclasses.
+        """Accept subclasses of the PyTorch FSDP2 interface this class mirrors (virtual subclasses).
+
+        Only the interface classes themselves (``Comm``, ``AllGather``, ``ReduceScatter``,
+        ``AllReduce``) answer; their subclasses use the normal check.
 
         Args:
             candidate: The class being checked.
 
         Returns:
-            True for subclasses of torch's ``Comm``,
+            True for subclasses of the matching torch interface,
             else ``NotImplemented`` (the normal check applies).
 
         See Also:
             ``abc.ABCMeta.__subclasshook__``: the protocol implemented.
         """
-        if cls is Comm and _is_torch_subclass(candidate, "Comm"):
+        name = cls.__dict__.get("_torch_interface")
+        if name is not None and _is_torch_subclass(candidate, name):
             return True
         return NotImplemented
 
@@ -93,23 +100,7 @@ class AllGather(Comm):
         ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``: PyTorch FSDP2's interface.
     """
 
-    @classmethod
-    def __subclasshook__(cls, candidate: type) -> Any:
-        """Accept PyTorch FSDP2's ``AllGather`` subclasses as virtual subclasses.
-
-        Args:
-            candidate: The class being checked.
-
-        Returns:
-            True for subclasses of torch's ``AllGather``,
-            else ``NotImplemented`` (the normal check applies).
-
-        See Also:
-            ``abc.ABCMeta.__subclasshook__``: the protocol implemented.
-        """
-        if cls is AllGather and _is_torch_subclass(candidate, "AllGather"):
-            return True
-        return NotImplemented
+    _torch_interface: ClassVar[str] = "AllGather"
 
     allocate = Comm.allocate  # documented here too; still abstract
 
@@ -145,23 +136,7 @@ class ReduceScatter(Comm):
         interface.
     """
 
-    @classmethod
-    def __subclasshook__(cls, candidate: type) -> Any:
-        """Accept PyTorch FSDP2's ``ReduceScatter`` subclasses as virtual subclasses.
-
-        Args:
-            candidate: The class being checked.
-
-        Returns:
-            True for subclasses of torch's ``ReduceScatter``,
-            else ``NotImplemented`` (the normal check applies).
-
-        See Also:
-            ``abc.ABCMeta.__subclasshook__``: the protocol implemented.
-        """
-        if cls is ReduceScatter and _is_torch_subclass(candidate, "ReduceScatter"):
-            return True
-        return NotImplemented
+    _torch_interface: ClassVar[str] = "ReduceScatter"
 
     allocate = Comm.allocate  # documented here too; still abstract
 

@@ -9,6 +9,13 @@ See Also:
 """
 
 from hp_trainer.__about__ import __version__
+from hp_trainer.checkpoint import (
+    CheckpointManager,
+    LRSchedulersState,
+    ModelWrapper,
+    OptimizersWrapper,
+    RNGState,
+)
 from hp_trainer.config import (
     ActivationCheckpointConfig,
     CheckpointConfig,
@@ -42,6 +49,12 @@ from hp_trainer.distributed.fsdp import (
     get_fsdp_reshard_after_forward_policy,
 )
 from hp_trainer.distributed.tensor_parallel import apply_tp
+from hp_trainer.hf_adapters import (
+    DecoderStateDictAdapter,
+    Llama3StateDictAdapter,
+    Qwen3StateDictAdapter,
+    StateDictAdapter,
+)
 from hp_trainer.metrics import MetricsProcessor, get_peak_flops
 from hp_trainer.model_spec import (
     ModelSpec,
@@ -70,11 +83,13 @@ __all__ = [
     "ActivationCheckpointConfig",
     "BaseTrainer",
     "CheckpointConfig",
+    "CheckpointManager",
     "CompileConfig",
     "ConfigManager",
     "DataConfig",
     "Decoder",
     "DecoderArgs",
+    "DecoderStateDictAdapter",
     "HuggingFaceTokenizer",
     "HyperTrainerConfig",
     "JobConfig",
@@ -82,15 +97,22 @@ __all__ = [
     "LLMTrainer",
     "LRSchedulerConfig",
     "LRSchedulersContainer",
+    "LRSchedulersState",
+    "Llama3StateDictAdapter",
     "MetricsConfig",
     "MetricsProcessor",
     "ModelConfig",
     "ModelSpec",
+    "ModelWrapper",
     "OptimizerConfig",
     "OptimizersContainer",
+    "OptimizersWrapper",
     "ParallelAwareDataloader",
     "ParallelDims",
     "ParallelismConfig",
+    "Qwen3StateDictAdapter",
+    "RNGState",
+    "StateDictAdapter",
     "TokenizedDataset",
     "Trainer",
     "TrainingConfig",

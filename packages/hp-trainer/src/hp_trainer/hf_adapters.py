@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from hp_trainer.models.decoder import DecoderArgs
+if TYPE_CHECKING:
+    from hp_trainer.models.decoder import DecoderArgs
 
 __all__ = [
     "DecoderStateDictAdapter",
@@ -226,6 +227,8 @@ class DecoderStateDictAdapter(StateDictAdapter):
     architecture: ClassVar[str] = "LlamaForCausalLM"
 
     def __init__(self, model_args: DecoderArgs, hf_assets_path: str | None = None) -> None:
+        from hp_trainer.models.decoder import DecoderArgs  # here: models import this module
+
         if not isinstance(model_args, DecoderArgs):
             raise TypeError(
                 f"{type(self).__name__} needs DecoderArgs, got {type(model_args).__name__}"

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from hp_trainer.hf_adapters import Llama3StateDictAdapter
 from hp_trainer.model_spec import ModelSpec, register_model_spec
 from hp_trainer.models._common import parallelize_dense_decoder
 from hp_trainer.models.decoder import Decoder, DecoderArgs
@@ -58,5 +59,6 @@ register_model_spec(
         flavors=dict(llama3_flavors),
         model_cls=Decoder,
         parallelize_fn=parallelize_llama,
+        state_dict_adapter=Llama3StateDictAdapter,
     )
 )

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from hp_trainer.hf_adapters import Qwen3StateDictAdapter
 from hp_trainer.model_spec import ModelSpec, register_model_spec
 from hp_trainer.models._common import parallelize_dense_decoder
 from hp_trainer.models.decoder import Decoder, DecoderArgs
@@ -58,5 +59,6 @@ register_model_spec(
         flavors=dict(qwen3_flavors),
         model_cls=Decoder,
         parallelize_fn=parallelize_qwen3,
+        state_dict_adapter=Qwen3StateDictAdapter,
     )
 )
