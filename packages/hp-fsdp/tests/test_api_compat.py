@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch.distributed.fsdp as torch_fsdp
+from torch.distributed._composable import replicate_with_fsdp as torch_replicate
 from torch.distributed.fsdp._fully_shard import _fsdp_common as torch_common
 from torch.distributed.fsdp._fully_shard import _fully_shard as torch_fully_shard
 
@@ -35,6 +36,7 @@ PRIVATE_FSDP2_NAMES = {
     "HSDPMeshInfo": torch_common.HSDPMeshInfo,
     "DDPMeshInfo": torch_common.DDPMeshInfo,
     "ShardPlacementResult": torch_common.ShardPlacementResult,
+    "replicate": torch_replicate.replicate,
 }
 
 

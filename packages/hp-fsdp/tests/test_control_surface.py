@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as torch_collectives
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hp_fsdp
 import hp_fsdp.param_group
@@ -314,6 +314,8 @@ def test_control_surface_ws2() -> None:
     _check_reset_iter_state()
     # register_fsdp_forward_method, state accessors, class cache, new-init switch.
     _check_module_level_api()
+    # shard_placement_fn -> ShardPlacementResult, ignored_params.
+    _check_placement_result_and_ignored_params()
     # load_state_dict with each input kind; zero_grad clears no-sync accumulation.
     _check_load_state_dict_and_zero_grad()
     # hsdp_sync_stream finishes reductions left pending by set_is_last_backward(False).
@@ -391,19 +393,6 @@ def _check_unused_params() -> None:
         torch.testing.assert_close(param.grad.full_tensor(), ref_grad, rtol=1e-5, atol=1e-6)
 
 
-class _FailOnce(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.fail = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fail:
-            self.fail = False
-            raise RuntimeError("injected failure")
-        return self.inner(x)
-
-
 def _check_reset_iter_state() -> None:
     h = _helpers()
     config = h.Config(mesh_shape=(dist.get_world_size(),), steps=2)
@@ -463,6 +452,47 @@ def _check_module_level_api() -> None:
     assert "_modules" not in bare.__dict__
 
 
+def _check_placement_result_and_ignored_params() -> None:
+    """ShardPlacementResult on the unit's mesh and ignored_params: as torch, bitwise."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = _Scorer()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    info = hp_fsdp.FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    hp_fsdp.fully_shard(
+        ours,
+        mesh=mesh,
+        shard_placement_fn=lambda p: (
+            hp_fsdp.ShardPlacementResult(Shard(1), info) if p.ndim == 2 else None
+        ),
+        ignored_params={ours.proj.bias},
+    )
+    torch_fsdp.fully_shard(
+        theirs,
+        mesh=mesh,
+        shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None,
+        ignored_params={theirs.proj.bias},
+    )
+    assert isinstance(ours.proj.weight, DTensor)
+    assert isinstance(theirs.proj.weight, DTensor)
+    assert ours.proj.weight.placements == theirs.proj.weight.placements == (Shard(1),)
+    assert not isinstance(ours.proj.bias, DTensor)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank_seed(11)))
+    for model in (ours, theirs):
+        model(x).square().sum().backward()
+    assert torch.equal(_local(ours.proj.weight.grad), _local(theirs.proj.weight.grad))
+    assert torch.equal(_local(ours.proj.bias.grad), _local(theirs.proj.bias.grad))  # unreduced
+    other = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
+    elsewhere = hp_fsdp.FSDPMeshInfo(other, shard_mesh_dim=1)
+    with pytest.raises(NotImplementedError, match="another mesh"):
+        hp_fsdp.fully_shard(
+            _Scorer(),
+            mesh=mesh,
+            shard_placement_fn=lambda p: hp_fsdp.ShardPlacementResult(None, elsewhere),
+        )
+
+
 def _check_load_state_dict_and_zero_grad() -> None:
     h = _helpers()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -500,6 +530,20 @@ def _check_load_state_dict_and_zero_grad() -> None:
     assert "embed.weight" in missing.missing_keys
     with pytest.raises(ValueError, match="shape"):
         ours.load_state_dict({**full, "pos": torch.ones(3, 3)})
+
+    # The re-exported state-dict helpers: broadcast from rank 0 leaves the caller's dict as is.
+    target, _, _, _ = h.build_pair(config)
+    given = {k: v.clone() for k, v in full.items()} if rank == 0 else {}
+    snapshot = {k: v.clone() for k, v in given.items()}
+    options = hp_fsdp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    hp_fsdp.set_model_state_dict(target, given, options=options)
+    assert given.keys() == snapshot.keys()
+    assert all(torch.equal(given[k], snapshot[k]) for k in snapshot)
+    check(target)
+    gathered = hp_fsdp.get_model_state_dict(
+        target, options=hp_fsdp.StateDictOptions(full_state_dict=True)
+    )
+    assert torch.equal(gathered["pos"], full["pos"])
 
     # zero_grad clears the unsharded accumulation of a no-sync micro-batch.
     model, _, _, _ = h.build_pair(config)
@@ -652,8 +696,48 @@ def _check_fully_shard_extensions() -> None:
     for name, param in acc.named_parameters():
         full = param.full_tensor()
         torch.testing.assert_close(full, ref.get_parameter(name).detach(), rtol=1e-4, atol=1e-4)
-    with pytest.raises(NotImplementedError, match="replicate"):
+    with pytest.raises(ValueError, match="replicate_params"):
         hp_fsdp.fully_shard(nn.Linear(4, 4), replicate_params={nn.Parameter(torch.ones(1))})
+    _check_replicate_params()
+
+
+def _check_replicate_params() -> None:
+    """replicate_params stay whole and equal on all ranks; training matches one process."""
+    h = _helpers()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = h.TinyLM()
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        hp_fsdp.fully_shard(
+            layer, mesh=mesh, replicate_params={layer.norm1.weight, layer.norm1.bias}
+        )
+    hp_fsdp.fully_shard(model, mesh=mesh, replicate_params={model.pos, model.norm.weight})
+    replicated = {"pos", "norm.weight"} | {
+        f"layers.{i}.norm1.{n}" for i in range(len(model.layers)) for n in ("weight", "bias")
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        h.loss_fn(model, h.make_batch(h.data_seed(step, 0, rank))).backward()
+        batches = [h.make_batch(h.data_seed(step, 0, r)) for r in range(world)]
+        torch.stack([h.loss_fn(ref, b) for b in batches]).mean().backward()
+        for opt_ in (opt, ref_opt):
+            opt_.step()
+            opt_.zero_grad()
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor)
+        expected = ref.get_parameter(name).detach()
+        if name in replicated:
+            assert param.placements == (Replicate(),), name
+            assert param.to_local().shape == expected.shape, name
+            copies = [torch.empty_like(param.to_local()) for _ in range(world)]
+            dist.all_gather(copies, param.to_local().contiguous())
+            assert all(torch.equal(c, copies[0]) for c in copies), name
+        else:
+            assert param.placements == (Shard(0),), name
+        torch.testing.assert_close(param.full_tensor(), expected, rtol=1e-4, atol=1e-4)
 
 
 @distributed(world_size=3, timeout=120)

@@ -104,8 +104,8 @@ def test_sigterm_stops_cleanly_after_the_current_step(tmp_path: Path) -> None:
 def test_unsupported_options_raise(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_degree = 2"):
         Trainer(_config(tmp_path, parallelism={"pipeline_parallel_degree": 2}))
-    with pytest.raises(ValueError, match=r"checkpoint\.enable"):
-        Trainer(_config(tmp_path, checkpoint={"enable": True}))
+    with pytest.raises(ValueError, match=r"create_seed_checkpoint = true needs"):
+        Trainer(_config(tmp_path, checkpoint={"create_seed_checkpoint": True}))
     with pytest.raises(ValueError, match="world_size"):
         Trainer(_config(tmp_path, parallelism={"tensor_parallel_degree": 2}))
     with pytest.raises(ValueError, match="global_batch_size = 3"):

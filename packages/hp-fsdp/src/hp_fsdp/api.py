@@ -973,8 +973,9 @@ def fully_shard(
         offload_policy: the offload policy (ours or PyTorch's).
         ignored_params: parameters left alone (not sharded, not reduced).
         dp_mesh_dims: PyTorch's SPMD-mesh option; not supported by this runtime yet (raises).
-        replicate_params: HyperParallel's parameters kept whole and all-reduced inside a
-            unit; not supported yet (raises): apply ``replicate`` to their module instead.
+        replicate_params: HyperParallel's extension: parameters of this unit kept whole
+            (``Replicate()`` DTensors) and all-reduced (averaged) with one collective after the
+            unit's backward, instead of sharded (1-D mesh; on HSDP use ``replicate``).
         comm_fusion: one fused collective per unit (default); False issues one all-gather and
             one reduce-scatter per parameter (for debugging; numbers may differ in the last
             bits at world sizes that are not powers of two).
@@ -995,7 +996,8 @@ def fully_shard(
             without an accelerator.
         TypeError: for a non-module argument or unknown policy type.
         NotImplementedError: for ``dp_mesh_dims``, DTensor parameters on a mesh of more than
-            one dim, or an int ``reshard_after_forward`` with DTensor parameters.
+            one dim, an int ``reshard_after_forward`` with DTensor parameters, or
+            ``replicate_params`` on a 2-D mesh or with an int ``reshard_after_forward``.
 
     See Also:
         ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.
@@ -1004,11 +1006,6 @@ def fully_shard(
         raise NotImplementedError(
             "hp_fsdp.fully_shard does not support dp_mesh_dims yet; pass the data-parallel "
             "(sub)mesh as mesh instead"
-        )
-    if replicate_params:
-        raise NotImplementedError(
-            "fully_shard(replicate_params=...) is not supported yet; apply hp_fsdp.replicate to "
-            "the modules owning those parameters (before fully_shard of their parent)"
         )
     if isinstance(module, nn.Module):
         roots: tuple[nn.Module, ...] = (module,)
@@ -1038,6 +1035,16 @@ def fully_shard(
     if mesh is None:
         mesh = _default_mesh()
     mesh_info = mesh_info_from_mesh(mesh)
+    replicated = frozenset(replicate_params or ())
+    if replicated and mesh.ndim != 1:
+        raise NotImplementedError(
+            "fully_shard(replicate_params=...) supports a 1-D mesh; on an HSDP mesh apply "
+            "hp_fsdp.replicate to the modules owning those parameters"
+        )
+    if replicated and not isinstance(reshard_after_forward, bool | None):
+        raise NotImplementedError(
+            "fully_shard(replicate_params=...) does not support an int reshard_after_forward"
+        )
     _shard_units(
         roots,
         mesh,
@@ -1048,6 +1055,7 @@ def fully_shard(
         offload,
         ignored_params,
         _swap_class,
+        replicated,
     )
     group = get_state(roots[0]).group  # type: ignore[union-attr]
     if group is not None:
@@ -1069,6 +1077,7 @@ def _shard_units(
     offload: OffloadPolicy,
     ignored_params: set[nn.Parameter] | None,
     swap: Callable[[nn.Module], None],
+    replicated: frozenset[nn.Parameter] = frozenset(),
 ) -> None:
     """Build the unit of ``roots`` (shared by ``fully_shard`` and ``replicate``)."""
     device = get_device() if is_accelerator(mesh.device_type) else torch.device(DEVICE_TYPE_CPU)
@@ -1101,7 +1110,15 @@ def _shard_units(
                     "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, "
                     f"got {type(placement).__name__}"
                 )
-        state.group = ParamGroup(params, roots, mesh_info, device, resolved, dims, mp, offload)
+        unknown = replicated - set(params)
+        if unknown:
+            raise ValueError(
+                f"replicate_params must be parameters of this fully_shard unit (not ignored, not "
+                f"in a nested unit); {len(unknown)} are not"
+            )
+        state.group = ParamGroup(
+            params, roots, mesh_info, device, resolved, dims, mp, offload, replicated
+        )
     for root in roots:
         swap(root)
 

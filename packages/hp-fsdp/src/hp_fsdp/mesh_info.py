@@ -224,17 +224,3 @@ class ShardPlacementResult:
 
     placement: Shard | None
     mesh_info: FSDPMeshInfo
-
-
-def public_mesh_info(info: MeshInfo) -> FSDPMeshInfo:
-    """The :class:`FSDPMeshInfo` / :class:`HSDPMeshInfo` describing a unit's mesh.
-
-    Args:
-        info: the unit's internal mesh description.
-
-    Returns:
-        The public description (HSDP: replicate dim 0, shard dim 1).
-    """
-    if info.is_hsdp:
-        return HSDPMeshInfo(info.mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    return FSDPMeshInfo(info.mesh, shard_mesh_dim=0)

@@ -148,8 +148,11 @@ class PendingReduction:
         post_divide: float | None,
         all_reduce_op: dist.ReduceOp.RedOpType,
         do_all_reduce: bool,
+        *,
+        mesh_info: MeshInfo | None = None,
     ) -> None:
         self.group = group
+        self._mesh_info = mesh_info or group.mesh_info
         self.params = params
         self._rs_input: torch.Tensor | None = rs_input
         self._output = rs_output
@@ -174,10 +177,10 @@ class PendingReduction:
         if self._stage == 0:
             self._rs_input = None  # the reduce-scatter no longer reads it
             group = self.group
-            mesh_info = group.mesh_info
+            mesh_info = self._mesh_info
             if mesh_info.is_hsdp:
                 output = self._output
-                if group.partial_reduce_output is not None:
+                if mesh_info is group.mesh_info and group.partial_reduce_output is not None:
                     output += group.partial_reduce_output
                     group.partial_reduce_output = None
                 if not self._do_all_reduce:
@@ -286,14 +289,28 @@ class ParamGroup:
         shard_dims: list[int],
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
+        replicated: frozenset[nn.Parameter] = frozenset(),
     ) -> None:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
+        replicate_info = MeshInfo(mesh_info.mesh, replicate_only=True) if replicated else None
         pin = offload and isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
         infos = _param_module_infos(params, modules)
         self.params = [
-            ShardedParam(p, info, mesh_info, device, dim, offload, pin)
+            ShardedParam(
+                p,
+                info,
+                replicate_info if replicate_info is not None and p in replicated else mesh_info,
+                device,
+                dim,
+                offload,
+                pin,
+            )
             for p, info, dim in zip(params, infos, shard_dims, strict=True)
         ]
+        # replicate_params: kept whole, all-reduced; the others are gathered and reduce-scattered
+        self._gathered = [p for p in self.params if not p.mesh_info.replicate_only]
+        self._replicated = [p for p in self.params if p.mesh_info.replicate_only]
+        self._local_pending = False
         if not isinstance(reshard_after_forward, bool) and any(
             p.is_tensor_parallel for p in self.params
         ):
@@ -422,6 +439,8 @@ class ParamGroup:
         flat = self._flat_shard
         if flat is None or self.custom_all_gather is not None or not self.comm_fusion:
             return None
+        if self._replicated:
+            return None
         if self.params[0].compute_dtype != flat.dtype:
             return None
         ptr = flat.untyped_storage().data_ptr()
@@ -447,10 +466,13 @@ class ParamGroup:
             async_op: kept for PyTorch's signature; the collective is always issued
                 asynchronously and waited for in :meth:`wait_for_unshard`.
         """
-        if self._ag is not None or self.is_unsharded or not self.params:
+        if self._ag is not None or self._local_pending or self.is_unsharded or not self.params:
             return
         if self.training_state == TrainingState.PRE_BACKWARD and not self.unshard_in_backward:
             return  # set_unshard_in_backward(False): backward reads no parameter values
+        self._local_pending = bool(self._replicated)
+        if not self._gathered:
+            return
         from_post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
         if from_post_forward:
             assert self.post_forward_info is not None
@@ -459,8 +481,8 @@ class ParamGroup:
         else:
             group = self.mesh_info.shard_group
             world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
-        dtype = self.params[0].compute_dtype
-        inputs = [p.all_gather_input() for p in self.params]
+        dtype = self._gathered[0].compute_dtype
+        inputs = [p.all_gather_input() for p in self._gathered]
         if not self.comm_fusion:  # one collective per parameter (debugging)
             self._ag_parts = [
                 issue_all_gather(
@@ -472,7 +494,7 @@ class ParamGroup:
         elif (flat := self._zero_copy_input()) is not None and not from_post_forward:
             output = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
             work = dist.all_gather_single(output, flat, group=group, async_op=True)
-            splits = [p.padded_sharded_numel for p in self.params]
+            splits = [p.padded_sharded_numel for p in self._gathered]
             self._ag = AllGatherResult(output, splits, world_size, work)
         else:
             self._ag = issue_all_gather(
@@ -483,13 +505,32 @@ class ParamGroup:
     def wait_for_unshard(self) -> None:
         """Wait for the issued all-gather and register the unsharded parameters."""
         result = self._ag
-        if result is None:
+        if result is None and not self._local_pending:
             return
         self._ag = None
+        if self._local_pending:
+            self._local_pending = False
+            self._copy_replicated()
+        if result is not None:
+            self._wait_gathered(result)
+        for param in self.params:
+            param.init_unsharded_param()
+            param.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    @torch.no_grad()
+    def _copy_replicated(self) -> None:
+        """The unsharded data of replicated parameters: a local copy in the compute dtype."""
+        for param in self._replicated:
+            out = param.unsharded_out(1)
+            with _unsafe_preserve_version_counter((out,)):
+                out.copy_(param.all_gather_input())
+
+    def _wait_gathered(self, result: AllGatherResult) -> None:
         world_size = result.world_size
         outs: list[torch.Tensor] = []
         regroup: list[tuple[ShardedParam, torch.Tensor, torch.Tensor]] = []
-        for param in self.params:
+        for param in self._gathered:
             out = param.unsharded_out(world_size)
             if param.shard_dim != 0 and not self._ag_from_post_forward:
                 staging = torch.empty_like(out)
@@ -511,13 +552,10 @@ class ParamGroup:
                     blocks = staging.view(world_size, *param.padded_sharded_size).unbind(0)
                     full = list(param.orig_size)
                     torch.cat(blocks, dim=param.shard_dim, out=target.view(full))
-        for param in self.params:
-            param.init_unsharded_param()
-            param.to_unsharded()
-        self.sharded_state = ShardedState.UNSHARDED
 
     def drop_pending_all_gather(self) -> None:
         """Wait for a prefetched all-gather that will not be used and discard it."""
+        self._local_pending = False
         result = self._ag
         if result is None:
             return
@@ -668,15 +706,30 @@ class ParamGroup:
         ctx = self.ctx
         if ctx is not None:
             ctx.advance_reductions(self.max_inflight_reductions)
-        if not grads:
+        replicated = [
+            (p, g) for p, g in zip(with_grad, grads, strict=True) if p in self._replicated
+        ]
+        if replicated:
+            kept = [
+                (p, g) for p, g in zip(with_grad, grads, strict=True) if p not in self._replicated
+            ]
+            with_grad = [p for p, _ in kept]
+            grads = [g for _, g in kept]
+        if not grads and not replicated:
             return
-        if self.comm_fusion:
+        if not grads:
+            reductions = []
+        elif self.comm_fusion:
             reductions = [self._issue_reduction(with_grad, grads)]
         else:  # one collective per parameter (debugging)
             reductions = [
                 self._issue_reduction([p], [g]) for p, g in zip(with_grad, grads, strict=True)
             ]
             grads.clear()
+        if replicated:
+            reductions.append(
+                self._issue_all_reduce([p for p, _ in replicated], [g for _, g in replicated])
+            )
         for reduction in reductions:
             if ctx is not None:
                 ctx.pending_reductions.append(reduction)
@@ -725,6 +778,29 @@ class ParamGroup:
             param.unsharded_accumulated_grad = None
             if param.has_unsharded_param:
                 param.unsharded_param.grad = None
+
+    def _issue_all_reduce(
+        self, params: list[ShardedParam], grads: list[torch.Tensor]
+    ) -> PendingReduction:
+        """Pack the gradients of replicated parameters; all-reduce them (``replicate_params``)."""
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
+        mesh_info = params[0].mesh_info
+        factor = 1.0 if self.reduce_op_type == "sum" else self.gradient_divide_factor
+        pre, post, _, ar_op = divide_factors(
+            reduce_dtype, 1, mesh_info.replicate_size, factor, self.force_sum_reduction
+        )
+        packed, output, _ = issue_reduce_scatter(
+            grads,
+            [p.shard_dim for p in params],
+            reduce_dtype,
+            mesh_info.shard_group,
+            1,
+            dist.ReduceOp.SUM,
+            pre,
+        )
+        return PendingReduction(
+            self, params, packed, output, None, post, ar_op, True, mesh_info=mesh_info
+        )
 
     def finalize_backward(self) -> None:
         """End-of-backward cleanup: drop unused prefetches and backward-prefetch indices."""

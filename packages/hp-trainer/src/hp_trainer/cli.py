@@ -79,10 +79,26 @@ def _launch(nproc: int, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         run(launcher_args)  # type: ignore[no-untyped-call]
-    except Exception as exc:  # torch's ChildFailedError already printed the failing rank
-        print(f"hp-train: a worker failed ({type(exc).__name__})", file=sys.stderr)
+    except Exception as exc:  # torch's ChildFailedError already printed its failure report
+        print(f"hp-train: {_describe_failure(exc)}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _describe_failure(exc: Exception) -> str:
+    """One line naming the failed rank(s) of a ``ChildFailedError`` (else the exception)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"a worker failed ({type(exc).__name__}: {exc})"
+    parts = []
+    for rank in sorted(failures):
+        failure = failures[rank]
+        code = getattr(failure, "exitcode", "?")
+        how = f"exit code {code}"
+        if isinstance(code, int) and code < 0:
+            how = f"killed by signal {failure.signal_name()}"
+        parts.append(f"rank {rank} (pid {getattr(failure, 'pid', '?')}) failed: {how}")
+    return "; ".join(parts) + "; the other ranks were stopped"
 
 
 def _quiet_known_warnings() -> None:

@@ -353,22 +353,59 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Distributed checkpointing (DCP format). The checkpoint manager is the next trainer issue.
+    """Distributed checkpointing with :class:`~hp_trainer.checkpoint.CheckpointManager`.
+
+    Checkpoints are DCP directories ``<dump_folder>/<run_name>/<folder>/step-N``. With
+    ``enable`` set, a run resumes from the latest complete one (a corrupted latest is reported
+    and the previous one is used), saves every ``interval`` steps and on SIGTERM.
 
     See Also:
         ``torchtitan.config.job_config.Checkpoint``: TorchTitan's ``[checkpoint]`` section.
     """
 
     enable: bool = False
-    """Save and resume checkpoints (not available in hp-trainer 0.1: enabling it is an error)."""
+    """Save checkpoints and resume from the latest one in the checkpoint folder."""
     folder: str = "checkpoint"
-    """Checkpoint folder inside the run folder."""
+    """Checkpoint folder inside the run folder (``step-N`` sub-folders)."""
     interval: int = 500
-    """Save every this many steps."""
+    """Save every this many steps (the last step is always saved)."""
+    keep_latest_k: int = 10
+    """Keep this many newest checkpoints and delete older ones (0 keeps all; the seed
+    checkpoint ``step-0`` is never deleted)."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Write checkpoints synchronously, in a background thread, or in the background from pinned
+    host buffers (accelerators only)."""
+    load_step: int = -1
+    """Step to resume from (-1: the latest complete checkpoint)."""
+    initial_load_path: str | None = None
+    """Checkpoint loaded when the checkpoint folder is empty (DCP, or HuggingFace safetensors
+    with ``initial_load_in_hf``)."""
+    initial_load_model_only: bool = True
+    """Load only the model weights from ``initial_load_path``."""
+    initial_load_in_hf: bool = False
+    """Read ``initial_load_path`` as a HuggingFace safetensors checkpoint."""
+    last_save_model_only: bool = True
+    """Save only the model (in ``export_dtype``) at the last step."""
+    last_save_in_hf: bool = False
+    """Also export the last step as a HuggingFace checkpoint to ``step-N-hf``."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Data type of the model-only last save and of the HuggingFace export."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """States not restored on resume (for instance ``dataloader,lr_scheduler``)."""
+    create_seed_checkpoint: bool = False
+    """Write the freshly initialized model as ``step-0`` and exit (single process), so that
+    runs in any layout start from identical weights."""
+    enable_first_step_checkpoint: bool = False
+    """Also save after step 1."""
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             _fail("checkpoint", "interval", self.interval, "an integer >= 1")
+        if self.keep_latest_k < 0:
+            _fail("checkpoint", "keep_latest_k", self.keep_latest_k, "an integer >= 0")
+        if self.load_step < -1:
+            _fail("checkpoint", "load_step", self.load_step, "-1 or a step >= 0")
+        _check_literals(self, "checkpoint")
 
 
 @dataclass(kw_only=True)

@@ -268,10 +268,13 @@ class TokenizedDataset:
 class ParallelAwareDataloader:
     """Infinite loader of ``(inputs, labels)`` micro-batches for one data-parallel rank.
 
-    Every rank computes the same global sample order (a seeded permutation per epoch). Global
-    batch ``b`` is ``order[b*G:(b+1)*G]`` with ``G = batch_size * dp_world_size``; rank ``r``
-    takes its ``r``-th contiguous slice. The union over ranks is therefore what a single process
-    with ``batch_size * dp_world_size`` sees, in the same order.
+    Every rank computes the same global sample stream: the seeded permutations of epoch 0, 1,
+    2, ... concatenated (a micro-batch may straddle two epochs; no sample is dropped). Global
+    micro-batch ``b`` is stream positions ``[b*G, (b+1)*G)`` with ``G = batch_size *
+    dp_world_size``; rank ``r`` takes its ``r``-th contiguous slice. The union over ranks is
+    therefore what a single process with ``batch_size * dp_world_size`` sees, in the same order,
+    and the position is a number of samples, so a state saved at one data-parallel degree
+    resumes at another (:meth:`load_state_dict`).
 
     Args:
         dataset: The tokenized dataset.
@@ -307,14 +310,23 @@ class ParallelAwareDataloader:
         self.seed = seed
         self.shuffle = shuffle
         self.global_batch = batch_size * dp_world_size
-        self.batches_per_epoch = len(dataset) // self.global_batch
-        if self.batches_per_epoch < 1:
+        if len(dataset) < self.global_batch:
             raise ValueError(
                 f"the dataset has {len(dataset)} samples, fewer than one global micro-batch of "
                 f"{self.global_batch} (batch_size {batch_size} x dp {dp_world_size})"
             )
-        self.epoch = 0
-        self.batch_index = 0
+        self.samples_consumed = 0
+        """Global samples (over all data-parallel ranks) consumed so far."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next sample."""
+        return self.samples_consumed // len(self.dataset)
+
+    @property
+    def batch_index(self) -> int:
+        """Global micro-batches consumed so far."""
+        return self.samples_consumed // self.global_batch
 
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
@@ -323,41 +335,74 @@ class ParallelAwareDataloader:
         return torch.randperm(len(self.dataset), generator=gen)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = self._order(self.epoch)
+        n = len(self.dataset)
+        orders: dict[int, torch.Tensor] = {}
         while True:
-            if self.batch_index >= self.batches_per_epoch:
-                self.epoch += 1
-                self.batch_index = 0
-                order = self._order(self.epoch)
-            start = self.batch_index * self.global_batch + self.dp_rank * self.batch_size
-            indices = order[start : start + self.batch_size].tolist()
-            self.batch_index += 1
+            start = self.samples_consumed + self.dp_rank * self.batch_size
+            indices = []
+            for pos in range(start, start + self.batch_size):
+                epoch = pos // n
+                if epoch not in orders:
+                    orders = {e: o for e, o in orders.items() if e >= epoch}
+                    orders[epoch] = self._order(epoch)
+                indices.append(int(orders[epoch][pos % n]))
+            self.samples_consumed += self.global_batch
             pairs = [self.dataset.sample(i) for i in indices]
             yield torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     def state_dict(self) -> dict[str, int]:
-        """Position in the sample order (for checkpointing).
+        """Position in the global sample stream (for checkpointing; the same on every rank).
 
         Returns:
-            ``{"epoch": ..., "batch_index": ..., "dp_world_size": ...}``.
+            ``{"samples_consumed", "epoch", "batch_index", "batch_size", "dp_world_size"}``;
+            ``samples_consumed`` is the position, the rest describes the layout it was saved in.
 
         See Also:
             ``torchdata.stateful_dataloader.StatefulDataLoader.state_dict``.
         """
         return {
+            "samples_consumed": self.samples_consumed,
             "epoch": self.epoch,
             "batch_index": self.batch_index,
+            "batch_size": self.batch_size,
             "dp_world_size": self.dp_world_size,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume from :meth:`state_dict` (the global order makes any DP degree resumable).
+        """Resume from :meth:`state_dict`, saved at this or another data-parallel degree.
+
+        The position is converted through the samples consumed (``batch_index x batch_size x
+        dp_world_size`` of the saving layout when ``samples_consumed`` is absent), so a run
+        resumed with another data-parallel degree and the same global batch continues the same
+        global sample order.
 
         Args:
             state: A dictionary from :meth:`state_dict`.
 
+        Raises:
+            ValueError: If the position does not fall on a global micro-batch boundary of this
+                loader (``batch_size x dp_world_size``), or ``state`` lacks the position.
+
         See Also:
             ``torchdata.stateful_dataloader.StatefulDataLoader.load_state_dict``.
         """
-        self.epoch = int(state["epoch"])
-        self.batch_index = int(state["batch_index"])
+        if "samples_consumed" in state:
+            consumed = int(state["samples_consumed"])
+        elif "batch_index" in state:
+            saved_bs = int(state.get("batch_size", self.batch_size))
+            saved_dp = int(state.get("dp_world_size", self.dp_world_size))
+            consumed = int(state["batch_index"]) * saved_bs * saved_dp
+        else:
+            raise ValueError(
+                f"data loader state {state!r} has no position: expected samples_consumed or "
+                "batch_index"
+            )
+        if consumed % self.global_batch != 0:
+            raise ValueError(
+                f"the saved data loader position ({consumed} samples, saved with batch_size "
+                f"{state.get('batch_size')} x dp {state.get('dp_world_size')}) is not a multiple "
+                f"of this loader's global micro-batch {self.global_batch} (batch_size "
+                f"{self.batch_size} x dp {self.dp_world_size}): resume with the same global "
+                "batch size"
+            )
+        self.samples_consumed = consumed

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor import device as hp_device
 from hp_trainer._parallel_api import loss_parallel
+from hp_trainer.checkpoint import CheckpointManager
 from hp_trainer.config import JobConfig
 from hp_trainer.data import (
     HuggingFaceTokenizer,
@@ -88,7 +89,7 @@ class Trainer:
 
     Raises:
         ValueError: For configurations this release cannot train (context/pipeline/expert
-            parallel degrees > 1, checkpointing) or inconsistent sizes.
+            parallel degrees > 1) or inconsistent sizes.
 
     See Also:
         ``torchtitan.train.Trainer``: TorchTitan's trainer.
@@ -109,11 +110,6 @@ class Trainer:
                     f"parallelism.{name} = {value}: the hp-trainer 0.1 loop trains dense models "
                     "with FSDP/HSDP and TP only (CP, PP and EP land in wave 2); use 1"
                 )
-        if cfg.checkpoint.enable:
-            raise ValueError(
-                "checkpoint.enable = true: the checkpoint manager is not part of hp-trainer 0.1; "
-                "use false"
-            )
 
         # -- distributed ---------------------------------------------------------------------
         self._owns_process_group = False
@@ -217,11 +213,57 @@ class Trainer:
             self.num_flops_per_token,
             dims.non_data_parallel_size,
         )
+        adapter_cls = self.model_spec.state_dict_adapter
+        self.checkpointer = CheckpointManager(
+            dataloader=self.dataloader,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            checkpoint_config=cfg.checkpoint,
+            sd_adapter=adapter_cls(args) if adapter_cls is not None else None,
+            base_folder=self.run_folder,
+        )
+        if cfg.checkpoint.create_seed_checkpoint:
+            if not cfg.checkpoint.enable:
+                raise ValueError(
+                    "checkpoint.create_seed_checkpoint = true needs checkpoint.enable = true"
+                )
+            if self.world_size != 1:
+                raise ValueError(
+                    "checkpoint.create_seed_checkpoint = true must run on one process (the seed "
+                    f"checkpoint loads into any layout); got world size {self.world_size}"
+                )
         self.step = 0
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self._stop_requested = False
+        self._last_saved_step = -1
         self._log_startup()
+
+    # -- checkpointed state ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own checkpointed state (the step counter).
+
+        Returns:
+            ``{"step": step}``.
+
+        See Also:
+            ``torchtitan.train.Trainer.state_dict``.
+        """
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Args:
+            state_dict: ``{"step": step}``.
+
+        See Also:
+            ``torchtitan.train.Trainer.load_state_dict``.
+        """
+        self.step = int(state_dict["step"])
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -351,15 +393,34 @@ class Trainer:
         self._stop_requested = True
 
     def train(self) -> list[float]:
-        """Run ``training.steps`` steps (fewer if SIGTERM arrives: then stop cleanly).
+        """Run up to ``training.steps`` steps, checkpointing per ``[checkpoint]``.
+
+        With checkpointing enabled the run first resumes from the latest complete checkpoint
+        (or ``load_step``, or ``initial_load_path``), saves every ``interval`` steps and at the
+        last step, and on SIGTERM saves a full checkpoint of the step just completed and stops
+        cleanly. With ``create_seed_checkpoint`` it only writes ``step-0`` and returns.
 
         Returns:
-            The global mean loss of every step.
+            The global mean loss of every step run by this call.
 
         See Also:
             ``torchtitan.train.Trainer.train``.
         """
         cfg = self.job_config.training
+        if self.job_config.checkpoint.create_seed_checkpoint:
+            path = self.checkpointer.create_seed_checkpoint()
+            if self.rank == 0:
+                logger.info("seed checkpoint written to %s", path)
+            return self.losses
+        if self.checkpointer.load() and self.rank == 0:
+            for step, error in self.checkpointer.skipped:
+                logger.warning("skipped the corrupted checkpoint step-%d: %s", step, error)
+            logger.info(
+                "resumed from checkpoint step-%d in %s (training step %d)",
+                self.checkpointer.loaded_step,
+                self.checkpointer.folder,
+                self.step,
+            )
         previous = None
         with contextlib.suppress(ValueError):  # not the main thread: no handler
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -374,6 +435,13 @@ class Trainer:
                 if self._should_stop():
                     if self.rank == 0:
                         logger.warning("SIGTERM received: stopping after step %d", self.step)
+                    saved = self._last_saved_step == self.step or self.step == 0
+                    if (
+                        not saved
+                        and self.checkpointer.save(self.step, force=True)
+                        and self.rank == 0
+                    ):
+                        logger.info("saved %s", self.checkpointer.step_dir(self.step))
                     break
                 self.step += 1
                 if cfg.gc_freq > 0 and self.step % cfg.gc_freq == 0:
@@ -385,6 +453,8 @@ class Trainer:
                 self.metrics.observe_loss(self.step, loss)
                 if self.metrics.should_log(self.step):
                     self.metrics.log(self.step, loss, norm, lr)
+                if self.checkpointer.save(self.step, last_step=self.step == cfg.steps):
+                    self._last_saved_step = self.step
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -407,6 +477,7 @@ class Trainer:
         See Also:
             ``torchtitan.train.Trainer.close``.
         """
+        self.checkpointer.close()
         self.metrics.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,281 @@
+"""Trainer + checkpoint manager: exact resume, other dp degree, corrupted latest, HF, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hp_dcp
+from hp_dtensor.testing import run_distributed
+from hp_trainer import ConfigManager, JobConfig, Trainer, load_documents
+
+STEPS = 8
+STOP = 4
+
+
+def _corpus(folder: Path) -> str:
+    path = folder / "corpus.txt"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"corpus.{os.getpid()}.tmp"
+        tmp.write_text("\n".join(load_documents("tiny_stories_synth")[:200]) + "\n")
+        os.replace(tmp, path)
+    return str(path)
+
+
+def _config(folder: Path, run: str, local_bs: int, checkpoint: dict[str, Any]) -> JobConfig:
+    """Tiny fp32 llama3, global batch 4 whatever the dp degree, deterministic ops."""
+    return ConfigManager().from_dict(
+        {
+            "job": {"run_name": run, "dump_folder": str(folder)},
+            "model": {"flavor": "tiny"},
+            "training": {
+                "local_batch_size": local_bs,
+                "global_batch_size": 4,
+                "seq_len": 32,
+                "steps": STEPS,
+                "seed": 0,
+                "max_norm": 1.0,
+                "deterministic": True,
+                "mixed_precision_param": "float32",
+                "mixed_precision_reduce": "float32",
+            },
+            "optimizer": {"lr": 5e-3},
+            "lr_scheduler": {"warmup_steps": 2, "decay_type": "cosine"},
+            "metrics": {"log_freq": 100, "enable_plot": False, "enable_progress_bar": False},
+            "data": {"dataset": _corpus(folder)},
+            "checkpoint": checkpoint,
+        }
+    )
+
+
+def _train(cfg: JobConfig, stop_after: int | None = None) -> tuple[list[float], Trainer]:
+    trainer = Trainer(cfg)
+    if stop_after is not None:  # what the SIGTERM handler does, at a chosen step
+        observe = trainer.metrics.observe_loss
+
+        def observe_then_stop(step: int, loss: float) -> None:
+            observe(step, loss)
+            if step == stop_after:
+                trainer._stop_requested = True
+
+        trainer.metrics.observe_loss = observe_then_stop  # type: ignore[method-assign]
+    try:
+        return trainer.train(), trainer
+    finally:
+        trainer.close()
+        torch.use_deterministic_algorithms(False)
+
+
+_CKPT = {"enable": True, "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
+
+
+def _dp2_runs(folder: str) -> tuple[list[float], list[float], list[float], int | None]:
+    """On 2 ranks (dp 2, local batch 2): uninterrupted, stopped at STOP, resumed."""
+    root = Path(folder)
+    full, _ = _train(_config(root, "full", 2, {}))
+    stopped, _ = _train(_config(root, "stop", 2, _CKPT), stop_after=STOP)
+    dist.barrier()
+    if dist.get_rank() == 0:  # the other-layout resumes start from copies of this folder
+        shutil.copytree(root / "stop" / "checkpoint", root / "copy")
+    dist.barrier()
+    resumed, trainer = _train(_config(root, "stop", 2, _CKPT))
+    return full, stopped, resumed, trainer.checkpointer.loaded_step
+
+
+def _table(title: str, full: list[float], parts: list[tuple[int, list[float]]]) -> str:
+    lines = [title, "step | uninterrupted        | stop/resume          | equal"]
+    by_step = {first + i: v for first, losses in parts for i, v in enumerate(losses)}
+    for i, ref in enumerate(full, start=1):
+        got = by_step.get(i)
+        lines.append(f"{i:4d} | {ref!r:20} | {got!r:20} | {got == ref}")
+    return "\n".join(lines)
+
+
+def test_stop_resume_exact_and_under_another_dp_degree(tmp_path: Path) -> None:
+    results = run_distributed(_dp2_runs, 2, str(tmp_path), timeout=180)
+    full, stopped, resumed, loaded = results[0]
+    assert all(r[:3] == results[0][:3] for r in results)  # every rank reports the global loss
+    assert loaded == STOP
+    assert len(stopped) == STOP
+    assert len(resumed) == STEPS - STOP
+    steps = sorted(p.name for p in (tmp_path / "stop" / "checkpoint").iterdir())
+    assert steps == ["step-2", "step-4", "step-6", "step-8"]
+    print("\n" + _table("dp 2 -> dp 2 (bitwise)", full, [(1, stopped), (STOP + 1, resumed)]))
+    assert stopped + resumed == full  # bitwise
+
+    # the same checkpoint resumed on one process (dp 1, 2 micro-batches per step)
+    shutil.copytree(tmp_path / "copy", tmp_path / "dp1" / "checkpoint")
+    dp1, trainer = _train(_config(tmp_path, "dp1", 2, _CKPT))
+    assert trainer.checkpointer.loaded_step == STOP
+    assert trainer.gradient_accumulation_steps == 2
+    print(_table("dp 2 -> dp 1 (rtol 1e-5)", full, [(1, stopped), (STOP + 1, dp1)]))
+    torch.testing.assert_close(dp1, full[STOP:], rtol=1e-5, atol=0)
+
+    # corrupted latest (step-4): step-2 is used, the corruption is reported, steps 3.. match
+    shutil.copytree(tmp_path / "copy", tmp_path / "bad" / "checkpoint")
+    latest = tmp_path / "bad" / "checkpoint" / "step-4"
+    victim = max(latest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    after_bad, trainer = _train(_config(tmp_path, "bad", 2, _CKPT))
+    assert trainer.checkpointer.loaded_step == 2
+    assert [s for s, _ in trainer.checkpointer.skipped] == [4]
+    assert victim.name in trainer.checkpointer.skipped[0][1]
+    torch.testing.assert_close(after_bad, full[2:], rtol=1e-5, atol=0)
+
+
+def test_hf_import_train_export_import_round_trip(tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path)
+    base = [
+        "--config", "debug", "--model.flavor", "tiny",
+        "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.mixed_precision_param", "float32",
+        "--parallelism.data_parallel_shard_degree", "1",
+        "--parallelism.tensor_parallel_degree", "1",
+        "--metrics.enable_plot", "false", "--metrics.enable_progress_bar", "false",
+        "--data.dataset", corpus, "--job.dump_folder", str(tmp_path),
+    ]  # fmt: skip
+    # a "downloaded" HuggingFace checkpoint: a seed-3 model exported by the adapter
+    source = Trainer(ConfigManager().parse_args([*base, "--training.seed", "3"]))
+    hf_in = tmp_path / "hf-in"
+    source.checkpointer.export_hf(hf_in)
+    source_weights = {k: v.clone() for k, v in source.model.state_dict().items()}
+    source.close()
+    assert (hf_in / "config.json").is_file()
+
+    opts = [
+        "--checkpoint.enable", "true",
+        "--checkpoint.initial_load_path", str(hf_in),
+        "--checkpoint.initial_load_in_hf", "true",
+        "--checkpoint.last_save_in_hf", "true",
+    ]  # fmt: skip
+    cfg = ConfigManager().parse_args([*base, *opts, "--training.steps", "2", "--job.run_name", "a"])
+    trainer = Trainer(cfg)
+    assert trainer.checkpointer.load()  # the initial HF load, as train() does it
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, source_weights[k]), k
+    trainer.train()
+    trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.close()
+    assert any(not torch.equal(trained[k], source_weights[k]) for k in trained)
+    hf_out = tmp_path / "a" / "checkpoint" / "step-2-hf"
+    assert (hf_out / "config.json").is_file()
+
+    # import the export in a new run: exactly the trained weights
+    cfg = ConfigManager().parse_args(
+        [*base, *opts[:3], str(hf_out), *opts[4:6], "--job.run_name", "b"]
+    )
+    again = Trainer(cfg)
+    assert again.checkpointer.load()
+    for k, v in again.model.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    again.close()
+    # and the raw safetensors hold the adapter's HF names
+    names = set(hp_dcp.load_hf_safetensors(hf_out))
+    assert "model.embed_tokens.weight" in names
+
+
+# -- subprocess: hp-train with 2 local ranks -------------------------------------------------
+
+
+def _hp_train(tmp_path: Path, run: str, extra: list[str]) -> subprocess.Popen[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+    }
+    cmd = [
+        sys.executable, "-m", "hp_trainer.cli",
+        "--config", "debug", "--model.flavor", "tiny",
+        "--training.steps", "100000", "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+        "--parallelism.data_parallel_shard_degree", "2",
+        "--parallelism.tensor_parallel_degree", "1",
+        "--metrics.log_freq", "1", "--metrics.enable_plot", "false",
+        "--metrics.enable_progress_bar", "false",
+        "--data.dataset", _corpus(tmp_path),
+        "--job.dump_folder", str(tmp_path), "--job.run_name", run, *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """rank -> pid of the worker processes under ``launcher``."""
+    out: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if ppid == launcher and rank:
+            out[int(rank[0][5:])] = int(entry.name)
+    return out
+
+
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"no step {step} within 120 s: {proc.communicate()[0][-4000:]}")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly_and_a_dead_rank_fails_fast(tmp_path: Path) -> None:
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    term = _hp_train(tmp_path, "term", ckpt)
+    dies = _hp_train(tmp_path, "dies", [])
+    try:
+        # SIGTERM to every rank (what a scheduler does): a full checkpoint, exit status 0
+        _wait_for_step(tmp_path / "term" / "metrics.jsonl", 2, term)
+        for pid in _workers(term.pid).values():
+            os.kill(pid, signal.SIGTERM)
+        out, _ = term.communicate(timeout=60)
+        assert term.returncode == 0, out[-4000:]
+        assert "SIGTERM received" in out
+        saved = sorted((tmp_path / "term" / "checkpoint").iterdir())
+        assert len(saved) == 1, saved
+        meta = hp_dcp.FileSystemReader(saved[0]).read_metadata().state_dict_metadata
+        assert any(k.startswith("optimizer.") for k in meta)
+        assert meta.keys() >= {"train_state.step", "dataloader.samples_consumed"}
+        step = int(saved[0].name.removeprefix("step-"))
+        records = (tmp_path / "term" / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(records[-1])["step"] == step
+
+        # rank 1 killed: the job fails fast and the error names the rank
+        _wait_for_step(tmp_path / "dies" / "metrics.jsonl", 2, dies)
+        workers = _workers(dies.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        start = time.monotonic()
+        out, _ = dies.communicate(timeout=60)
+        assert time.monotonic() - start < 30
+        assert dies.returncode == 1, out[-4000:]
+        assert f"rank 1 (pid {workers[1]}) failed: killed by signal SIGKILL" in out, out[-4000:]
+    finally:
+        for proc in (term, dies):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
