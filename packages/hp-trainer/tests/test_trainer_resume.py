@@ -191,7 +191,7 @@ def test_hf_import_train_export_import_round_trip(tmp_path: Path) -> None:
 # -- subprocess: hp-train with 2 local ranks -------------------------------------------------
 
 
-def _hp_train(tmp_path: Path, run: str, extra: list[str]) -> subprocess.Popen[str]:
+def _hp_train(tmp_path: Path, run: str, tp: int, extra: list[str]) -> subprocess.Popen[str]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -202,10 +202,9 @@ def _hp_train(tmp_path: Path, run: str, extra: list[str]) -> subprocess.Popen[st
         "--config", "debug", "--model.flavor", "tiny",
         "--training.steps", "100000", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
-        "--parallelism.data_parallel_shard_degree", "2",
-        "--parallelism.tensor_parallel_degree", "1",
-        "--metrics.log_freq", "1", "--metrics.enable_plot", "false",
-        "--metrics.enable_progress_bar", "false",
+        "--parallelism.data_parallel_shard_degree", str(2 // tp),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--metrics.log_freq", "1", "--metrics.enable_progress_bar", "false",
         "--data.dataset", _corpus(tmp_path),
         "--job.dump_folder", str(tmp_path), "--job.run_name", run, *extra,
     ]  # fmt: skip
@@ -244,26 +243,38 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen[str]) -> Non
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_cleanly_and_a_dead_rank_fails_fast(tmp_path: Path) -> None:
+def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
+    """Two concurrent ``hp-train`` jobs of 2 ranks (one subprocess start-up for all checks)."""
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
-    term = _hp_train(tmp_path, "term", ckpt)
-    dies = _hp_train(tmp_path, "dies", [])
+    term = _hp_train(tmp_path, "term", 2, ckpt)
+    dies = _hp_train(tmp_path, "dies", 1, ["--metrics.enable_plot", "false"])
     try:
         # SIGTERM to every rank (what a scheduler does): a full checkpoint, exit status 0
-        _wait_for_step(tmp_path / "term" / "metrics.jsonl", 2, term)
+        _wait_for_step(tmp_path / "term" / "metrics.jsonl", 3, term)
         for pid in _workers(term.pid).values():
             os.kill(pid, signal.SIGTERM)
         out, _ = term.communicate(timeout=60)
         assert term.returncode == 0, out[-4000:]
+        assert "starting 2 local ranks" in out
         assert "SIGTERM received" in out
+        # the outputs of a run: metrics per step, loss curve, resolved config
+        run = tmp_path / "term"
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        assert all(r["loss"] > 0 and r["mfu_percent"] is None for r in records)
+        assert (run / "loss.png").stat().st_size > 1000
+        assert (
+            json.loads((run / "config.json").read_text())["parallelism"]["tensor_parallel_degree"]
+            == 2
+        )
+        assert "step     3  loss" in out
         saved = sorted((tmp_path / "term" / "checkpoint").iterdir())
         assert len(saved) == 1, saved
         meta = hp_dcp.FileSystemReader(saved[0]).read_metadata().state_dict_metadata
         assert any(k.startswith("optimizer.") for k in meta)
         assert meta.keys() >= {"train_state.step", "dataloader.samples_consumed"}
         step = int(saved[0].name.removeprefix("step-"))
-        records = (tmp_path / "term" / "metrics.jsonl").read_text().splitlines()
-        assert json.loads(records[-1])["step"] == step
+        assert records[-1]["step"] == step
 
         # rank 1 killed: the job fails fast and the error names the rank
         _wait_for_step(tmp_path / "dies" / "metrics.jsonl", 2, dies)
