@@ -48,10 +48,16 @@ extlinks = {
     "pt": ("https://docs.pytorch.org/docs/2.13/%s", "PyTorch: %s"),
 }
 
+# Private bases and internal state classes are not documented by design.
+nitpick_ignore_regex = [
+    (r"py:.*", r"hp_\w+(\.\w+)*\._\w+"),
+    (r"py:class", r"hp_fsdp\.state\.FSDPState"),
+]
+
 if OFFLINE:
     intersphinx_mapping: dict[str, tuple[str, str | None]] = {}
     # Offline the inventories of torch and Python cannot be fetched: do not check those targets.
-    nitpick_ignore_regex = [
+    nitpick_ignore_regex += [
         (
             r"py:.*",
             r"(torch|typing|typing_extensions|collections|contextlib|pathlib|os|enum)(\..*)?",

@@ -99,3 +99,33 @@ def test_lr_schedules() -> None:
     assert all(math.isclose(a - b, 1 / 101, rel_tol=1e-6) for a, b in itertools.pairwise(h))
     const = LRSchedulerConfig(warmup_steps=0, decay_type="constant")
     assert {lr_factor(s, steps, const) for s in range(steps)} == {1.0}
+
+
+def _global_stream(
+    dataset: TokenizedDataset, dp: int, state: dict[str, int], n: int
+) -> torch.Tensor:
+    loaders = [ParallelAwareDataloader(dataset, r, dp, 4 // dp, seed=2) for r in range(dp)]
+    for loader in loaders:
+        loader.load_state_dict(state)
+    its = [iter(loader) for loader in loaders]
+    return torch.cat([torch.cat([next(it)[0] for it in its]) for _ in range(n)])
+
+
+def test_loader_state_resumes_under_another_dp_degree(dataset: TokenizedDataset) -> None:
+    saver = ParallelAwareDataloader(dataset, 1, 2, 2, seed=2)
+    it = iter(saver)
+    for _ in range(dataset.num_samples // 4 - 1):  # the next global batches straddle an epoch
+        next(it)
+    state = saver.state_dict()
+    assert state["samples_consumed"] == (dataset.num_samples // 4 - 1) * 4
+    n = 3
+    reference = _global_stream(dataset, 2, state, n)
+    for dp in (1, 4):  # the same global sample order at other degrees, same global batch
+        torch.testing.assert_close(_global_stream(dataset, dp, state, n), reference)
+    # a position saved in the old (batch_index) form converts through the samples consumed
+    legacy = {"epoch": 0, "batch_index": 5, "batch_size": 2, "dp_world_size": 2}
+    loader = ParallelAwareDataloader(dataset, 0, 4, 1, seed=2)
+    loader.load_state_dict(legacy)
+    assert loader.samples_consumed == 20
+    with pytest.raises(ValueError, match="not a multiple of this loader's global micro-batch 8"):
+        ParallelAwareDataloader(dataset, 0, 4, 2).load_state_dict({"samples_consumed": 20})

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.stateful
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.stateful import Stateful
 
 import hp_dcp
 from hp_dtensor import device as hp_device
@@ -497,11 +497,11 @@ class CheckpointManager:
 
     def __init__(
         self,
-        dataloader: Stateful | None,
+        dataloader: torch.distributed.checkpoint.stateful.Stateful | None,
         model_parts: nn.Module | list[nn.Module],
         optimizers: Any,
         lr_schedulers: Any,
-        states: Mapping[str, Stateful],
+        states: Mapping[str, torch.distributed.checkpoint.stateful.Stateful],
         checkpoint_config: Any,
         sd_adapter: Any = None,
         base_folder: str | Path = "",

@@ -97,9 +97,9 @@ class ModelConfig:
     flavor: str = "debugmodel"
     """Model size preset of the chosen model (e.g. ``tiny``, ``debugmodel``, ``1B``, ``8B``)."""
     init_device: Literal["cpu", "meta"] = "cpu"
-    """Where parameters are first created: ``cpu`` (full weights, seeded, then sharded: identical
-    numbers in every layout) or ``meta`` (shard first, then initialize: for models that do not fit
-    on one host)."""
+    """Where parameters are first created, ``cpu`` (full weights, seeded, then sharded, so
+    identical numbers in every layout) or ``meta`` (shard first, then initialize: for models
+    that do not fit on one host)."""
 
 
 @dataclass(kw_only=True)
@@ -113,16 +113,16 @@ class TrainingConfig:
     local_batch_size: int = 8
     """Samples per micro-batch on each data-parallel rank."""
     global_batch_size: int = -1
-    """Samples per optimizer step over all data-parallel ranks (-1: ``local_batch_size`` times the
-    data-parallel degree, no gradient accumulation); must be a multiple of that product."""
+    """Samples per optimizer step over all data-parallel ranks; -1 means ``local_batch_size``
+    times the data-parallel degree (no gradient accumulation). A multiple of that product."""
     seq_len: int = 2048
     """Tokens per sample."""
     steps: int = 10
     """Number of optimizer steps."""
     max_norm: float = 1.0
-    """Gradient clipping: maximum total 2-norm (0 disables clipping)."""
+    """Maximum total 2-norm of the gradients for clipping (0 disables clipping)."""
     seed: int | None = None
-    """Random seed for model init and data order (None: 0 for the model, 0 for the data)."""
+    """Random seed for model init and data order (None means 0 for both)."""
     deterministic: bool = False
     """Use deterministic algorithms only (``torch.use_deterministic_algorithms``)."""
     mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -132,7 +132,7 @@ class TrainingConfig:
     enable_cpu_offload: bool = False
     """Offload FSDP parameters, gradients and optimizer state to host memory."""
     gc_freq: int = 50
-    """Run Python's garbage collector every this many steps (0: leave gc automatic)."""
+    """Run Python's garbage collector every this many steps (0 leaves gc automatic)."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "training")
@@ -158,7 +158,7 @@ class ParallelismConfig:
     data_parallel_replicate_degree: int = 1
     """Replicas of the model for HSDP/DDP (outer data-parallel axis)."""
     data_parallel_shard_degree: int = -1
-    """FSDP shard degree (-1: all ranks left after the other degrees)."""
+    """FSDP shard degree (-1 takes all ranks left after the other degrees)."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (Megatron-style column/row sharding with sequence parallel)."""
     context_parallel_degree: int = 1
@@ -170,9 +170,10 @@ class ParallelismConfig:
     disable_loss_parallel: bool = False
     """Gather the logits before the loss instead of computing it on vocab-sharded logits."""
     enable_async_tensor_parallel: bool = False
-    """Overlap TP collectives with matmuls (needs symmetric memory: CUDA only)."""
+    """Overlap TP collectives with matmuls (needs symmetric memory, so CUDA only)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward: ``always``, ``never`` or ``default`` (= not PP)."""
+    """When to free gathered parameters after forward, ``always``, ``never`` or ``default``
+    (which frees them unless pipeline parallel is on)."""
     enable_symm_mem: bool = False
     """Use symmetric memory for FSDP collectives (CUDA with SM >= 9.0 only)."""
 
@@ -217,7 +218,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW) or L2 penalty (Adam/SGD)."""
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-    """Kernel style: per-parameter loop, multi-tensor ``foreach`` or ``fused``."""
+    """Optimizer kernel style, a per-parameter loop, multi-tensor ``foreach`` or ``fused``."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "optimizer")
@@ -241,11 +242,11 @@ class LRSchedulerConfig:
     warmup_steps: int = 200
     """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` up to the peak ``lr``."""
     decay_type: Literal["cosine", "linear", "sqrt", "wsd", "constant"] = "linear"
-    """Decay after warm-up: ``cosine``, ``linear`` and ``sqrt`` decay over the ``decay_ratio``
+    """Decay after warm-up. ``cosine``, ``linear`` and ``sqrt`` decay over the ``decay_ratio``
     tail; ``wsd`` is warmup-stable-decay with a linear tail; ``constant`` keeps the peak."""
     decay_ratio: float | None = None
-    """Fraction of the steps after warm-up spent decaying (None: all of them, except ``wsd``
-    which defaults to 0.2)."""
+    """Fraction of the steps after warm-up spent decaying (None means all of them, except for
+    ``wsd`` which defaults to 0.2)."""
     min_lr_factor: float = 0.0
     """Final learning rate as a fraction of the peak."""
 
@@ -317,7 +318,7 @@ class MetricsConfig:
     enable_progress_bar: bool = True
     """Show a progress bar with the console log line."""
     peak_flops: float = 0.0
-    """Peak FLOP/s of one device for MFU (0: look the device up; unknown devices show n/a)."""
+    """Peak FLOP/s of one device for MFU (0 looks the device up; unknown devices show n/a)."""
     rank_0_only: bool = True
     """Log on rank 0 only (otherwise every rank prints its own line)."""
 
@@ -353,7 +354,7 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Distributed checkpointing with :class:`~hp_trainer.checkpoint.CheckpointManager`.
+    """Distributed checkpointing with the checkpoint manager (``hp_trainer.CheckpointManager``).
 
     Checkpoints are DCP directories ``<dump_folder>/<run_name>/<folder>/step-N``. With
     ``enable`` set, a run resumes from the latest complete one (a corrupted latest is reported
@@ -376,7 +377,7 @@ class CheckpointConfig:
     """Write checkpoints synchronously, in a background thread, or in the background from pinned
     host buffers (accelerators only)."""
     load_step: int = -1
-    """Step to resume from (-1: the latest complete checkpoint)."""
+    """Step to resume from (-1 means the latest complete checkpoint)."""
     initial_load_path: str | None = None
     """Checkpoint loaded when the checkpoint folder is empty (DCP, or HuggingFace safetensors
     with ``initial_load_in_hf``)."""
@@ -454,7 +455,7 @@ class JobConfig:
 
     @property
     def run_folder(self) -> Path:
-        """The folder this run writes to: ``<dump_folder>/<run_name>``.
+        """The folder this run writes to, ``<dump_folder>/<run_name>``.
 
         See Also:
             ``torchtitan.config.job_config.Job.dump_folder``: TorchTitan's output folder.

@@ -189,7 +189,7 @@ def load_documents(dataset: str, text_field: str = "text") -> list[str]:
     object per line with the text under ``text_field``.
 
     Args:
-        dataset: A name from :data:`BUILTIN_DATASETS` or a path.
+        dataset: A name from ``hp_trainer.data.BUILTIN_DATASETS`` or a path.
         text_field: JSONL field holding the text.
 
     Returns:

@@ -45,7 +45,7 @@ class ModelSpec:
     name: str
     flavors: dict[str, Any]
     model_cls: type[nn.Module]
-    parallelize_fn: ParallelizeFn
+    parallelize_fn: Callable[..., nn.Module]  # a ParallelizeFn
     pipelining_fn: Callable[..., Any] | None = None
     state_dict_adapter: type | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -253,7 +253,7 @@ class ParallelDims:
 
     @property
     def dp_degree(self) -> int:
-        """Data-parallel degree: ``dp_replicate * dp_shard``.
+        """Data-parallel degree, ``dp_replicate * dp_shard``.
 
         See Also:
             ``torchtitan.distributed.parallel_dims.ParallelDims``.
@@ -262,7 +262,7 @@ class ParallelDims:
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that share one sample: ``cp * tp * pp`` (used for per-device tokens/s).
+        """Ranks that share one sample, ``cp * tp * pp`` (used for per-device tokens/s).
 
         See Also:
             ``torchtitan.distributed.parallel_dims.ParallelDims.non_data_parallel_size``.
@@ -271,7 +271,7 @@ class ParallelDims:
 
     @property
     def seq_len_divisor(self) -> int:
-        """Sequence lengths must be multiples of this: ``tp * 2 * cp`` (SP and CP load balance).
+        """Sequence lengths must be multiples of this, ``tp * 2 * cp`` (SP and CP load balance).
 
         See Also:
             ``torchtitan.distributed.parallel_dims.ParallelDims.seq_len_divisor``.

@@ -82,7 +82,10 @@ class Trainer:
     no process group). Steps: draw ``gradient_accumulation_steps`` micro-batches, all-reduce the
     number of label tokens over data-parallel ranks, run forward/backward with the loss summed
     and divided by that global count (FSDP's own gradient division is off), clip, step the
-    optimizer and LR schedule, log.
+    optimizer and LR schedule, log, checkpoint. With ``checkpoint.enable`` a
+    :class:`~hp_trainer.CheckpointManager` (built after the data loader, optimizers
+    and schedulers, with the trainer's step as ``train_state``) resumes the run before the first
+    step, saves after due steps and on SIGTERM, and is closed by :meth:`close`.
 
     Args:
         job_config: The configuration.
@@ -463,7 +466,8 @@ class Trainer:
         plot = self.metrics.close()
         if self.rank == 0:
             logger.info(
-                "trained %d steps in %.1f s; outputs in %s%s",
+                "trained %d steps (now at step %d) in %.1f s; outputs in %s%s",
+                len(self.losses),
                 self.step,
                 time.perf_counter() - start,
                 self.run_folder,

@@ -41,9 +41,9 @@ class DecoderArgs:
     n_heads: int = 16
     """Attention (query) heads."""
     n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention (None: ``n_heads``)."""
+    """Key/value heads for grouped-query attention (None means ``n_heads``)."""
     head_dim: int | None = None
-    """Per-head size (None: ``dim // n_heads``)."""
+    """Per-head size (None means ``dim // n_heads``)."""
     vocab_size: int = 2048
     """Vocabulary size (embedding rows, logits columns)."""
     multiple_of: int = 256
