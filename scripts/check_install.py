@@ -96,10 +96,12 @@ def check(wheelhouse: Path, venv: Path) -> list[str]:
     base = _installed(python)
 
     def closure(dist: str) -> set[str]:
+        """The distribution and everything it requires (third-party ones have no further deps)."""
         seen = {dist}
         for dep in by_dist[dist].dependencies:
-            if dep in by_dist and dep not in seen:
-                seen |= closure(dep)
+            if dep == "torch" or dep in seen:
+                continue
+            seen |= closure(dep) if dep in by_dist else {dep}
         return seen
 
     _run(python, "-m", "pip", "install", "--no-index", "--find-links", wheelhouse, "hp-fsdp")
