@@ -7,10 +7,7 @@ import would not resolve).
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,20 +22,6 @@ DIM = 32
 HEADS = 2
 SEQ = 16
 BATCH = 2
-
-
-def load_helpers() -> Any:
-    """Import this file as a module (for test files that are themselves imported by path)."""
-    name = "hp_fsdp_tests_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__))
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Attention(nn.Module):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import logging
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -19,24 +17,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hp_fsdp
 from hp_dtensor.device import is_accelerator
-from hp_dtensor.testing import fake_world
+from hp_dtensor.testing import fake_world, load_test_module
 from hp_fsdp.param_group import resolve_reshard_after_forward
 from hp_fsdp.policies import to_mp_policy, to_offload_policy
 
 
 def _helpers() -> ModuleType:
-    name = "hp_fsdp_tests_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).with_name("_fsdp_helpers.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_test_module(Path(__file__).with_name("_fsdp_helpers.py"), "hp_fsdp_tests_helpers")
 
 
 def test_hsdp_module_is_fsdp_module() -> None:

@@ -8,8 +8,6 @@ that also wraps the returned work handle, so issue and wait points are both visi
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,23 +20,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hp_fsdp
-from hp_dtensor.testing import distributed, rank_seed
+from hp_dtensor.testing import distributed, load_test_module, rank_seed
 from hp_fsdp.state import FSDPState, get_state
 
 
 def _helpers() -> ModuleType:
-    name = "hp_fsdp_tests_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).with_name("_fsdp_helpers.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_test_module(Path(__file__).with_name("_fsdp_helpers.py"), "hp_fsdp_tests_helpers")
 
 
 class _LoggedWork:

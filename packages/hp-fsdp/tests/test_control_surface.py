@@ -8,9 +8,7 @@ test functions per world size to keep the worker-pool time low.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -29,23 +27,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hp_fsdp
 import hp_fsdp.param_group
-from hp_dtensor.testing import distributed, rank_seed
+from hp_dtensor.testing import distributed, load_test_module, rank_seed
 from hp_kernels import DefaultAllGather, DefaultReduceScatter
 
 
 def _helpers() -> ModuleType:
-    name = "hp_fsdp_tests_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).with_name("_fsdp_helpers.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_test_module(Path(__file__).with_name("_fsdp_helpers.py"), "hp_fsdp_tests_helpers")
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor:

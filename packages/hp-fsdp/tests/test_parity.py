@@ -8,32 +8,19 @@ parameters and sharded gradients are bitwise equal.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from hp_dtensor.testing import distributed
+from hp_dtensor.testing import distributed, load_test_module
 
 STEPS = 10
 
 
 def _helpers() -> ModuleType:
-    name = "hp_fsdp_tests_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).with_name("_fsdp_helpers.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_test_module(Path(__file__).with_name("_fsdp_helpers.py"), "hp_fsdp_tests_helpers")
 
 
 WS2 = {

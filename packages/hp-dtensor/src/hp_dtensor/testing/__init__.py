@@ -48,9 +48,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
 import random
 import sys
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any, ParamSpec, TypeVar
 
 from hp_dtensor.testing._pool import (
@@ -68,6 +71,7 @@ __all__ = [
     "PoolStats",
     "distributed",
     "fake_world",
+    "load_test_module",
     "pool_stats",
     "rank_seed",
     "run_distributed",
@@ -209,6 +213,39 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def load_test_module(path: str | os.PathLike[str], name: str) -> ModuleType:
+    """Import a helper file that sits beside the tests, once per process, under ``name``.
+
+    Test directories are not packages and pytest's ``--import-mode=importlib`` gives test modules
+    names that a sibling ``import`` cannot resolve. Registering the helper under a stable module
+    name also lets objects defined in it (models, dataclasses) be pickled between the pytest
+    process and the workers, which load it the same way.
+
+    Args:
+        path: The helper file, usually ``Path(__file__).with_name("_helpers.py")``.
+        name: A module name unique in the repository, e.g. ``"hp_fsdp_tests_helpers"``.
+
+    Returns:
+        The loaded module (the same object on every call in this process).
+
+    Raises:
+        ImportError: ``path`` cannot be loaded as a Python module.
+
+    See Also:
+        ``importlib.util.spec_from_file_location``: the loading mechanism.
+    """
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(name, os.fspath(path))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {os.fspath(path)!r} as module {name!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def pool_stats() -> PoolStats:
