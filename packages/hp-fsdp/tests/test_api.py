@@ -140,8 +140,8 @@ def test_validation_errors() -> None:
             hp_fsdp.fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)
         with pytest.raises(TypeError, match=r"nn\.Module"):
             hp_fsdp.fully_shard("model", mesh=mesh)  # type: ignore[call-overload]
-        with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
-            hp_fsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, dp_mesh_dims=object())
+        with pytest.raises(TypeError, match="dp_mesh_dims"):
+            hp_fsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, dp_mesh_dims=object())  # type: ignore[call-overload]
         with pytest.raises(ValueError, match="divisor"):
             hp_fsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, reshard_after_forward=3)
         with pytest.raises(ValueError, match="evenly"):

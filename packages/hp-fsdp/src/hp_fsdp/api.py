@@ -36,6 +36,7 @@ from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
     MeshInfo,
     ShardPlacementResult,
+    _spmd_mesh_info,
     mesh_info_from_mesh,
 )
 from hp_fsdp.param import MANAGED_FLAG as _MANAGED_FLAG
@@ -972,7 +973,11 @@ def fully_shard(
         mp_policy: the mixed-precision policy (ours or PyTorch's).
         offload_policy: the offload policy (ours or PyTorch's).
         ignored_params: parameters left alone (not sharded, not reduced).
-        dp_mesh_dims: PyTorch's SPMD-mesh option; not supported by this runtime yet (raises).
+        dp_mesh_dims: the data-parallel dim names of ``mesh``, a full multi-axis SPMD mesh
+            whose parameters are already DTensors with ``Replicate()`` on those dims: FSDP
+            shards over the ``shard`` dim and replicates (all-reduces) over the ``replicate``
+            dim(s); the other dims keep their placements. One shard dim; not with an int
+            ``reshard_after_forward`` nor ``replicate_params``.
         replicate_params: HyperParallel's extension: parameters of this unit kept whole
             (``Replicate()`` DTensors) and all-reduced (averaged) with one collective after the
             unit's backward, instead of sharded (1-D mesh; on HSDP use ``replicate``).
@@ -995,18 +1000,15 @@ def fully_shard(
         ValueError: for a bad mesh, ``reshard_after_forward`` or policy, or pinned memory
             without an accelerator.
         TypeError: for a non-module argument or unknown policy type.
-        NotImplementedError: for ``dp_mesh_dims``, DTensor parameters on a mesh of more than
-            one dim, an int ``reshard_after_forward`` with DTensor parameters, or
+        NotImplementedError: for ``dp_mesh_dims`` with several shard dims, no shard dim, an
+            int ``reshard_after_forward`` or ``replicate_params``; DTensor parameters on a mesh
+            of more than one dim (without ``dp_mesh_dims``), an int ``reshard_after_forward``
+            with DTensor parameters, or
             ``replicate_params`` on a 2-D mesh or with an int ``reshard_after_forward``.
 
     See Also:
         ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "hp_fsdp.fully_shard does not support dp_mesh_dims yet; pass the data-parallel "
-            "(sub)mesh as mesh instead"
-        )
     if isinstance(module, nn.Module):
         roots: tuple[nn.Module, ...] = (module,)
     elif isinstance(module, list) and module and all(isinstance(m, nn.Module) for m in module):
@@ -1034,7 +1036,20 @@ def fully_shard(
         )
     if mesh is None:
         mesh = _default_mesh()
-    mesh_info = mesh_info_from_mesh(mesh)
+    if dp_mesh_dims is not None:
+        if not isinstance(reshard_after_forward, bool | None):
+            raise NotImplementedError(
+                "fully_shard(dp_mesh_dims=...) does not support an int reshard_after_forward, "
+                f"got {reshard_after_forward!r}"
+            )
+        if replicate_params:
+            raise NotImplementedError(
+                "fully_shard(dp_mesh_dims=...) does not support replicate_params"
+            )
+        mesh_info = _spmd_mesh_info(mesh, dp_mesh_dims)
+        mesh = mesh_info.mesh
+    else:
+        mesh_info = mesh_info_from_mesh(mesh)
     replicated = frozenset(replicate_params or ())
     if replicated and mesh.ndim != 1:
         raise NotImplementedError(

@@ -31,6 +31,9 @@ class MeshInfo:
     Args:
         mesh: the 1-D (FSDP) or 2-D (HSDP: replicate x shard) device mesh.
         replicate_only: the mesh is 1-D and only replicates (``replicate``): shard size 1.
+        spmd_mesh: with ``fully_shard(dp_mesh_dims=...)``, the full SPMD mesh the parameters
+            are DTensors on (``mesh`` is then its data-parallel submesh); None otherwise.
+        dp_mesh_dims: the data-parallel dim names of ``spmd_mesh``; None otherwise.
 
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo``: PyTorch's class.
@@ -38,6 +41,8 @@ class MeshInfo:
 
     mesh: DeviceMesh
     replicate_only: bool = False
+    spmd_mesh: DeviceMesh | None = None
+    dp_mesh_dims: DataParallelMeshDims | None = None
     shard_group: dist.ProcessGroup = field(init=False)
     shard_size: int = field(init=False)
     shard_rank: int = field(init=False)
@@ -224,3 +229,49 @@ class ShardPlacementResult:
 
     placement: Shard | None
     mesh_info: FSDPMeshInfo
+
+
+def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> MeshInfo:
+    """Build the :class:`MeshInfo` of the data-parallel dims of a full SPMD mesh.
+
+    The shard dim becomes the shard axis and the replicate dim(s) (flattened when several) the
+    replicate axis, as in PyTorch's ``fully_shard(dp_mesh_dims=...)``.
+    """
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise TypeError(
+            f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"
+        )
+    shard = _dim_names(dp_mesh_dims.shard)
+    replicate = _dim_names(dp_mesh_dims.replicate)
+    if not shard and not replicate:
+        raise ValueError("dp_mesh_dims needs shard, replicate or both, got neither")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("fully_shard(dp_mesh_dims=...) needs a mesh with mesh_dim_names")
+    for name in (*shard, *replicate):
+        if name not in names:
+            raise ValueError(f"dp_mesh_dims names {name!r}, not a dim of the mesh {names}")
+    if len(shard) > 1:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims=...) supports one shard dim, got {shard}; flatten them "
+            "into one named mesh dim"
+        )
+
+    def submesh(dims: tuple[str, ...]) -> DeviceMesh:
+        return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
+
+    if not shard:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...) needs a shard dim; a replicate-only (DDP) "
+            f"DataParallelMeshDims is not supported yet, got {dp_mesh_dims}"
+        )
+    dp_mesh = submesh(shard)
+    if replicate:
+        dp_mesh = DeviceMesh._concatenate([submesh(replicate), dp_mesh])
+    return MeshInfo(dp_mesh, spmd_mesh=mesh, dp_mesh_dims=dp_mesh_dims)

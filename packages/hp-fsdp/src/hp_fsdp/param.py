@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from hp_fsdp.mesh_info import MeshInfo
+from hp_fsdp.mesh_info import MeshInfo, _dim_names
 
 __all__ = ["MANAGED_FLAG", "ParamModuleInfo", "ShardedParam", "ShardedState"]
 
@@ -147,9 +147,19 @@ class ShardedParam:
         # FSDP over tensor parallelism: a DTensor parameter is sharded through its local tensor.
         self._tp_spec: DTensorSpec | None = None
         data: torch.Tensor = param
+        spmd_mesh = mesh_info.spmd_mesh
+        self._dp_dim_indices: frozenset[int] = frozenset()
+        if spmd_mesh is not None and not (
+            isinstance(param, DTensor) and param.device_mesh == spmd_mesh
+        ):
+            raise ValueError(
+                f"with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+                f"fully_shard, got {module_info.name!r} as {type(param).__name__}"
+                + (f" on {param.device_mesh}" if isinstance(param, DTensor) else "")
+            )
         if isinstance(param, DTensor):
             self._tp_spec = param._spec
-            if self._tp_spec.mesh.ndim != 1:
+            if spmd_mesh is None and self._tp_spec.mesh.ndim != 1:
                 raise NotImplementedError(
                     f"fully_shard supports DTensor parameters on a 1-D (tensor-parallel) mesh, "
                     f"got {module_info.name!r} on a {self._tp_spec.mesh.ndim}-D mesh"
@@ -187,18 +197,23 @@ class ShardedParam:
         dp_placement: Placement = Shard(shard_dim)
         spec_mesh = mesh_info.mesh
         tp_placements: tuple[Placement, ...] = ()
-        if self._tp_spec is not None:
+        if self._tp_spec is not None and spmd_mesh is None:
             split_factor = self._tp_spec.num_shards_map[shard_dim]
             if split_factor > 1:
                 dp_placement = _StridedShard(shard_dim, split_factor=split_factor)
             tp_placements = tuple(self._tp_spec.placements)
             spec_mesh = DeviceMesh._concatenate([mesh_info.mesh, self._tp_spec.mesh])
-        if mesh_info.replicate_only:
+        if spmd_mesh is not None and self._tp_spec is not None:
+            self.placements: tuple[Placement, ...] = self._spmd_placements(
+                spmd_mesh, mesh_info, shard_dim
+            )
+            spec_mesh = spmd_mesh
+        elif mesh_info.replicate_only:
             if self._tp_spec is not None:
                 raise NotImplementedError(
                     f"replicate does not support DTensor parameters yet, got {module_info.name!r}"
                 )
-            self.placements: tuple[Placement, ...] = (Replicate(),)
+            self.placements = (Replicate(),)
         elif mesh_info.is_hsdp:
             self.placements = (Replicate(), dp_placement, *tp_placements)
         else:
@@ -258,6 +273,43 @@ class ShardedParam:
         self._post_forward_data: torch.Tensor | None = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.fqn: str = module_info.name
+
+    def _spmd_placements(
+        self, spmd_mesh: DeviceMesh, mesh_info: MeshInfo, shard_dim: int
+    ) -> tuple[Placement, ...]:
+        """The sharded placements on the full SPMD mesh (``dp_mesh_dims``).
+
+        The DP shard dim gets ``Shard(shard_dim)`` (strided when later mesh dims shard the
+        same tensor dim); the other dims keep their placements. The DP dims must be Replicate.
+        """
+        assert self._tp_spec is not None
+        assert mesh_info.dp_mesh_dims is not None
+        names = spmd_mesh.mesh_dim_names or ()
+        dims = mesh_info.dp_mesh_dims
+        shard_names = _dim_names(dims.shard)
+        dp_names = (*shard_names, *_dim_names(dims.replicate))
+        orig = tuple(self._tp_spec.placements)
+        for name in dp_names:
+            if not isinstance(orig[names.index(name)], Replicate):
+                raise ValueError(
+                    f"with dp_mesh_dims the parameter {self.module_info.name!r} must be "
+                    f"Replicate() on the data-parallel dim {name!r}, got {orig[names.index(name)]}"
+                )
+        self._dp_dim_indices = frozenset(names.index(n) for n in dp_names)
+        placements = list(orig)
+        for name in shard_names:
+            idx = names.index(name)
+            split_factor = 1
+            for j in range(idx + 1, spmd_mesh.ndim):
+                p = orig[j]
+                if isinstance(p, Shard | _StridedShard) and p.dim == shard_dim:
+                    split_factor *= spmd_mesh.size(j)
+            placements[idx] = (
+                _StridedShard(shard_dim, split_factor=split_factor)
+                if split_factor > 1
+                else Shard(shard_dim)
+            )
+        return tuple(placements)
 
     # ----------------------------------------------------------------- setup
     def init_dtypes(
@@ -463,8 +515,12 @@ class ShardedParam:
                 f"the gradient of the tensor-parallel parameter {self.fqn!r} must be a DTensor, "
                 f"got {type(grad).__name__}"
             )
-        if tuple(grad.placements) != tuple(tp_spec.placements):
-            grad = grad.redistribute(placements=tp_spec.placements)
+        target = tuple(
+            grad.placements[i] if i in self._dp_dim_indices else p
+            for i, p in enumerate(tp_spec.placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         local = grad._local_tensor
         if isinstance(local, AsyncCollectiveTensor):  # a redistribution still in flight
             local = local.wait()

@@ -1,0 +1,151 @@
+"""``fully_shard(mesh=<full SPMD mesh>, dp_mesh_dims=...)`` against torch's and plain FSDP."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+import hp_fsdp
+from hp_dtensor.testing import distributed, rank_seed
+
+DIM = 8
+HIDDEN = 16
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.up.weight
+        if isinstance(weight, DTensor):  # SPMD: the input is replicated over the whole mesh
+            x = DTensor.from_local(x, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim)
+        y = self.down(F.relu(self.up(x)))
+        if isinstance(y, DTensor):
+            y = y.redistribute(placements=[Replicate()] * y.device_mesh.ndim).to_local()
+        assert isinstance(y, torch.Tensor)
+        return y
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MLP() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _distribute(model: nn.Module, mesh: DeviceMesh, tp: bool) -> None:
+    """Make every parameter a DTensor on ``mesh``: Replicate on dp, Megatron TP on "tp"."""
+    for block in model.modules():
+        if not isinstance(block, _MLP):
+            continue
+        plan = {
+            "up.weight": Shard(0),
+            "up.bias": Shard(0),
+            "down.weight": Shard(1),
+            "down.bias": Replicate(),
+        }
+        for name, tp_placement in plan.items():
+            sub_name, attr = name.split(".")
+            sub = getattr(block, sub_name)
+            placements: list[Placement] = [Replicate()] * mesh.ndim
+            if tp:
+                placements[-1] = tp_placement
+            param = nn.Parameter(distribute_tensor(getattr(sub, attr).detach(), mesh, placements))
+            setattr(sub, attr, param)
+
+
+def _train(model: nn.Module, steps: int = 3) -> None:
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(rank_seed(step))  # different data per rank
+        x = torch.randn(2, 4, DIM, generator=gen)
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _shard(model: nn.Module, shard_fn: object, **kwargs: object) -> None:
+    for block in model.blocks:  # type: ignore[union-attr]
+        shard_fn(block, **kwargs)  # type: ignore[operator]
+    shard_fn(model, **kwargs)  # type: ignore[operator]
+
+
+def _check_equal(ours: nn.Module, ref: nn.Module) -> None:
+    for (name, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
+        assert isinstance(p, DTensor), name
+        assert isinstance(q, DTensor), name
+        assert p.device_mesh == q.device_mesh, name
+        assert tuple(p.placements) == tuple(q.placements), (name, p.placements, q.placements)
+        assert p.to_local().shape == q.to_local().shape, name
+        assert torch.equal(p.to_local(), q.to_local()), name
+
+
+@distributed(world_size=4, timeout=120)
+def test_dp_mesh_dims_matches_torch_and_plain_fsdp() -> None:
+    torch.manual_seed(0)
+    base = _Model()
+    # 2x2 (dp, tp): FSDP over "dp" keeps the TP placements, bitwise equal to torch's.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, ref):
+        _distribute(model, mesh, tp=True)
+    _shard(ours, hp_fsdp.fully_shard, mesh=mesh, dp_mesh_dims=hp_fsdp.DataParallelMeshDims("dp"))
+    _shard(ref, torch_fully_shard, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    up = ours.get_parameter("blocks.0.up.weight")
+    down = ours.get_parameter("blocks.0.down.weight")
+    init_up = base.get_parameter("blocks.0.up.weight")
+    assert isinstance(up, DTensor)
+    assert isinstance(down, DTensor)
+    assert tuple(up.placements) == (_StridedShard(0, split_factor=2), Shard(0))
+    assert up.to_local().shape == (HIDDEN // 4, DIM)
+    assert tuple(down.placements) == (Shard(0), Shard(1))
+    assert down.to_local().shape == (DIM // 2, HIDDEN // 2)
+    assert torch.equal(up.full_tensor(), init_up)
+    _check_equal(ours, ref)
+    _train(ours)
+    assert not torch.equal(up.full_tensor(), init_up)
+    _train(ref)
+    _check_equal(ours, ref)
+    # HSDP on a 2x2 (rep, shard) mesh: Replicate over "rep", Shard over "shard", as torch's.
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, ref):
+        _distribute(model, mesh2, tp=False)
+    dims = {"shard": "shard", "replicate": "rep"}
+    _shard(ours, hp_fsdp.fully_shard, mesh=mesh2, dp_mesh_dims=hp_fsdp.DataParallelMeshDims(**dims))
+    _shard(ref, torch_fully_shard, mesh=mesh2, dp_mesh_dims=TorchDims(**dims))
+    hsdp_up = ours.get_parameter("blocks.0.up.weight")
+    assert isinstance(hsdp_up, DTensor)
+    assert tuple(hsdp_up.placements) == (Replicate(), Shard(0))
+    _train(ours)
+    _train(ref)
+    _check_equal(ours, ref)
+    # A 1-D named "dp_shard" mesh of DTensor parameters equals plain fully_shard on that mesh.
+    mesh1 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    spmd, plain = copy.deepcopy(base), copy.deepcopy(base)
+    _distribute(spmd, mesh1, tp=False)
+    _shard(
+        spmd, hp_fsdp.fully_shard, mesh=mesh1, dp_mesh_dims=hp_fsdp.DataParallelMeshDims("dp_shard")
+    )
+    _shard(plain, hp_fsdp.fully_shard, mesh=mesh1)
+    _check_equal(spmd, plain)
+    _train(spmd)
+    _train(plain)
+    _check_equal(spmd, plain)
+    assert dist.get_world_size() == 4
