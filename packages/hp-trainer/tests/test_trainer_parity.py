@@ -113,13 +113,18 @@ def test_parallel_losses_match_single_process(
     assert dp_ranks == set(range(dp))  # every data-parallel rank saw its own slice
 
 
+def _train_and_close(cfg: JobConfig) -> list[float]:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
 def _train_meta(folder: str) -> Any:
     cfg = tiny_config(Path(folder), run_name=f"meta{dist.get_rank()}", parallelism={})
     cfg.model.init_device = "meta"
-    trainer = Trainer(cfg)
-    losses = trainer.train()
-    trainer.close()
-    return losses
+    return _train_and_close(cfg)
 
 
 def test_meta_init_single_process_matches_cpu_init(tmp_path: Path) -> None:
@@ -150,10 +155,7 @@ def _train_compiled(folder: str) -> Any:
     )
     cfg.compile.enable = True
     cfg.compile.backend = "aot_eager"
-    trainer = Trainer(cfg)
-    losses = trainer.train()
-    trainer.close()
-    return losses
+    return _train_and_close(cfg)
 
 
 def test_compiled_blocks_under_fsdp_match_eager(tmp_path: Path) -> None:

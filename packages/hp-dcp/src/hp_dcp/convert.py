@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,7 +21,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from hp_dcp.huggingface import hf_shard_files, iter_hf_tensors, parse_size, save_hf_safetensors
+from hp_dcp.huggingface import (
+    _plan_shards,
+    hf_shard_files,
+    iter_hf_tensors,
+    parse_size,
+    save_hf_safetensors,
+)
 from hp_dcp.save_load import load
 from hp_dcp.storage import FileSystemReader, FileSystemWriter, read_checksums
 
@@ -102,18 +108,25 @@ def load_key_map(spec: str) -> KeyMap:
     return fn  # type: ignore[no-any-return]
 
 
+def _renames(keys: Iterable[str], key_map: KeyMap | None) -> dict[str, str]:
+    """Old key -> new key for each key ``key_map`` keeps; two keys may not share a new name."""
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for key in keys:
+        new = key_map(key) if key_map is not None else key
+        if new is None:
+            continue
+        if new in taken:
+            raise ValueError(f"key map sends two tensors to {new!r} (one of them {key!r})")
+        taken.add(new)
+        names[key] = new
+    return names
+
+
 def _mapped(tensors: dict[str, torch.Tensor], key_map: KeyMap | None) -> dict[str, torch.Tensor]:
     if key_map is None:
         return tensors
-    out: dict[str, torch.Tensor] = {}
-    for key, value in tensors.items():
-        new = key_map(key)
-        if new is None:
-            continue
-        if new in out:
-            raise ValueError(f"key map sends two tensors to {new!r} (one of them {key!r})")
-        out[new] = value
-    return out
+    return {new: tensors[key] for key, new in _renames(tensors, key_map).items()}
 
 
 def hf_to_dcp(
@@ -213,30 +226,17 @@ def dcp_to_hf(
     """
     reader = FileSystemReader(dcp_path)
     metadata = reader.read_metadata()
-    tensors: dict[str, TensorStorageMetadata] = {}
+    stored: dict[str, TensorStorageMetadata] = {}
     skipped: list[str] = []
-    names: dict[str, str] = {}
     for key, md in sorted(metadata.state_dict_metadata.items()):
-        if not isinstance(md, TensorStorageMetadata):
+        if isinstance(md, TensorStorageMetadata):
+            stored[key] = md
+        else:
             skipped.append(key)
-            continue
-        new = key_map(key) if key_map is not None else key
-        if new is None:
-            continue
-        if new in names.values():
-            raise ValueError(f"key map sends two tensors to {new!r} (one of them {key!r})")
-        names[key] = new
-        tensors[key] = md
+    names = _renames(stored, key_map)
+    tensors = {key: stored[key] for key in names}
     limit = parse_size(max_shard_size)
-    sizes = [(k, _nbytes(tensors[k])) for k in tensors]
-    groups: list[list[str]] = [[]]
-    used = 0
-    for key, nbytes in sizes:
-        if groups[-1] and used + nbytes > limit:
-            groups.append([])
-            used = 0
-        groups[-1].append(key)
-        used += nbytes
+    groups = _plan_shards(((k, _nbytes(tensors[k])) for k in tensors), limit)
     out: dict[str, torch.Tensor] = {}
     bar = _progress(len(groups), "dcp -> hf", progress)
     try:

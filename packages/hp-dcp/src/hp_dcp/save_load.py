@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -72,6 +74,18 @@ def _unwrap(exc: BaseException, reader: object) -> BaseException | None:
     return None
 
 
+@contextmanager
+def _own_errors(reader: object) -> Iterator[None]:
+    """Re-raise the hp-dcp error behind a DCP wrapper exception raised in the block."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        own = _unwrap(exc, reader)
+        if own is not None:
+            raise own from exc
+        raise
+
+
 def save(
     state_dict: dict[str, Any],
     *,
@@ -115,7 +129,7 @@ def save(
         ``torch.distributed.checkpoint.save``: PyTorch's DCP save.
     """
     writer = _default_writer(checkpoint_id, storage_writer, use_collectives, "save")
-    try:
+    with _own_errors(None):
         metadata: Metadata = _torch_save(
             state_dict,
             checkpoint_id=checkpoint_id,
@@ -125,11 +139,6 @@ def save(
             no_dist=no_dist,
             use_collectives=use_collectives,
         )
-    except (Exception, CheckpointException) as exc:
-        own = _unwrap(exc, None)
-        if own is not None:
-            raise own from exc
-        raise
     return metadata
 
 
@@ -242,7 +251,7 @@ def load(
         )
     if isinstance(storage_reader, FileSystemReader):
         check_checkpoint_dir(checkpoint_id if checkpoint_id is not None else storage_reader.path)
-    try:
+    with _own_errors(storage_reader):
         _torch_load(
             state_dict,
             checkpoint_id=checkpoint_id,
@@ -251,8 +260,3 @@ def load(
             process_group=process_group,
             no_dist=no_dist,
         )
-    except (Exception, CheckpointException) as exc:
-        own = _unwrap(exc, storage_reader)
-        if own is not None:
-            raise own from exc
-        raise

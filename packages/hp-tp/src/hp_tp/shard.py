@@ -115,6 +115,19 @@ def _module_or_error(root: nn.Module, fqn: str, what: str) -> nn.Module:
         raise ValueError(f"{what}: {fqn!r} is not a submodule of {type(root).__name__}") from None
 
 
+def _io_hooks(
+    module: nn.Module, plan: dict[str, Any], mesh: DeviceMesh, suffix: str, kind: str
+) -> list[tuple[nn.Module, tuple[tuple[Any, ...] | None, ...], str]]:
+    """Validate an ``input_plan``/``output_plan`` (``kind``) into (module, layouts, label)."""
+    hooks: list[tuple[nn.Module, tuple[tuple[Any, ...] | None, ...], str]] = []
+    for key, spec in plan.items():
+        fqn = _split_io_key(key, suffix, f"{kind}_plan")
+        target = _module_or_error(module, fqn, f"{kind}_plan[{key!r}]")
+        layouts = _per_item_layouts(spec, mesh, f"{kind}_plan[{key!r}]")
+        hooks.append((target, layouts, f"{kind} of {fqn or '<root>'}"))
+    return hooks
+
+
 def shard_module(
     module: nn.Module,
     device_mesh: DeviceMesh,
@@ -171,18 +184,8 @@ def shard_module(
                     f"parameter {n!r} has {params[n].ndim} dims"
                 )
             param_layouts.setdefault(n, placements)
-    input_hooks: list[tuple[nn.Module, tuple[tuple[Any, ...] | None, ...], str]] = []
-    for key, spec in sharding_plan.input_plan.items():
-        fqn = _split_io_key(key, _INPUT, "input_plan")
-        target = _module_or_error(module, fqn, f"input_plan[{key!r}]")
-        layouts = _per_item_layouts(spec, device_mesh, f"input_plan[{key!r}]")
-        input_hooks.append((target, layouts, f"input of {fqn or '<root>'}"))
-    output_hooks: list[tuple[nn.Module, tuple[tuple[Any, ...] | None, ...], str]] = []
-    for key, spec in sharding_plan.output_plan.items():
-        fqn = _split_io_key(key, _OUTPUT, "output_plan")
-        target = _module_or_error(module, fqn, f"output_plan[{key!r}]")
-        layouts = _per_item_layouts(spec, device_mesh, f"output_plan[{key!r}]")
-        output_hooks.append((target, layouts, f"output of {fqn or '<root>'}"))
+    input_hooks = _io_hooks(module, sharding_plan.input_plan, device_mesh, _INPUT, "input")
+    output_hooks = _io_hooks(module, sharding_plan.output_plan, device_mesh, _OUTPUT, "output")
     local_targets = [
         _module_or_error(module, fqn, f"return_local_tensor[{fqn!r}]")
         for fqn in sharding_plan.return_local_tensor

@@ -150,7 +150,46 @@ class ParallelStyle(ABC):
         """Parallelize ``module`` on the 1-D ``device_mesh`` in place and return it."""
 
 
-class ColwiseParallel(ParallelStyle):
+class _LinearLikeStyle(ParallelStyle):
+    """Shared body of the column- and row-wise styles: shard parameters, then lay out I/O."""
+
+    input_layouts: tuple[Placement, ...]
+    output_layouts: tuple[Placement, ...]
+    use_local_output: bool
+
+    @abstractmethod
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Placement of each parameter of ``module`` under this style."""
+
+    @abstractmethod
+    def desired_input_layout(self, module: nn.Module) -> Placement:
+        """Layout the module's input is redistributed to before the forward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_1d(device_mesh, type(self).__name__)
+        placements = self.param_placements(module)
+        desired = self.desired_input_layout(module)
+        _distribute_parameters(
+            module, device_mesh, placements, self.src_data_rank, type(self).__name__
+        )
+        _register_linear_like_hooks(
+            module,
+            device_mesh,
+            self.input_layouts[0],
+            desired,
+            self.output_layouts[0],
+            self.use_local_output,
+        )
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
+            f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
+        )
+
+
+class ColwiseParallel(_LinearLikeStyle):
     """Shard a module column-wise: ``nn.Linear`` by output features, ``nn.Embedding`` by dim.
 
     The input (a local tensor of layout ``input_layouts``, default replicated) is redistributed to
@@ -223,31 +262,8 @@ class ColwiseParallel(ParallelStyle):
         """
         return self.desired_input_layouts[0]
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_1d(device_mesh, type(self).__name__)
-        placements = self.param_placements(module)
-        desired = self.desired_input_layout(module)
-        _distribute_parameters(
-            module, device_mesh, placements, self.src_data_rank, type(self).__name__
-        )
-        _register_linear_like_hooks(
-            module,
-            device_mesh,
-            self.input_layouts[0],
-            desired,
-            self.output_layouts[0],
-            self.use_local_output,
-        )
-        return module
 
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
-            f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
-        )
-
-
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LinearLikeStyle):
     """Shard a module row-wise: ``nn.Linear`` on its input features, ``nn.Embedding`` on its rows.
 
     For ``nn.Linear`` the input (default layout ``Shard(-1)``) is redistributed to ``Shard(-1)``,
@@ -334,29 +350,6 @@ class RowwiseParallel(ParallelStyle):
         raise TypeError(
             f"{type(self).__name__} has no input layout for {type(module).__name__}; "
             "override desired_input_layout() in a subclass"
-        )
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_1d(device_mesh, type(self).__name__)
-        placements = self.param_placements(module)
-        desired = self.desired_input_layout(module)
-        _distribute_parameters(
-            module, device_mesh, placements, self.src_data_rank, type(self).__name__
-        )
-        _register_linear_like_hooks(
-            module,
-            device_mesh,
-            self.input_layouts[0],
-            desired,
-            self.output_layouts[0],
-            self.use_local_output,
-        )
-        return module
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
-            f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
         )
 
 

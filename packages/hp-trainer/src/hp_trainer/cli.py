@@ -112,19 +112,10 @@ def _prevalidate(config: JobConfig, world_size: int) -> None:
     """Fail fast, before any process starts, on errors every rank would hit."""
     from hp_trainer.data import BUILTIN_DATASETS
     from hp_trainer.model_spec import get_model_spec
-    from hp_trainer.parallel_dims import ParallelDims
+    from hp_trainer.parallel_dims import _parallel_dims_from_config
 
     get_model_spec(config.model.name).model_args(config.model.flavor)
-    p = config.parallelism
-    ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        ep=p.expert_parallel_degree,
-        world_size=world_size,
-    )
+    _parallel_dims_from_config(config.parallelism, world_size)
     dataset = config.data.dataset
     if dataset not in BUILTIN_DATASETS and not os.path.exists(dataset):
         raise ValueError(

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from hp_trainer.config import ParallelismConfig
 
 __all__ = ["ParallelDims"]
 
@@ -277,3 +281,16 @@ class ParallelDims:
             ``torchtitan.distributed.parallel_dims.ParallelDims.seq_len_divisor``.
         """
         return self.tp * (self.cp * 2 if self.cp > 1 else 1)
+
+
+def _parallel_dims_from_config(p: ParallelismConfig, world_size: int) -> ParallelDims:
+    """The ``ParallelDims`` of the ``[parallelism]`` section on ``world_size`` ranks."""
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        world_size=world_size,
+    )

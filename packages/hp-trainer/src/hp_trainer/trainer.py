@@ -32,7 +32,7 @@ from hp_trainer.data import (
 from hp_trainer.metrics import MetricsProcessor, logger
 from hp_trainer.model_spec import ModelSpec, get_model_spec
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
-from hp_trainer.parallel_dims import ParallelDims
+from hp_trainer.parallel_dims import _parallel_dims_from_config
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
 
@@ -122,15 +122,7 @@ class Trainer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = hp_device.get_device()
-        self.parallel_dims = ParallelDims(
-            dp_replicate=par.data_parallel_replicate_degree,
-            dp_shard=par.data_parallel_shard_degree,
-            cp=par.context_parallel_degree,
-            tp=par.tensor_parallel_degree,
-            pp=par.pipeline_parallel_degree,
-            ep=par.expert_parallel_degree,
-            world_size=self.world_size,
-        )
+        self.parallel_dims = _parallel_dims_from_config(par, self.world_size)
         dims = self.parallel_dims
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank = 0
