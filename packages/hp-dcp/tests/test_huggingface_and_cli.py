@@ -45,6 +45,14 @@ def test_hf_round_trip_exact_and_sharded(tmp_path: Path) -> None:
         assert torch.equal(got[k], v), k
     with pytest.raises(ValueError, match="max_shard_size"):
         hp_dcp.save_hf_safetensors(sd, tmp_path, max_shard_size="lots")
+    # key_map renames and drops; two tensors mapped to one name is an error, not an overwrite.
+    renamed = hp_dcp.load_hf_safetensors(
+        tmp_path, key_map=lambda k: None if k == "norm.scale" else "m." + k
+    )
+    assert set(renamed) == {"m." + k for k in sd if k != "norm.scale"}
+    assert torch.equal(renamed["m.embed.weight"], sd["embed.weight"])
+    with pytest.raises(ValueError, match=r"to 'w'"):
+        hp_dcp.load_hf_safetensors(tmp_path, key_map=lambda k: "w")
 
 
 def _two_file_hf(root: Path) -> dict[str, torch.Tensor]:

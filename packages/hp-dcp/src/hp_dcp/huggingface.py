@@ -224,14 +224,23 @@ def load_hf_safetensors(
 
     Raises:
         FileNotFoundError: no safetensors files were found.
+        ValueError: ``key_map`` sends two tensors to one name.
 
     See Also:
         ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
     """
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for _, tensors in iter_hf_tensors(path, keys):
         for k, v in tensors.items():
             new = key_map(k) if key_map is not None else k
-            if new is not None:
-                out[new] = v
+            if new is None:
+                continue
+            if new in origin:
+                raise ValueError(
+                    f"key_map sends both {origin[new]!r} and {k!r} to {new!r}; each kept tensor "
+                    "needs its own name"
+                )
+            origin[new] = k
+            out[new] = v
     return out
