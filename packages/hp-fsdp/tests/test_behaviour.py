@@ -113,20 +113,20 @@ def test_storage_freed_after_reshard_and_unshard_api() -> None:
     tokens, targets = h.make_batch(rank_seed(0))
     logits = model(tokens)
     for layer in layers:
-        group = get_state(layer).group  # type: ignore[union-attr]
+        group = get_state(layer).groups[0]  # type: ignore[union-attr]
         assert group is not None
         for param in group.params:
             data = param.unsharded_data
             assert data is not None, param.fqn
             assert data.untyped_storage().size() == 0, param.fqn
         assert all(isinstance(p, DTensor) for p in layer.parameters())
-    root_group = get_state(model).group  # type: ignore[union-attr]
+    root_group = get_state(model).groups[0]  # type: ignore[union-attr]
     assert root_group is not None
     assert root_group.is_unsharded  # the root keeps its parameters
     assert not isinstance(model.embed.weight, DTensor)
     torch.nn.functional.cross_entropy(logits.reshape(-1, h.VOCAB), targets.reshape(-1)).backward()
     for module in [model, *layers]:
-        group = get_state(module).group  # type: ignore[union-attr]
+        group = get_state(module).groups[0]  # type: ignore[union-attr]
         assert group is not None
         for param in group.params:
             data = param.unsharded_data
@@ -210,7 +210,7 @@ def test_collective_counts_per_step() -> None:
         assert len(counts["rs"]) == n_rs, (mesh_shape, reshard, counts)
         assert len(counts["ar"]) == n_ar, (mesh_shape, reshard, counts)
         if reshard == 2:  # one post-forward group per (mesh, k), shared by the root's units
-            infos = [get_state(layer).group.post_forward_info for layer in model.layers]  # type: ignore[union-attr]
+            infos = [get_state(layer).groups[0].post_forward_info for layer in model.layers]  # type: ignore[union-attr]
             assert infos[0] is not None
             assert all(info is infos[0] for info in infos)
             assert infos[0].size == 2
@@ -229,7 +229,7 @@ def test_peak_tensor_memory_bounds() -> None:
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     h.apply_sharding(ours, hp_fsdp, h.Config(mesh_shape=(2,)), mesh)
     h.apply_sharding(theirs, torch_fsdp, h.Config(mesh_shape=(2,)), mesh)
-    groups = [get_state(m).group for m in [ours, *ours.layers]]  # type: ignore[union-attr]
+    groups = [get_state(m).groups[0] for m in [ours, *ours.layers]]  # type: ignore[union-attr]
 
     def unsharded_bytes() -> list[int]:
         sizes = []

@@ -159,8 +159,8 @@ def _check_reduction_settings(world: int) -> None:
 def _group(module: nn.Module) -> Any:
     state = hp_fsdp.get_hsdp_state(module)
     assert state is not None
-    assert state.group is not None
-    return state.group
+    assert len(state.groups) == 1
+    return state.groups[0]
 
 
 def _units(model: nn.Module) -> list[Any]:
@@ -470,13 +470,12 @@ def _check_placement_result_and_ignored_params() -> None:
         model(x).square().sum().backward()
     assert torch.equal(_local(ours.proj.weight.grad), _local(theirs.proj.weight.grad))
     assert torch.equal(_local(ours.proj.bias.grad), _local(theirs.proj.bias.grad))  # unreduced
-    other = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
-    elsewhere = hp_fsdp.FSDPMeshInfo(other, shard_mesh_dim=1)
-    with pytest.raises(NotImplementedError, match="another mesh"):
+    replicate_only = hp_fsdp.DDPMeshInfo(mesh, replicate_mesh_dim=0)
+    with pytest.raises(ValueError, match="needs a shard dim"):
         hp_fsdp.fully_shard(
             _Scorer(),
             mesh=mesh,
-            shard_placement_fn=lambda p: hp_fsdp.ShardPlacementResult(None, elsewhere),
+            shard_placement_fn=lambda p: hp_fsdp.ShardPlacementResult(None, replicate_only),  # type: ignore[arg-type]
         )
 
 
@@ -804,5 +803,4 @@ def test_control_surface_ws4_hsdp_and_shared_ctx() -> None:
     assert len(groups) == 1  # created once for both roots
     layer_state = hp_fsdp.get_hsdp_state(b_ours.layers[0])
     assert layer_state is not None
-    assert layer_state.group is not None
-    assert layer_state.group.post_forward_info is groups[0]
+    assert layer_state.groups[0].post_forward_info is groups[0]

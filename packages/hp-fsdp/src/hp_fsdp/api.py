@@ -36,8 +36,10 @@ from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
     MeshInfo,
     ShardPlacementResult,
+    TorchShardPlacementResult,
     _spmd_mesh_info,
     mesh_info_from_mesh,
+    placement_mesh_info,
 )
 from hp_fsdp.param import MANAGED_FLAG as _MANAGED_FLAG
 from hp_fsdp.param_group import ParamGroup, resolve_reshard_after_forward
@@ -73,8 +75,7 @@ def _symm_mem_unavailable(state: FSDPState) -> str | None:
     """Why symmetric memory cannot be used by this unit, or None when it can."""
     if state.device.type != DEVICE_TYPE_CUDA:
         return f"this unit computes on {state.device.type}"
-    group = state.group
-    if group is not None:
+    for group in state.groups:
         backend = dist.get_backend(group.mesh_info.shard_group)
         if backend != BACKEND_NCCL:
             return f"its process group uses {backend}"
@@ -199,8 +200,7 @@ class FSDPModule:
         See Also:
             ``torch.distributed.fsdp.FSDPModule.reshard``: PyTorch's method.
         """
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             group.to_sharded()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -216,13 +216,10 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.unshard``: PyTorch's method.
         """
         state = self._get_fsdp_state()
-        group = state.group
-        groups: list[ParamGroup] = []
-        if group is not None:
+        for group in state.groups:
             group.lazy_init(state.ctx if state.is_root is not None else None)
             group.unshard(async_op)
-            groups.append(group)
-        handle = UnshardHandle(groups=groups)
+        handle = UnshardHandle(groups=list(state.groups))
         if async_op:
             return handle
         handle.wait()
@@ -251,10 +248,9 @@ class FSDPModule:
         See Also:
             ``torch.distributed.fsdp.FSDPModule.set_requires_gradient_sync``.
         """
-        for state in self._units(recurse):
-            if state.group is not None:
-                state.group.reduce_grads = requires_gradient_sync
-                state.group.all_reduce_grads = requires_gradient_sync
+        for group in self._groups(recurse):
+            group.reduce_grads = requires_gradient_sync
+            group.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Set whether HSDP all-reduces gradients over the replicate axis (False: accumulate).
@@ -266,9 +262,8 @@ class FSDPModule:
         See Also:
             ``torch.distributed.fsdp.FSDPModule.set_requires_all_reduce``.
         """
-        for state in self._units(recurse):
-            if state.group is not None:
-                state.group.all_reduce_grads = requires_all_reduce
+        for group in self._groups(recurse):
+            group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Set whether parameters are resharded after forward.
@@ -289,9 +284,9 @@ class FSDPModule:
             )
         for state in self._units(recurse):
             state.auto_reshard_after_forward = False
-            if state.group is not None:
-                state.group.reshard_after_forward = reshard_after_forward
-                state.group.post_forward_info = None
+            for group in state.groups:
+                group.reshard_after_forward = reshard_after_forward
+                group.post_forward_info = None
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -305,9 +300,8 @@ class FSDPModule:
         See Also:
             ``torch.distributed.fsdp.FSDPModule.set_reshard_after_backward``.
         """
-        for state in self._units(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Prefetch these units' all-gathers right after this unit's in forward.
@@ -338,7 +332,7 @@ class FSDPModule:
         self._get_fsdp_state().backward_prefetch = _states_of(modules)
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
-        return [s.group for s in self._units(recurse) if s.group is not None]
+        return [g for s in self._units(recurse) for g in s.groups]
 
     def reset_iter_state(self) -> None:
         """Recover after an exception aborted a forward or backward (call on the root).
@@ -442,8 +436,7 @@ class FSDPModule:
         See Also:
             ``torch.distributed.fsdp.FSDPModule.set_unshard_in_backward``: PyTorch's method.
         """
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._groups(False):
             group.unshard_in_backward = bool(unshard_in_backward)
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
@@ -463,8 +456,7 @@ class FSDPModule:
         """
         if not isinstance(comm, AllGather):
             raise TypeError(f"expected an hp_kernels.AllGather, got {type(comm).__name__}")
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._groups(False):
             group.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
@@ -484,8 +476,7 @@ class FSDPModule:
         """
         if not isinstance(comm, ReduceScatter):
             raise TypeError(f"expected an hp_kernels.ReduceScatter, got {type(comm).__name__}")
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._groups(False):
             group.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(
@@ -516,18 +507,17 @@ class FSDPModule:
                 "set_all_reduce_hook(stream=...) needs an accelerator; this unit computes on "
                 f"{state.device}, pass stream=None"
             )
-        if state.group is None:
-            return
-        if stream is None:
-            state.group.all_reduce_hook = hook
-            return
-        accelerator_stream = stream
+        chosen = hook
+        if stream is not None:
+            accelerator_stream = stream
 
-        def on_stream(tensor: torch.Tensor) -> None:
-            with device_stream(accelerator_stream):
-                hook(tensor)
+            def on_stream(tensor: torch.Tensor) -> None:
+                with device_stream(accelerator_stream):
+                    hook(tensor)
 
-        state.group.all_reduce_hook = on_stream
+            chosen = on_stream
+        for group in state.groups:
+            group.all_reduce_hook = chosen
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Use symmetric memory for this unit's all-gather buffers.
@@ -567,8 +557,8 @@ class FSDPModule:
                 dims = [int(d) for d in size]
                 return symm_empty(*dims, dtype=dtype, device=device)
 
-        if state.group is not None:
-            state.group.custom_all_gather = _SymmMemAllGather()
+        for group in state.groups:
+            group.custom_all_gather = _SymmMemAllGather()
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate communication buffers from the process group's allocator where it has one.
@@ -583,24 +573,23 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm``.
         """
         state = self._get_fsdp_state()
-        group = state.group
-        if group is None or not enable:
-            if group is not None:
+        for group in state.groups:
+            if not enable:
                 group.custom_all_gather = None
                 group.custom_reduce_scatter = None
-            return
-        shard_group = group.mesh_info.shard_group
-        if not _pg_supports_alloc(shard_group, state.device):
-            _log_hint_once(
-                state.ctx,
-                "allocate_memory_from_process_group",
-                "set_allocate_memory_from_process_group_for_comm: the "
-                f"{dist.get_backend(shard_group)} process group has no tensor allocator for "
-                f"{state.device}; buffers come from the ordinary allocator",
-            )
-            return
-        group.custom_all_gather = _PGAllocAllGather(group.mesh_info.shard_group)
-        group.custom_reduce_scatter = _PGAllocReduceScatter(group.mesh_info.shard_group)
+                continue
+            shard_group = group.mesh_info.shard_group
+            if not _pg_supports_alloc(shard_group, state.device):
+                _log_hint_once(
+                    state.ctx,
+                    "allocate_memory_from_process_group",
+                    "set_allocate_memory_from_process_group_for_comm: the "
+                    f"{dist.get_backend(shard_group)} process group has no tensor allocator for "
+                    f"{state.device}; buffers come from the ordinary allocator",
+                )
+                continue
+            group.custom_all_gather = _PGAllocAllGather(shard_group)
+            group.custom_reduce_scatter = _PGAllocReduceScatter(shard_group)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -795,9 +784,8 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        group = self._get_fsdp_state().group
-        if group is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            for group in self._get_fsdp_state().groups:
                 for param in group.params:
                     param.reset_sharded_param()
         return result
@@ -1072,8 +1060,7 @@ def fully_shard(
         _swap_class,
         replicated,
     )
-    group = get_state(roots[0]).group  # type: ignore[union-attr]
-    if group is not None:
+    for group in get_state(roots[0]).groups:  # type: ignore[union-attr]
         group.comm_fusion = bool(comm_fusion)
         group.comm_fusion_zero_copy = bool(comm_fusion_zero_copy)
         group.sharded_accumulated_grad = bool(sharded_accumulated_grad)
@@ -1094,45 +1081,70 @@ def _shard_units(
     swap: Callable[[nn.Module], None],
     replicated: frozenset[nn.Parameter] = frozenset(),
 ) -> None:
-    """Build the unit of ``roots`` (shared by ``fully_shard`` and ``replicate``)."""
+    """Build the unit of ``roots`` (shared by ``fully_shard`` and ``replicate``).
+
+    Parameters are grouped by data-parallel mesh: one :class:`ParamGroup` for the unit's mesh,
+    plus one per other mesh that ``shard_placement_fn`` names (``ShardPlacementResult``), in
+    the order of each mesh's first parameter, as PyTorch groups them.
+    """
     device = get_device() if is_accelerator(mesh.device_type) else torch.device(DEVICE_TYPE_CPU)
     auto = reshard_after_forward is None
-    resolved = resolve_reshard_after_forward(
-        True if reshard_after_forward is None else reshard_after_forward, mesh_info.shard_size
-    )
     managed = _managed_modules(roots)
     params, buffers = _managed_params(managed, set(ignored_params or ()))
     _move_to_device([*params, *buffers], device)
     state = FSDPState(roots, device, mp, auto)
-    if params:
-        dims: list[int] = []
-        for param in params:
-            placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-            if isinstance(placement, ShardPlacementResult):
-                if placement.mesh_info.mesh != mesh:
-                    raise NotImplementedError(
-                        "shard_placement_fn returned a ShardPlacementResult on another mesh; "
-                        "hp_fsdp shards a unit over one mesh: apply fully_shard separately to "
-                        "the modules of that mesh (e.g. the experts) with mesh=..."
-                    )
-                placement = placement.placement
-            if placement is None:
-                dims.append(0)
-            elif isinstance(placement, Shard):
-                dims.append(placement.dim)
-            else:
-                raise TypeError(
-                    "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, "
-                    f"got {type(placement).__name__}"
+    unknown = replicated - set(params)
+    if unknown:
+        raise ValueError(
+            f"replicate_params must be parameters of this fully_shard unit (not ignored, not "
+            f"in a nested unit); {len(unknown)} are not"
+        )
+    # (shard group, replicate group) -> (mesh info, params, shard dims)
+    by_mesh: dict[
+        tuple[dist.ProcessGroup, dist.ProcessGroup | None],
+        tuple[MeshInfo, list[nn.Parameter], list[int]],
+    ] = {}
+    for param in params:
+        result = shard_placement_fn(param) if shard_placement_fn is not None else None
+        param_mesh_info, dim = mesh_info, 0
+        if isinstance(result, ShardPlacementResult | TorchShardPlacementResult):
+            if param in replicated:
+                raise ValueError(
+                    "a parameter in replicate_params cannot get a ShardPlacementResult from "
+                    "shard_placement_fn; it is kept whole on the unit's mesh"
                 )
-        unknown = replicated - set(params)
-        if unknown:
-            raise ValueError(
-                f"replicate_params must be parameters of this fully_shard unit (not ignored, not "
-                f"in a nested unit); {len(unknown)} are not"
+            param_mesh_info = placement_mesh_info(result.mesh_info, mesh_info)
+            result = result.placement
+        if isinstance(result, Shard):
+            dim = result.dim
+        elif result is not None:
+            raise TypeError(
+                "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, "
+                f"got {type(result).__name__}"
             )
-        state.group = ParamGroup(
-            params, roots, mesh_info, device, resolved, dims, mp, offload, replicated
+        key = (param_mesh_info.shard_group, param_mesh_info.replicate_group)
+        if param_mesh_info.replicate_only:
+            key = (param_mesh_info.replicate_group, None)  # type: ignore[assignment]
+        entry = by_mesh.setdefault(key, (param_mesh_info, [], []))
+        entry[1].append(param)
+        entry[2].append(dim)
+    for group_mesh_info, group_params, dims in by_mesh.values():
+        resolved = resolve_reshard_after_forward(
+            True if reshard_after_forward is None else reshard_after_forward,
+            group_mesh_info.shard_size,
+        )
+        state.groups.append(
+            ParamGroup(
+                group_params,
+                roots,
+                group_mesh_info,
+                device,
+                resolved,
+                dims,
+                mp,
+                offload,
+                replicated & set(group_params),
+            )
         )
     for root in roots:
         swap(root)

@@ -20,7 +20,9 @@ __all__ = [
     "MeshInfo",
     "PostForwardInfo",
     "ShardPlacementResult",
+    "TorchShardPlacementResult",
     "mesh_info_from_mesh",
+    "placement_mesh_info",
 ]
 
 
@@ -52,11 +54,20 @@ class MeshInfo:
     def __post_init__(self) -> None:
         if self.replicate_only:
             # No shard axis: collectives over it are skipped (size 1); the group is a stand-in.
-            self.shard_group = self.mesh.get_group(0)
+            # A 2-D (HSDP) mesh replicates over all its ranks: its dims flattened into one group.
+            flat = self.mesh
+            if flat.ndim > 1:
+                names = flat.mesh_dim_names
+                if names is None:
+                    raise ValueError(
+                        f"replicating over a {flat.ndim}-D mesh needs mesh_dim_names, got none"
+                    )
+                flat = flat._flatten("_".join(names))
+            self.shard_group = flat.get_group(0)
             self.shard_size = 1
             self.shard_rank = 0
-            self.replicate_group = self.mesh.get_group(0)
-            self.replicate_size = self.mesh.size(0)
+            self.replicate_group = flat.get_group(0)
+            self.replicate_size = flat.size(0)
             return
         shard_dim = self.mesh.ndim - 1
         self.shard_group = self.mesh.get_group(shard_dim)
@@ -70,6 +81,12 @@ class MeshInfo:
     def is_hsdp(self) -> bool:
         """True when the mesh has a replicate axis (HSDP)."""
         return self.replicate_group is not None
+
+    @property
+    def mesh_label(self) -> str:
+        """A short name of the mesh for messages: its dim names, or its size."""
+        names = self.mesh.mesh_dim_names
+        return "x".join(names) if names else f"mesh of {self.mesh.size()}"
 
 
 @dataclass(eq=False)
@@ -229,6 +246,65 @@ class ShardPlacementResult:
 
     placement: Shard | None
     mesh_info: FSDPMeshInfo
+
+
+try:  # accept PyTorch's own ShardPlacementResult too (drop-in shard_placement_fn)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        ShardPlacementResult as TorchShardPlacementResult,
+    )
+except ImportError:  # an older torch without per-parameter meshes
+    TorchShardPlacementResult = ShardPlacementResult  # type: ignore[assignment,misc]
+
+
+def placement_mesh_info(user_info: object, default: MeshInfo) -> MeshInfo:
+    """The :class:`MeshInfo` of a ``ShardPlacementResult.mesh_info`` (ours or PyTorch's).
+
+    Args:
+        user_info: an :class:`FSDPMeshInfo` / :class:`HSDPMeshInfo` (or PyTorch's classes): a
+            1-D mesh to shard over, a 2-D (replicate, shard) mesh, a named dim of a larger mesh,
+            or a full SPMD mesh with ``dp_mesh_dims``.
+        default: the unit's own mesh info (returned when ``user_info`` describes its groups).
+
+    Returns:
+        The mesh info hp-fsdp shards the parameter with.
+
+    Raises:
+        TypeError: for an object without a mesh.
+        ValueError: for a mesh info without a shard dim, or a layout other than those above.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult``.
+    """
+    mesh = getattr(user_info, "mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "ShardPlacementResult.mesh_info must be an FSDPMeshInfo or HSDPMeshInfo with a "
+            f"DeviceMesh, got {type(user_info).__name__}"
+        )
+    shard_dim = getattr(user_info, "shard_mesh_dim", None)
+    replicate_dim = getattr(user_info, "replicate_mesh_dim", None)
+    if shard_dim is None:
+        raise ValueError(
+            "a per-parameter mesh needs a shard dim (FSDPMeshInfo or HSDPMeshInfo), got "
+            f"{type(user_info).__name__} without shard_mesh_dim"
+        )
+    spmd_mesh = getattr(user_info, "spmd_mesh", None)
+    dims = getattr(user_info, "dp_mesh_dims", None)
+    if spmd_mesh is not None and dims is not None:
+        info = _spmd_mesh_info(spmd_mesh, DataParallelMeshDims(dims.shard, dims.replicate))
+    elif (replicate_dim, shard_dim, mesh.ndim) in ((None, 0, 1), (0, 1, 2)):
+        info = MeshInfo(mesh)
+    elif replicate_dim is None and mesh.mesh_dim_names is not None:
+        info = MeshInfo(mesh[mesh.mesh_dim_names[shard_dim]])
+    else:
+        raise ValueError(
+            "a per-parameter mesh must be 1-D, 2-D (replicate dim 0, shard dim 1), or a named "
+            f"shard dim of a larger mesh; got a {mesh.ndim}-D mesh with shard dim {shard_dim} "
+            f"and replicate dim {replicate_dim}"
+        )
+    groups = (info.shard_group, info.replicate_group)
+    same = groups == (default.shard_group, default.replicate_group)
+    return default if same and not default.replicate_only else info
 
 
 def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:

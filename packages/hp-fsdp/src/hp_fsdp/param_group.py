@@ -653,29 +653,26 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------------ backward
-    def pre_backward(self, default_prefetch: bool) -> None:
-        """Unshard for backward (once per backward) and prefetch the next unit.
-
-        Args:
-            default_prefetch: prefetch the previous unit of the post-forward order.
-        """
-        if self.training_state == TrainingState.PRE_BACKWARD:
-            return
+    def start_pre_backward(self) -> None:
+        """Enter backward (once per backward): issue the all-gather unless told not to."""
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard()
-            self.wait_for_unshard()
-        if default_prefetch:
-            self._backward_prefetch()
 
-    def _backward_prefetch(self) -> None:
+    def finish_pre_backward(self) -> None:
+        """Wait for the all-gather issued by :meth:`start_pre_backward`."""
+        if self.unshard_in_backward:
+            self.wait_for_unshard()
+
+    def pop_post_forward_index(self) -> int | None:
+        """This group's latest position in the root's post-forward order (None: not recorded).
+
+        Returns:
+            The index into ``ctx.post_forward_order``, removed from this group's record.
+        """
         if not self._post_forward_indices or self.ctx is None:
-            return
-        index = self._post_forward_indices.pop()
-        if index > 0:
-            target = self.ctx.post_forward_order[index - 1]
-            with target.use_training_state(TrainingState.PRE_BACKWARD):
-                target.unshard(target.unshard_async_op)
+            return None
+        return self._post_forward_indices.pop()
 
     def post_backward(self) -> None:
         """Reshard and reduce this unit's gradients (idempotent within one backward)."""

@@ -90,8 +90,8 @@ class RootContext:
         self.iter_forward_root: FSDPState | None = None
         self.callback_queued = False
         self.is_last_backward = True
-        self.forward_order: list[ParamGroup] = []
-        self.current_forward_order: list[ParamGroup] = []
+        self.forward_order: list[FSDPState] = []
+        self.current_forward_order: list[FSDPState] = []
         self.post_forward_order: list[ParamGroup] = []
         self.pending_reductions: list[PendingReduction] = []
         self.max_inflight_reductions = 1

@@ -71,7 +71,9 @@ class FSDPState:
         self.device = device
         self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
-        self.group: ParamGroup | None = None
+        #: One group per data-parallel mesh (several when ``shard_placement_fn`` returns a
+        #: ``ShardPlacementResult`` on another mesh, e.g. experts), in creation order.
+        self.groups: list[ParamGroup] = []
         self.ctx = RootContext()
         self.is_root: bool | None = None
         self.training_state = TrainingState.IDLE
@@ -121,29 +123,31 @@ class FSDPState:
             if id(state) not in seen:
                 seen.add(id(state))
                 ctx.states.append(state)
-        if self.auto_reshard_after_forward and self.group is not None:
-            self.group.reshard_after_forward = False
-            self.group.post_forward_info = None
+        if self.auto_reshard_after_forward:
+            for group in self.groups:
+                group.reshard_after_forward = False
+                group.post_forward_info = None
         owners: dict[nn.Parameter, str] = {}
         fqns = {p: n for n, p in root_module.named_parameters()}
         module_names = {m: n for n, m in root_module.named_modules()}
         for state in ctx.states:
             state.ctx = ctx
-            group = state.group
-            if group is None:
-                continue
-            group.fqn = ", ".join(module_names.get(m, "?") for m in state.modules)
-            for param in group.params:
-                param.fqn = fqns.get(param.sharded_param, param.fqn)
-                if param.sharded_param in owners:
-                    raise ValueError(
-                        f"parameter {param.fqn!r} is managed by two fully_shard units; put tied "
-                        "parameters in one unit (e.g. fully_shard([module_a, module_b]))"
-                    )
-                owners[param.sharded_param] = group.fqn
+            unit_fqn = ", ".join(module_names.get(m, "?") for m in state.modules)
+            for group in state.groups:
+                group.fqn = unit_fqn
+                if len(state.groups) > 1:
+                    group.fqn += f" [{group.mesh_info.mesh_label}]"
+                for param in group.params:
+                    param.fqn = fqns.get(param.sharded_param, param.fqn)
+                    if param.sharded_param in owners:
+                        raise ValueError(
+                            f"parameter {param.fqn!r} is managed by two fully_shard units; put "
+                            "tied parameters in one unit (e.g. fully_shard([module_a, module_b]))"
+                        )
+                    owners[param.sharded_param] = group.fqn
         for state in ctx.states:
-            if state.group is not None:
-                state.group.lazy_init(ctx)
+            for group in state.groups:
+                group.lazy_init(ctx)
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(
@@ -183,20 +187,22 @@ class FSDPState:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        group = self.group
         if self.training_state == TrainingState.PRE_BACKWARD:
             # Recomputation inside backward (activation checkpointing): just make sure the
             # parameters are unsharded.
-            if group is not None and not group.is_unsharded:
-                group.unshard()
-                group.wait_for_unshard()
+            for group in self.groups:
+                if not group.is_unsharded:
+                    group.unshard()
+                    group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
         first_in_pass = self.training_state != TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
         if first_in_pass:
             args, kwargs = self._root_pre_forward(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
-        if group is not None:
+        for group in self.groups:
+            group.unshard(group.unshard_async_op)  # issue every group's all-gather first
+        for group in self.groups:
             args, kwargs = group.pre_forward(args, kwargs)
         if first_in_pass:
             self._forward_prefetch()
@@ -204,29 +210,37 @@ class FSDPState:
 
     def _forward_prefetch(self) -> None:
         ctx = self.ctx
-        group = self.group
         position = len(ctx.current_forward_order)
-        if group is not None:
-            ctx.current_forward_order.append(group)
+        if self.groups:
+            ctx.current_forward_order.append(self)
         if self.forward_prefetch is not None:
             for state in self.forward_prefetch:
-                if state.group is not None:
-                    with state.group.use_training_state(TrainingState.FORWARD):
-                        state.group.unshard(True)
+                state.prefetch(TrainingState.FORWARD)
             return
-        if group is None:
+        if not self.groups:
             return
         previous = ctx.forward_order
-        if position + 1 < len(previous) and previous[position] is group:
+        if position + 1 < len(previous) and previous[position] is self:
             target = previous[position + 1]
-            if target is not group:
-                target.unshard(True)
+            if target is not self:
+                for group in target.groups:
+                    group.unshard(True)
+
+    def prefetch(self, training_state: TrainingState) -> None:
+        """Issue the all-gathers of every group of this unit (explicit prefetching).
+
+        Args:
+            training_state: the pass the prefetch belongs to (forward or pre-backward).
+        """
+        for group in self.groups:
+            with group.use_training_state(training_state):
+                group.unshard(True)
 
     def _post_forward(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return self._cast_output(output)
-        if self.group is not None:
-            self.group.post_forward()
+        for group in self.groups:
+            group.post_forward()
         output = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
         ctx = self.ctx
@@ -235,8 +249,9 @@ class FSDPState:
             ctx.forward_order = ctx.current_forward_order
             ctx.current_forward_order = []
             for state in ctx.states:
-                if state.group is not None and state.group.has_pending_all_gather:
-                    state.group.drop_pending_all_gather()
+                for group in state.groups:
+                    if group.has_pending_all_gather:
+                        group.drop_pending_all_gather()
             ctx.iter_forward_root = None
         return self._cast_output(output)
 
@@ -244,8 +259,8 @@ class FSDPState:
         for state in reversed(self.ctx.states):
             if state is self or not state._modules_to_run:
                 continue
-            if state.group is not None:
-                state.group.post_forward()
+            for group in state.groups:
+                group.post_forward()
             output = state._register_pre_backward(output)
             state.training_state = TrainingState.IDLE
             output = state._cast_output(output)
@@ -288,30 +303,50 @@ class FSDPState:
         if not ctx.callback_queued:
             ctx.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
-        group = self.group
-        default_prefetch = self.backward_prefetch is None
-        if group is not None:
-            group.pre_backward(default_prefetch)
+        # Once per backward per group (this hook fires for every output tensor): issue every
+        # group's all-gather before waiting for any.
+        fresh = [g for g in self.groups if g.training_state != TrainingState.PRE_BACKWARD]
+        for group in fresh:
+            group.start_pre_backward()
+        for group in fresh:
+            group.finish_pre_backward()
         if self.backward_prefetch is not None:
             for state in self.backward_prefetch:
-                if state.group is not None:
-                    with state.group.use_training_state(TrainingState.PRE_BACKWARD):
-                        state.group.unshard(True)
+                state.prefetch(TrainingState.PRE_BACKWARD)
+        elif fresh:
+            self._default_backward_prefetch(fresh)
         return grad
+
+    def _default_backward_prefetch(self, groups: list[ParamGroup]) -> None:
+        """Prefetch the unit whose forward finished just before this one's (all its groups)."""
+        indices = [i for i in (g.pop_post_forward_index() for g in groups) if i is not None]
+        if not indices:
+            return
+        order = self.ctx.post_forward_order
+        index = min(indices) - 1
+        if index < 0:
+            return
+        modules = order[index].modules
+        while index >= 0 and order[index].modules is modules:
+            target = order[index]
+            with target.use_training_state(TrainingState.PRE_BACKWARD):
+                target.unshard(target.unshard_async_op)
+            index -= 1
 
     def _final_callback(self) -> None:
         ctx = self.ctx
         ctx.iter_forward_root = None
         for state in ctx.states:
             state._modules_to_run.clear()
-            group = state.group
-            if group is not None:
+            # Last group first: the order backward reaches them (inputs wrapped by each group).
+            for group in reversed(state.groups):
                 if group.training_state != TrainingState.POST_BACKWARD:
                     group.post_backward()
                 group.training_state = TrainingState.IDLE
             state.training_state = TrainingState.IDLE
-            if ctx.is_last_backward and group is not None:
-                group.finalize_backward()
+            if ctx.is_last_backward:
+                for group in state.groups:
+                    group.finalize_backward()
         if ctx.is_last_backward:
             ctx.finish_reductions()
             ctx.post_forward_order.clear()
@@ -343,8 +378,7 @@ class FSDPState:
         for state in states:
             state._modules_to_run.clear()
             state.training_state = TrainingState.IDLE
-            group = state.group
-            if group is not None:
+            for group in state.groups:
                 group.reset_iter_state()
         ctx.iter_forward_root = None
         ctx.callback_queued = False
