@@ -1126,6 +1126,12 @@ def _shard_units(
         if param_mesh_info.replicate_only:
             key = (param_mesh_info.replicate_group, None)  # type: ignore[assignment]
         entry = by_mesh.setdefault(key, (param_mesh_info, [], []))
+        if entry[0] is not param_mesh_info and entry[0].mesh != param_mesh_info.mesh:
+            raise ValueError(
+                f"parameters on the meshes {entry[0].mesh} and {param_mesh_info.mesh} use the "
+                "same process groups; give every parameter over those ranks the same mesh (a "
+                "new group needs a mesh over other ranks, or other dims)"
+            )
         entry[1].append(param)
         entry[2].append(dim)
     for group_mesh_info, group_params, dims in by_mesh.values():

@@ -304,7 +304,7 @@ def placement_mesh_info(user_info: object, default: MeshInfo) -> MeshInfo:
         )
     groups = (info.shard_group, info.replicate_group)
     same = groups == (default.shard_group, default.replicate_group)
-    return default if same and not default.replicate_only else info
+    return default if same and info.mesh == default.mesh and not default.replicate_only else info
 
 
 def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
