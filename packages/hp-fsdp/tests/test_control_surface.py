@@ -687,11 +687,17 @@ def _check_fully_shard_extensions() -> None:
     _check_replicate_params()
 
 
-def _check_replicate_params() -> None:
-    """replicate_params stay whole and equal on all ranks; training matches one process."""
+def _check_replicate_params(mesh_shape: tuple[int, ...] | None = None) -> None:
+    """replicate_params stay whole and equal on all ranks; training matches one process.
+
+    On a 2-D (HSDP) mesh they are ``(Replicate(), Replicate())`` and all-reduced over all ranks.
+    """
     h = _helpers()
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    shape = mesh_shape or (world,)
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    sharded = (Replicate(), Shard(0)) if len(shape) == 2 else (Shard(0),)
     torch.manual_seed(0)
     ref = h.TinyLM()
     model = copy.deepcopy(ref)
@@ -716,13 +722,13 @@ def _check_replicate_params() -> None:
         assert isinstance(param, DTensor)
         expected = ref.get_parameter(name).detach()
         if name in replicated:
-            assert param.placements == (Replicate(),), name
+            assert param.placements == (Replicate(),) * len(shape), name
             assert param.to_local().shape == expected.shape, name
             copies = [torch.empty_like(param.to_local()) for _ in range(world)]
             dist.all_gather(copies, param.to_local().contiguous())
             assert all(torch.equal(c, copies[0]) for c in copies), name
         else:
-            assert param.placements == (Shard(0),), name
+            assert param.placements == sharded, name
         torch.testing.assert_close(param.full_tensor(), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -804,3 +810,4 @@ def test_control_surface_ws4_hsdp_and_shared_ctx() -> None:
     layer_state = hp_fsdp.get_hsdp_state(b_ours.layers[0])
     assert layer_state is not None
     assert layer_state.groups[0].post_forward_info is groups[0]
+    _check_replicate_params((2, 2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -149,3 +150,116 @@ def test_dp_mesh_dims_matches_torch_and_plain_fsdp() -> None:
     _train(plain)
     _check_equal(spmd, plain)
     assert dist.get_world_size() == 4
+
+
+def _pair(base: nn.Module, mesh: DeviceMesh, tp: bool, **dims: Any) -> tuple[nn.Module, nn.Module]:
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, ref):
+        _distribute(model, mesh, tp=tp)
+    _shard(ours, hp_fsdp.fully_shard, mesh=mesh, dp_mesh_dims=hp_fsdp.DataParallelMeshDims(**dims))
+    _shard(ref, torch_fully_shard, mesh=mesh, dp_mesh_dims=TorchDims(**dims))
+    return ours, ref
+
+
+@distributed(world_size=4, timeout=120)
+def test_dp_mesh_dims_several_shard_dims_and_ddp_match_torch() -> None:
+    torch.manual_seed(0)
+    base = _Model()
+    # Two shard dims (dp_shard x cp): one flattened shard axis of 4 ranks, as torch's.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    ours, ref = _pair(base, mesh, tp=False, shard=("dp_shard", "cp"))
+    up = ours.get_parameter("blocks.0.up.weight")
+    assert isinstance(up, DTensor)
+    assert up.device_mesh.mesh_dim_names == ("dp_shard_cp",)
+    assert tuple(up.placements) == (Shard(0),)
+    assert up.to_local().shape == (HIDDEN // 4, DIM)
+    _check_equal(ours, ref)
+    _train(ours)
+    _train(ref)
+    _check_equal(ours, ref)
+    # HSDP with two shard dims: (rep, dp_shard x cp), the replicate axis first.
+    mesh3 = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("rep", "dp_shard", "cp"))
+    ours, ref = _pair(base, mesh3, tp=False, shard=("dp_shard", "cp"), replicate="rep")
+    up = ours.get_parameter("blocks.0.up.weight")
+    assert isinstance(up, DTensor)
+    assert tuple(up.placements) == (Replicate(), Shard(0))
+    _train(ours)
+    _train(ref)
+    _check_equal(ours, ref)
+    # DDP over "dp" with Megatron TP over "tp": parameters stay whole on dp, gradients averaged.
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ours, ref = _pair(base, mesh2, tp=True, replicate="dp")
+    up = ours.get_parameter("blocks.0.up.weight")
+    assert isinstance(up, DTensor)
+    assert tuple(up.placements) == (Replicate(), Shard(0))
+    assert up.to_local().shape == (HIDDEN // 2, DIM)
+    _train(ours)
+    _train(ref)
+    _check_equal(ours, ref)
+    copies = [torch.empty_like(up.to_local()) for _ in range(4)]
+    dist.all_gather(copies, up.to_local().contiguous())
+    assert torch.equal(copies[0], copies[2])  # dp peers hold the same TP shard
+    assert not torch.equal(copies[0], copies[1])  # TP peers hold different shards
+
+
+@distributed(world_size=4, timeout=120)
+def test_dp_mesh_dims_with_replicate_params() -> None:
+    """replicate_params on a (dp, tp) SPMD mesh: whole on dp; with 2 dp ranks the average of
+    an all-reduce equals torch's reduce-scatter bit for bit, so the trained values match."""
+    torch.manual_seed(0)
+    base = _Model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, ref):
+        _distribute(model, mesh, tp=True)
+    dims = hp_fsdp.DataParallelMeshDims(shard="dp")
+    kept = {"blocks.0.up.weight", "blocks.1.down.bias"}
+    for block in ours.blocks:  # type: ignore[union-attr]
+        mine = {p for n, p in ours.named_parameters() if n in kept} & set(block.parameters())
+        hp_fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dims, replicate_params=mine)
+    hp_fsdp.fully_shard(ours, mesh=mesh, dp_mesh_dims=dims)
+    _shard(ref, torch_fully_shard, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+    _train(ours)
+    _train(ref)
+    for (name, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
+        assert isinstance(p, DTensor)
+        assert isinstance(q, DTensor)
+        if name in kept:  # whole on dp, still TP-sharded: (Replicate(), <tp placement>)
+            assert tuple(p.placements) == (Replicate(), q.placements[1]), name
+            local_shape = {"blocks.0.up.weight": (HIDDEN // 2, DIM), "blocks.1.down.bias": (DIM,)}
+            assert tuple(p.to_local().shape) == local_shape[name], name
+            copies = [torch.empty_like(p.to_local()) for _ in range(4)]
+            dist.all_gather(copies, p.to_local().contiguous())
+            assert torch.equal(copies[0], copies[2]), name  # dp peers agree
+        else:
+            assert tuple(p.placements) == tuple(q.placements), name
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+    assert not torch.equal(
+        ours.get_parameter("blocks.0.up.weight").full_tensor(),  # type: ignore[operator]
+        base.get_parameter("blocks.0.up.weight"),
+    )
+    # HSDP dims: replicated parameters are all-reduced over all four dp ranks (a different
+    # summation order from torch's reduce-scatter + all-reduce: compare with a tolerance).
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, ref):
+        _distribute(model, mesh2, tp=False)
+    hsdp = {"shard": "shard", "replicate": "rep"}
+    for block in ours.blocks:  # type: ignore[union-attr]
+        hp_fsdp.fully_shard(
+            block,
+            mesh=mesh2,
+            dp_mesh_dims=hp_fsdp.DataParallelMeshDims(**hsdp),
+            replicate_params={block.up.weight},
+        )
+    hp_fsdp.fully_shard(ours, mesh=mesh2, dp_mesh_dims=hp_fsdp.DataParallelMeshDims(**hsdp))
+    _shard(ref, torch_fully_shard, mesh=mesh2, dp_mesh_dims=TorchDims(**hsdp))
+    _train(ours)
+    _train(ref)
+    for (name, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
+        assert isinstance(p, DTensor)
+        assert isinstance(q, DTensor)
+        if name.endswith("up.weight"):
+            assert tuple(p.placements) == (Replicate(), Replicate()), name
+            assert p.to_local().shape == (HIDDEN, DIM)
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-5, atol=1e-6)

@@ -957,18 +957,23 @@ def fully_shard(
         reshard_after_forward: True (free after forward), False (keep), None (True except for
             the root), or an int k: keep a 1/k share after forward, gathered within groups of k
             ranks in backward (k must divide the shard size; 1 means False).
-        shard_placement_fn: maps a parameter to ``Shard(dim)`` (None: ``Shard(0)``).
+        shard_placement_fn: maps a parameter to ``Shard(dim)`` (None: ``Shard(0)``), or to a
+            ``ShardPlacementResult`` (ours or PyTorch's) naming another mesh for it, e.g.
+            experts sharded over their own "efsdp" mesh: the unit then holds one parameter
+            group per mesh (one all-gather and one reduce-scatter each), as in PyTorch.
         mp_policy: the mixed-precision policy (ours or PyTorch's).
         offload_policy: the offload policy (ours or PyTorch's).
         ignored_params: parameters left alone (not sharded, not reduced).
         dp_mesh_dims: the data-parallel dim names of ``mesh``, a full multi-axis SPMD mesh
             whose parameters are already DTensors with ``Replicate()`` on those dims: FSDP
-            shards over the ``shard`` dim and replicates (all-reduces) over the ``replicate``
-            dim(s); the other dims keep their placements. One shard dim; not with an int
-            ``reshard_after_forward`` nor ``replicate_params``.
+            shards over the ``shard`` dim(s) (several are flattened into one axis) and
+            replicates (all-reduces) over the ``replicate`` dim(s); with ``replicate`` only,
+            parameters stay whole and gradients are all-reduced (DDP). The other dims keep
+            their placements. Not with an int ``reshard_after_forward`` (as in PyTorch).
         replicate_params: HyperParallel's extension: parameters of this unit kept whole
-            (``Replicate()`` DTensors) and all-reduced (averaged) with one collective after the
-            unit's backward, instead of sharded (1-D mesh; on HSDP use ``replicate``).
+            (``Replicate()`` on every data-parallel dim) and all-reduced (averaged) over all
+            data-parallel ranks with one collective after the unit's backward, instead of
+            sharded. Works on 1-D, HSDP and ``dp_mesh_dims`` meshes.
         comm_fusion: one fused collective per unit (default); False issues one all-gather and
             one reduce-scatter per parameter (for debugging; numbers may differ in the last
             bits at world sizes that are not powers of two).
@@ -988,11 +993,10 @@ def fully_shard(
         ValueError: for a bad mesh, ``reshard_after_forward`` or policy, or pinned memory
             without an accelerator.
         TypeError: for a non-module argument or unknown policy type.
-        NotImplementedError: for ``dp_mesh_dims`` with several shard dims, no shard dim, an
-            int ``reshard_after_forward`` or ``replicate_params``; DTensor parameters on a mesh
-            of more than one dim (without ``dp_mesh_dims``), an int ``reshard_after_forward``
-            with DTensor parameters, or
-            ``replicate_params`` on a 2-D mesh or with an int ``reshard_after_forward``.
+        NotImplementedError: for ``dp_mesh_dims`` with an int ``reshard_after_forward`` (as
+            in PyTorch); DTensor parameters on a mesh of more than one dim (without
+            ``dp_mesh_dims``), an int ``reshard_after_forward`` with DTensor parameters or with
+            ``replicate_params``.
 
     See Also:
         ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.
@@ -1030,20 +1034,11 @@ def fully_shard(
                 "fully_shard(dp_mesh_dims=...) does not support an int reshard_after_forward, "
                 f"got {reshard_after_forward!r}"
             )
-        if replicate_params:
-            raise NotImplementedError(
-                "fully_shard(dp_mesh_dims=...) does not support replicate_params"
-            )
         mesh_info = _spmd_mesh_info(mesh, dp_mesh_dims)
         mesh = mesh_info.mesh
     else:
         mesh_info = mesh_info_from_mesh(mesh)
     replicated = frozenset(replicate_params or ())
-    if replicated and mesh.ndim != 1:
-        raise NotImplementedError(
-            "fully_shard(replicate_params=...) supports a 1-D mesh; on an HSDP mesh apply "
-            "hp_fsdp.replicate to the modules owning those parameters"
-        )
     if replicated and not isinstance(reshard_after_forward, bool | None):
         raise NotImplementedError(
             "fully_shard(replicate_params=...) does not support an int reshard_after_forward"

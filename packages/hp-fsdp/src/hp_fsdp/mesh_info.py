@@ -316,8 +316,10 @@ def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 def _spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> MeshInfo:
     """Build the :class:`MeshInfo` of the data-parallel dims of a full SPMD mesh.
 
-    The shard dim becomes the shard axis and the replicate dim(s) (flattened when several) the
-    replicate axis, as in PyTorch's ``fully_shard(dp_mesh_dims=...)``.
+    The shard dim(s) (flattened when several) become the shard axis and the replicate dim(s)
+    (flattened when several) the replicate axis, as in PyTorch's
+    ``fully_shard(dp_mesh_dims=...)``; with replicate dims only, the parameters are kept whole
+    and their gradients all-reduced (DDP).
     """
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise TypeError(
@@ -333,19 +335,13 @@ def _spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> Mes
     for name in (*shard, *replicate):
         if name not in names:
             raise ValueError(f"dp_mesh_dims names {name!r}, not a dim of the mesh {names}")
-    if len(shard) > 1:
-        raise NotImplementedError(
-            f"fully_shard(dp_mesh_dims=...) supports one shard dim, got {shard}; flatten them "
-            "into one named mesh dim"
-        )
 
     def submesh(dims: tuple[str, ...]) -> DeviceMesh:
         return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
 
-    if not shard:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) needs a shard dim; a replicate-only (DDP) "
-            f"DataParallelMeshDims is not supported yet, got {dp_mesh_dims}"
+    if not shard:  # DDP: parameters stay whole, gradients are all-reduced over the dims
+        return MeshInfo(
+            submesh(replicate), replicate_only=True, spmd_mesh=mesh, dp_mesh_dims=dp_mesh_dims
         )
     dp_mesh = submesh(shard)
     if replicate:

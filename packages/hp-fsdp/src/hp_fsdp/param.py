@@ -113,6 +113,39 @@ def _alloc_storage(tensor: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
+def _spmd_sharded_layout(
+    spmd_mesh: DeviceMesh, mesh_info: MeshInfo, placements: tuple[Placement, ...]
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a sharded parameter on a full SPMD mesh (``dp_mesh_dims``).
+
+    With one shard dim this is the SPMD mesh itself. Several shard dims (e.g. dp_shard and cp)
+    are one flattened axis of the sharded DTensor, at the first shard dim's position (after
+    the replicate axis for HSDP, whose own dims are then left out), as in PyTorch.
+    """
+    assert mesh_info.dp_mesh_dims is not None
+    names = spmd_mesh.mesh_dim_names or ()
+    shard_names = _dim_names(mesh_info.dp_mesh_dims.shard)
+    if len(shard_names) <= 1:
+        return spmd_mesh, placements
+    replicate_names = set(_dim_names(mesh_info.dp_mesh_dims.replicate))
+    meshes: list[DeviceMesh] = []
+    layout: list[Placement] = []
+    for i, name in enumerate(names):
+        if name in shard_names:
+            if name != next(n for n in names if n in shard_names):
+                continue  # a later shard dim: part of the flattened axis
+            meshes.append(mesh_info.mesh)
+            if mesh_info.is_hsdp:
+                layout.append(Replicate())
+            layout.append(placements[i])
+        elif name in replicate_names and mesh_info.is_hsdp:
+            continue  # the replicate axis sits before the flattened shard axis
+        else:
+            meshes.append(spmd_mesh[name])
+            layout.append(placements[i])
+    return DeviceMesh._concatenate(meshes), tuple(layout)
+
+
 class ShardedParam:
     """State of one parameter managed by ``fully_shard``.
 
@@ -204,16 +237,15 @@ class ShardedParam:
             tp_placements = tuple(self._tp_spec.placements)
             spec_mesh = DeviceMesh._concatenate([mesh_info.mesh, self._tp_spec.mesh])
         if spmd_mesh is not None and self._tp_spec is not None:
-            self.placements: tuple[Placement, ...] = self._spmd_placements(
-                spmd_mesh, mesh_info, shard_dim
+            spec_mesh, self.placements = _spmd_sharded_layout(
+                spmd_mesh, mesh_info, self._spmd_placements(spmd_mesh, mesh_info, shard_dim)
             )
-            spec_mesh = spmd_mesh
         elif mesh_info.replicate_only:
             if self._tp_spec is not None:
                 raise NotImplementedError(
                     f"replicate does not support DTensor parameters yet, got {module_info.name!r}"
                 )
-            self.placements = (Replicate(),)
+            self.placements = (Replicate(),) * mesh_info.mesh.ndim
         elif mesh_info.is_hsdp:
             self.placements = (Replicate(), dp_placement, *tp_placements)
         else:

@@ -30,7 +30,7 @@ from hp_fsdp.collectives import (
     issue_reduce_scatter,
     wait_all_gather,
 )
-from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
+from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo, PostForwardInfo, _dim_names
 from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_kernels import AllGather, ReduceScatter, post_reduce
@@ -111,6 +111,20 @@ def _param_module_infos(
                 elif (sub, name) != (info.module, info.name):
                     info.shared.append((sub, name))
     return [infos[p] for p in params]
+
+
+def _replicate_mesh_info(mesh_info: MeshInfo) -> MeshInfo:
+    """The mesh info of ``replicate_params``: kept whole, all-reduced over every DP rank."""
+    dims = mesh_info.dp_mesh_dims
+    if dims is None:
+        return MeshInfo(mesh_info.mesh, replicate_only=True)
+    every_dp_dim = (*_dim_names(dims.replicate), *_dim_names(dims.shard))
+    return MeshInfo(
+        mesh_info.mesh,
+        replicate_only=True,
+        spmd_mesh=mesh_info.spmd_mesh,
+        dp_mesh_dims=DataParallelMeshDims(replicate=every_dp_dim),
+    )
 
 
 class _PostBackwardTrigger(torch.autograd.Function):
@@ -292,7 +306,7 @@ class ParamGroup:
         replicated: frozenset[nn.Parameter] = frozenset(),
     ) -> None:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
-        replicate_info = MeshInfo(mesh_info.mesh, replicate_only=True) if replicated else None
+        replicate_info = _replicate_mesh_info(mesh_info) if replicated else None
         pin = offload and isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
         infos = _param_module_infos(params, modules)
         self.params = [
