@@ -260,3 +260,82 @@ def test_expert_parallel_experts_on_efsdp_mesh_match_torch_ws4() -> None:
     ours.blocks[0].reshard()  # type: ignore[operator]
     assert not any(g.is_unsharded for g in _groups(ours.blocks[0]))
     assert dist.get_world_size() == 4
+
+
+class _RecordedWork:
+    """A work handle that records when it is waited for."""
+
+    def __init__(self, work: Any, events: list[str], tag: str) -> None:
+        self._work, self._events, self._tag = work, events, tag
+
+    def wait(self, *args: Any) -> Any:
+        self._events.append(f"wait {self._tag}")
+        return self._work.wait(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _record_all_gathers(events: list[str]) -> Callable[[], None]:
+    original = dist.all_gather_single
+
+    def spy(output: torch.Tensor, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        tag = "experts" if inp.numel() >= EXPERTS * DIM * HIDDEN else "dense"
+        events.append(f"issue {tag}")
+        work = original(output, inp, *args, **kwargs)
+        return _RecordedWork(work, events, tag) if work is not None else None
+
+    dist.all_gather_single = spy
+
+    def restore() -> None:
+        dist.all_gather_single = original
+
+    return restore
+
+
+@distributed(world_size=2, timeout=120)
+def test_groups_issue_all_gathers_before_waiting_and_prefetch_together() -> None:
+    """A two-group unit issues both all-gathers before waiting for either; backward prefetch
+    gathers every group of the previous unit; one reduce-scatter per group."""
+    torch.manual_seed(0)
+    model = _MoE()
+    model.head = nn.Identity()  # type: ignore[assignment]  # the root holds no parameters
+    dense_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    expert_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("erep", "eshard"))
+    info = hp_fsdp.HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    _shard(
+        model,
+        hp_fsdp.fully_shard,
+        mesh=dense_mesh,
+        shard_placement_fn=lambda p: (
+            hp_fsdp.ShardPlacementResult(None, info) if _is_expert(p) else None
+        ),
+    )
+    assert [len(_groups(b)) for b in model.blocks] == [2, 2]
+    events: list[str] = []
+    reduce_scatters: list[int] = []
+    original_rs = dist.reduce_scatter_single
+
+    def count_rs(*args: Any, **kwargs: Any) -> Any:
+        reduce_scatters.append(1)
+        return original_rs(*args, **kwargs)
+
+    restore = _record_all_gathers(events)
+    dist.reduce_scatter_single = count_rs
+    try:
+        x = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(rank_seed(0)))
+        loss = model(x).square().mean()
+        forward = list(events)
+        events.clear()
+        loss.backward()
+        backward = list(events)
+    finally:
+        restore()
+        dist.reduce_scatter_single = original_rs
+    pair = ["issue dense", "issue experts", "wait dense", "wait experts"]
+    assert forward == pair + pair, forward  # block 0, then block 1
+    # block 1 re-gathers both groups, then prefetches both of block 0 (last group first, the
+    # order backward reaches them) before block 0's backward waits for them
+    prefetch = ["issue experts", "issue dense", "wait dense", "wait experts"]
+    assert backward == [*pair, *prefetch], backward
+    assert len(reduce_scatters) == 4  # one per group
