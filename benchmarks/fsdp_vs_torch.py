@@ -82,12 +82,38 @@ ROWS: dict[str, dict[str, Any]] = {
     "FSDP ws=2 bf16/fp32": {"world": 2, "mesh": (2,), "mp": True},
     "FSDP ws=4 fp32": {"world": 4, "mesh": (4,), "mp": False},
     "HSDP 2x2 fp32": {"world": 4, "mesh": (2, 2), "mp": False},
+    "FSDP ws=4, MLP weights on a 2x2 HSDP mesh (two groups per block)": {
+        "world": 4,
+        "mesh": (4,),
+        "mp": False,
+        "mlp_mesh": (2, 2),
+    },
     "torch vs torch ws=2 (noise floor)": {"world": 2, "mesh": (2,), "mp": False, "control": True},
 }
 
 
-def _shard(model: Model, api: Any, mesh: DeviceMesh, mp: bool) -> None:
+def _mlp_placement(api: Any, mlp_mesh: DeviceMesh) -> Callable[[nn.Parameter], Any]:
+    """Send the MLP weights (4*DIM rows or columns) to their own HSDP mesh."""
+    if api is hp_fsdp:
+        result_cls, info_cls = hp_fsdp.ShardPlacementResult, hp_fsdp.HSDPMeshInfo
+    else:
+        from torch.distributed.fsdp._fully_shard import _fsdp_common as common
+
+        result_cls, info_cls = common.ShardPlacementResult, common.HSDPMeshInfo
+    info = info_cls(mlp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def placement(param: nn.Parameter) -> Any:
+        return result_cls(None, info) if 4 * DIM in param.shape and param.ndim == 2 else None
+
+    return placement
+
+
+def _shard(
+    model: Model, api: Any, mesh: DeviceMesh, mp: bool, mlp_mesh: DeviceMesh | None = None
+) -> None:
     kwargs: dict[str, Any] = {"mesh": mesh}
+    if mlp_mesh is not None:
+        kwargs["shard_placement_fn"] = _mlp_placement(api, mlp_mesh)
     if mp:
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -155,6 +181,9 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
     mesh = init_device_mesh(
         "cpu", row["mesh"], mesh_dim_names=("replicate", "shard") if len(row["mesh"]) == 2 else None
     )
+    mlp_mesh = None
+    if "mlp_mesh" in row:
+        mlp_mesh = init_device_mesh("cpu", row["mlp_mesh"], mesh_dim_names=("mlp_rep", "mlp_shard"))
     torch.manual_seed(0)
     base = Model()
     built: dict[str, tuple[nn.Module, Callable[[int], None]]] = {}
@@ -163,7 +192,7 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
     for name in order:
         model = copy.deepcopy(base)
         api = torch_fsdp if (name == "torch" or control) else hp_fsdp
-        _shard(model, api, mesh, row["mp"])
+        _shard(model, api, mesh, row["mp"], mlp_mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         built[name] = (model, _step_fn(model, opt))
     times: dict[str, list[float]] = {name: [] for name in order}
