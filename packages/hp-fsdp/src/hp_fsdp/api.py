@@ -36,8 +36,8 @@ from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
     MeshInfo,
     ShardPlacementResult,
-    TorchShardPlacementResult,
     _spmd_mesh_info,
+    is_placement_result,
     mesh_info_from_mesh,
     placement_mesh_info,
 )
@@ -1102,14 +1102,14 @@ def _shard_units(
     for param in params:
         result = shard_placement_fn(param) if shard_placement_fn is not None else None
         param_mesh_info, dim = mesh_info, 0
-        if isinstance(result, ShardPlacementResult | TorchShardPlacementResult):
+        if is_placement_result(result):
             if param in replicated:
                 raise ValueError(
                     "a parameter in replicate_params cannot get a ShardPlacementResult from "
                     "shard_placement_fn; it is kept whole on the unit's mesh"
                 )
-            param_mesh_info = placement_mesh_info(result.mesh_info, mesh_info)
-            result = result.placement
+            param_mesh_info = placement_mesh_info(result.mesh_info, mesh_info)  # type: ignore[union-attr]
+            result = result.placement  # type: ignore[union-attr]
         if isinstance(result, Shard):
             dim = result.dim
         elif result is not None:

@@ -20,7 +20,7 @@ __all__ = [
     "MeshInfo",
     "PostForwardInfo",
     "ShardPlacementResult",
-    "TorchShardPlacementResult",
+    "is_placement_result",
     "mesh_info_from_mesh",
     "placement_mesh_info",
 ]
@@ -248,12 +248,23 @@ class ShardPlacementResult:
     mesh_info: FSDPMeshInfo
 
 
-try:  # accept PyTorch's own ShardPlacementResult too (drop-in shard_placement_fn)
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        ShardPlacementResult as TorchShardPlacementResult,
+def is_placement_result(value: object) -> bool:
+    """Whether ``value`` is a ``ShardPlacementResult``, ours or PyTorch's (same two fields).
+
+    Args:
+        value: what ``shard_placement_fn`` returned.
+
+    Returns:
+        True for an object with ``placement`` and ``mesh_info``.
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult``.
+    """
+    if isinstance(value, ShardPlacementResult):
+        return True
+    return type(value).__name__ == "ShardPlacementResult" and all(
+        hasattr(value, field) for field in ("placement", "mesh_info")
     )
-except ImportError:  # an older torch without per-parameter meshes
-    TorchShardPlacementResult = ShardPlacementResult  # type: ignore[assignment,misc]
 
 
 def placement_mesh_info(user_info: object, default: MeshInfo) -> MeshInfo:
