@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -152,11 +153,14 @@ def test_dp_mesh_dims_matches_torch_and_plain_fsdp() -> None:
     assert dist.get_world_size() == 4
 
 
-def _pair(base: nn.Module, mesh: DeviceMesh, tp: bool, **dims: Any) -> tuple[nn.Module, nn.Module]:
+def _pair(
+    base: nn.Module, mesh: DeviceMesh, tp: bool, torch_dims_for_ours: bool = False, **dims: Any
+) -> tuple[nn.Module, nn.Module]:
     ours, ref = copy.deepcopy(base), copy.deepcopy(base)
     for model in (ours, ref):
         _distribute(model, mesh, tp=tp)
-    _shard(ours, hp_fsdp.fully_shard, mesh=mesh, dp_mesh_dims=hp_fsdp.DataParallelMeshDims(**dims))
+    dims_cls = TorchDims if torch_dims_for_ours else hp_fsdp.DataParallelMeshDims
+    _shard(ours, hp_fsdp.fully_shard, mesh=mesh, dp_mesh_dims=dims_cls(**dims))
     _shard(ref, torch_fully_shard, mesh=mesh, dp_mesh_dims=TorchDims(**dims))
     return ours, ref
 
@@ -186,9 +190,10 @@ def test_dp_mesh_dims_several_shard_dims_and_ddp_match_torch() -> None:
     _train(ours)
     _train(ref)
     _check_equal(ours, ref)
-    # DDP over "dp" with Megatron TP over "tp": parameters stay whole on dp, gradients averaged.
+    # DDP over "dp" with Megatron TP over "tp": parameters stay whole on dp, gradients averaged
+    # (torch's DataParallelMeshDims passed to ours: drop-in).
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ours, ref = _pair(base, mesh2, tp=True, replicate="dp")
+    ours, ref = _pair(base, mesh2, tp=True, torch_dims_for_ours=True, replicate="dp")
     up = ours.get_parameter("blocks.0.up.weight")
     assert isinstance(up, DTensor)
     assert tuple(up.placements) == (Replicate(), Shard(0))
@@ -263,3 +268,44 @@ def test_dp_mesh_dims_with_replicate_params() -> None:
             assert tuple(p.placements) == (Replicate(), Replicate()), name
             assert p.to_local().shape == (HIDDEN, DIM)
         torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-5, atol=1e-6)
+
+
+def _distribute_2d(model: nn.Module, mesh: DeviceMesh) -> None:
+    """DTensor parameters on a 2-D (ep, tp) mesh; some shard one tensor dim over both axes."""
+    plan: dict[str, tuple[Placement, Placement]] = {
+        "up.weight": (Shard(0), Shard(0)),
+        "up.bias": (Shard(0), Replicate()),
+        "down.weight": (Replicate(), Shard(1)),
+        "down.bias": (Replicate(), Replicate()),
+    }
+    for block in model.modules():
+        if not isinstance(block, _MLP):
+            continue
+        for name, placements in plan.items():
+            sub_name, attr = name.split(".")
+            sub = getattr(block, sub_name)
+            tensor = distribute_tensor(getattr(sub, attr).detach(), mesh, list(placements))
+            setattr(sub, attr, nn.Parameter(tensor))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 1), (2, 1, 2)])
+@distributed(world_size=4, timeout=120)
+def test_fsdp_over_2d_ep_tp_mesh_matches_torch(shape: tuple[int, int, int]) -> None:
+    """DTensor parameters on a 2-D (ep, tp) mesh, FSDP over a separate dp mesh, as torch."""
+    torch.manual_seed(0)
+    base = _Model()
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "ep", "tp"))
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, ref):
+        _distribute_2d(model, mesh["ep", "tp"])
+    _shard(ours, hp_fsdp.fully_shard, mesh=mesh["dp"])
+    _shard(ref, torch_fully_shard, mesh=mesh["dp"])
+    up = ours.get_parameter("blocks.0.up.weight")
+    assert isinstance(up, DTensor)
+    assert up.device_mesh.ndim == 3
+    assert tuple(up.placements) == (_StridedShard(0, split_factor=2), Shard(0), Shard(0))
+    _check_equal(ours, ref)
+    _train(ours)
+    _train(ref)
+    _check_equal(ours, ref)
+    assert torch.equal(up.full_tensor(), ref.get_parameter("blocks.0.up.weight").full_tensor())

@@ -947,9 +947,9 @@ def fully_shard(
     in backward it is gathered again and its gradients reduce-scattered with one collective
     (plus an all-reduce over the replicate axis for HSDP), overlapping earlier units' backward.
     Apply it bottom-up: blocks first, then the root. Numerics equal PyTorch's bit for bit.
-    DTensor parameters of a tensor-parallel (1-D) mesh are sharded through their local tensors,
-    with torch's placements on the concatenated (dp, tp) mesh (``_StridedShard`` where the
-    tensor-parallel placement shards the same dim).
+    DTensor parameters of a 1-D (TP or EP) or 2-D (EP x TP) mesh are sharded through their
+    local tensors, with torch's placements on the concatenated (dp, ...) mesh
+    (``_StridedShard`` where a model-parallel placement shards the same dim).
 
     Args:
         module: a module, or a list of modules forming one unit.
@@ -993,9 +993,9 @@ def fully_shard(
         ValueError: for a bad mesh, ``reshard_after_forward`` or policy, or pinned memory
             without an accelerator.
         TypeError: for a non-module argument or unknown policy type.
-        NotImplementedError: for ``dp_mesh_dims`` with an int ``reshard_after_forward`` (as
-            in PyTorch); DTensor parameters on a mesh of more than one dim (without
-            ``dp_mesh_dims``), an int ``reshard_after_forward`` with DTensor parameters or with
+        NotImplementedError: as in PyTorch, for an int ``reshard_after_forward`` with
+            ``dp_mesh_dims`` or DTensor parameters, and DTensor parameters on a mesh of more
+            than two dims without ``dp_mesh_dims``; also an int ``reshard_after_forward`` with
             ``replicate_params``.
 
     See Also:

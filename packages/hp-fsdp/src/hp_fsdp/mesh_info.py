@@ -149,6 +149,16 @@ class DataParallelMeshDims:
     shard: str | tuple[str, ...] | None = None
     replicate: str | tuple[str, ...] | None = None
 
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """The shard dim names as a tuple (empty when none)."""
+        return _dim_names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """The replicate dim names as a tuple (empty when none)."""
+        return _dim_names(self.replicate)
+
 
 @dataclass
 class _DataParallelMeshInfoBase:
@@ -302,7 +312,7 @@ def placement_mesh_info(user_info: object, default: MeshInfo) -> MeshInfo:
     spmd_mesh = getattr(user_info, "spmd_mesh", None)
     dims = getattr(user_info, "dp_mesh_dims", None)
     if spmd_mesh is not None and dims is not None:
-        info = _spmd_mesh_info(spmd_mesh, DataParallelMeshDims(dims.shard, dims.replicate))
+        info = _spmd_mesh_info(spmd_mesh, dims)
     elif (replicate_dim, shard_dim, mesh.ndim) in ((None, 0, 1), (0, 1, 2)):
         info = MeshInfo(mesh)
     elif replicate_dim is None and mesh.mesh_dim_names is not None:
@@ -332,6 +342,12 @@ def _spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> Mes
     ``fully_shard(dp_mesh_dims=...)``; with replicate dims only, the parameters are kept whole
     and their gradients all-reduced (DDP).
     """
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims) and type(dp_mesh_dims).__name__ == (
+        "DataParallelMeshDims"
+    ):  # PyTorch's dataclass: same two fields
+        dp_mesh_dims = DataParallelMeshDims(
+            getattr(dp_mesh_dims, "shard", None), getattr(dp_mesh_dims, "replicate", None)
+        )
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise TypeError(
             f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"

@@ -192,10 +192,11 @@ class ShardedParam:
             )
         if isinstance(param, DTensor):
             self._tp_spec = param._spec
-            if spmd_mesh is None and self._tp_spec.mesh.ndim != 1:
+            if spmd_mesh is None and self._tp_spec.mesh.ndim > 2:
                 raise NotImplementedError(
-                    f"fully_shard supports DTensor parameters on a 1-D (tensor-parallel) mesh, "
-                    f"got {module_info.name!r} on a {self._tp_spec.mesh.ndim}-D mesh"
+                    "fully_shard supports DTensor parameters on a 1-D (TP or EP) or 2-D (EP x TP) "
+                    f"mesh, as PyTorch; got {module_info.name!r} on a "
+                    f"{self._tp_spec.mesh.ndim}-D mesh (pass the full mesh with dp_mesh_dims)"
                 )
             if self._tp_spec.mesh.device_type != mesh_info.mesh.device_type:
                 raise ValueError(
