@@ -407,11 +407,12 @@ def _(
 def _post_reduce_inplace_op(
     reduced: torch.Tensor, divide_factor: float | None, scale: float | None
 ) -> None:
-    with torch.no_grad():
-        if divide_factor is not None:
-            reduced.div_(divide_factor)
-        if scale is not None:
-            reduced.mul_(scale)
+    # No grad-mode switch: post_reduce rejects inputs that require grad before calling this,
+    # and the dispatcher runs it below autograd (a no_grad block cost more than the division).
+    if divide_factor is not None:
+        reduced.div_(divide_factor)
+    if scale is not None:
+        reduced.mul_(scale)
 
 
 @_post_reduce_inplace_op.register_fake
