@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import fsdp as torch_fsdp_api
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -339,3 +340,64 @@ def test_groups_issue_all_gathers_before_waiting_and_prefetch_together() -> None
     prefetch = ["issue experts", "issue dense", "wait dense", "wait experts"]
     assert backward == [*pair, *prefetch], backward
     assert len(reduce_scatters) == 4  # one per group
+
+
+def _train_accumulating(model: nn.Module, steps: int = 2) -> list[float]:
+    """Two micro-batches per step; the first without gradient sync."""
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)  # type: ignore[operator]
+            gen = torch.Generator().manual_seed(rank_seed(10 * step + micro))
+            loss = model(torch.randn(2, 5, DIM, generator=gen)).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        optim.step()
+        optim.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("variant", ["int_reshard", "accumulate", "cpu_offload"])
+@distributed(world_size=4, timeout=120)
+def test_two_group_units_with_runtime_options_match_torch(variant: str) -> None:
+    """Dense over 4 ranks, experts HSDP over a 2x2 mesh, with reshard_after_forward=2, no-sync
+    gradient accumulation, or CPU offload: bitwise equal to torch."""
+    torch.manual_seed(0)
+    base = _MoE()
+    dense_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("erep", "eshard"))
+    hsdp = {"shard_mesh_dim": 1, "replicate_mesh_dim": 0}
+    ours_kw: dict[str, Any] = {"mesh": dense_mesh}
+    ref_kw: dict[str, Any] = {"mesh": dense_mesh}
+    if variant == "int_reshard":
+        ours_kw["reshard_after_forward"] = ref_kw["reshard_after_forward"] = 2
+    if variant == "cpu_offload":
+        ours_kw["offload_policy"] = hp_fsdp.CPUOffloadPolicy(pin_memory=False)
+        ref_kw["offload_policy"] = torch_fsdp_api.CPUOffloadPolicy(pin_memory=False)
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for block in ours.blocks:
+        hp_fsdp.fully_shard(
+            block,
+            shard_placement_fn=_placement_fn(
+                hp_fsdp.ShardPlacementResult, hp_fsdp.HSDPMeshInfo, expert_mesh, **hsdp
+            ),
+            **ours_kw,
+        )
+    hp_fsdp.fully_shard(ours, **ours_kw)
+    for block in ref.blocks:
+        torch_fully_shard(
+            block,
+            shard_placement_fn=_placement_fn(
+                torch_common.ShardPlacementResult, torch_common.HSDPMeshInfo, expert_mesh, **hsdp
+            ),
+            **ref_kw,
+        )
+    torch_fully_shard(ref, **ref_kw)
+    if variant == "int_reshard":
+        dense, experts = _groups(ours.blocks[0])
+        assert dense.reshard_after_forward == 2  # 1/2 kept between forward and backward
+        assert experts.reshard_after_forward is True  # k = 2 is the experts' whole shard axis
+    train = _train_accumulating if variant == "accumulate" else _train
+    assert train(ours) == train(ref)
+    _check_equal(ours, ref)
