@@ -202,3 +202,17 @@ def test_fully_shard_signature_matches_torch() -> None:
                 assert getattr(default, f.name) == getattr(torch_default, f.name), name
         else:
             assert default == torch_default, name
+
+
+def test_apply_gradient_scaling_factor() -> None:
+    grad = torch.arange(4.0)
+    assert hp_fsdp.apply_gradient_scaling_factor(grad, None) is grad
+    assert grad.tolist() == [0.0, 1.0, 2.0, 3.0]
+    hp_fsdp.apply_gradient_scaling_factor(grad, 0.5)
+    assert grad.tolist() == [0.0, 0.5, 1.0, 1.5]
+    half = torch.arange(4.0).to(torch.bfloat16)
+    hp_fsdp.apply_gradient_scaling_factor(half, torch.tensor([4.0], dtype=torch.float64))
+    assert half.dtype == torch.bfloat16
+    assert half.tolist() == [0.0, 4.0, 8.0, 12.0]
+    with pytest.raises(ValueError, match="one element"):
+        hp_fsdp.apply_gradient_scaling_factor(grad, torch.ones(2))

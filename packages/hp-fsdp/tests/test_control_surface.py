@@ -506,6 +506,9 @@ def _check_load_state_dict_and_zero_grad() -> None:
     assigned.load_state_dict(dtensors, assign=True)
     check(assigned)
     assert assigned.embed.weight is assigned.head.weight  # tied parameters stay tied
+    assert all(hp_fsdp.is_dtensor_managed_param(p) for p in assigned.parameters())  # adopted
+    assert hp_fsdp.infer_fully_shard_param_mode(assigned.embed.weight) == "fsdp"
+    assert hp_fsdp.infer_fully_shard_param_mode(torch.ones(2)) is None
     # The assigned parameters are adopted by the engine: training matches copy-loading.
     copied, _, _, _ = h.build_pair(config)
     copied.load_state_dict(full)
@@ -721,6 +724,8 @@ def _check_replicate_params(mesh_shape: tuple[int, ...] | None = None) -> None:
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor)
         expected = ref.get_parameter(name).detach()
+        mode = hp_fsdp.infer_fully_shard_param_mode(param)
+        assert mode == ("ddp" if name in replicated else "hsdp" if len(shape) == 2 else "fsdp")
         if name in replicated:
             assert param.placements == (Replicate(),) * len(shape), name
             assert param.to_local().shape == expected.shape, name

@@ -24,7 +24,13 @@ from hp_fsdp.api import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from hp_fsdp.hsdp_utils import get_hsdp_state, hsdp_sync_stream, is_dtensor_managed_param
+from hp_fsdp.hsdp_utils import (
+    apply_gradient_scaling_factor,
+    get_hsdp_state,
+    hsdp_sync_stream,
+    infer_fully_shard_param_mode,
+    is_dtensor_managed_param,
+)
 from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
     DDPMeshInfo,
@@ -50,6 +56,7 @@ __all__ = [
     "StateDictOptions",
     "UnshardHandle",
     "__version__",
+    "apply_gradient_scaling_factor",
     "disable_fsdp_module_new_init",
     "fully_shard",
     "get_cls_to_fsdp_cls",
@@ -58,6 +65,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "get_state_dict",
     "hsdp_sync_stream",
+    "infer_fully_shard_param_mode",
     "is_dtensor_managed_param",
     "register_fsdp_forward_method",
     "replicate",

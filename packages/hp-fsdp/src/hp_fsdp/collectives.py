@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.distributed.tensor import DTensor
 
 from hp_kernels import (
     AllGather,
@@ -31,6 +32,7 @@ from hp_kernels import (
 
 __all__ = [
     "AllGatherResult",
+    "apply_gradient_scaling_factor",
     "divide_factors",
     "issue_all_gather",
     "issue_reduce_scatter",
@@ -216,3 +218,40 @@ def issue_reduce_scatter(
         rs_output = comm.allocate((numel,), dtype=reduce_dtype, device=rs_input.device)
         work = comm(rs_output, rs_input, group, op, True)
     return rs_input, rs_output, work
+
+
+def apply_gradient_scaling_factor(
+    grad: torch.Tensor, factor: float | torch.Tensor | None
+) -> torch.Tensor:
+    """Multiply a reduced gradient by ``factor`` in place (``set_gradient_scaling_factor``).
+
+    The engine applies a unit's factor after the reduction and division; this is that step,
+    for gradients reduced outside a unit. A tensor factor is read now (so it may change
+    between steps); None leaves ``grad`` untouched at no cost.
+
+    Args:
+        grad: a gradient (plain tensor or DTensor), modified in place.
+        factor: None, a number, or a one-element tensor.
+
+    Returns:
+        ``grad``.
+
+    Raises:
+        ValueError: for a tensor factor with more than one element.
+
+    See Also:
+        ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: PyTorch's nearest
+        counterpart (a divisor applied through the collective).
+    """
+    if factor is None:
+        return grad
+    target = grad._local_tensor if isinstance(grad, DTensor) else grad
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise ValueError(
+                f"a tensor gradient scaling factor must have one element, got {tuple(factor.shape)}"
+            )
+        target.mul_(factor.to(device=target.device, dtype=target.dtype))
+    else:
+        target.mul_(float(factor))
+    return grad

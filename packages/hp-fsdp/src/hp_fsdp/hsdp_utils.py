@@ -10,11 +10,18 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from hp_fsdp.param import MANAGED_FLAG
+from hp_fsdp.collectives import apply_gradient_scaling_factor
+from hp_fsdp.param import MANAGED_FLAG, MODE_ATTR
 from hp_fsdp.root_state import ROOTS, RootContext
 from hp_fsdp.state import FSDPState, get_state
 
-__all__ = ["get_hsdp_state", "hsdp_sync_stream", "is_dtensor_managed_param"]
+__all__ = [
+    "apply_gradient_scaling_factor",
+    "get_hsdp_state",
+    "hsdp_sync_stream",
+    "infer_fully_shard_param_mode",
+    "is_dtensor_managed_param",
+]
 
 
 def get_hsdp_state(module: nn.Module) -> FSDPState | None:
@@ -45,6 +52,28 @@ def is_dtensor_managed_param(param: torch.Tensor) -> bool:
         ``torch.distributed.tensor.DTensor``: the parameter type checked.
     """
     return isinstance(param, DTensor) and bool(getattr(param, MANAGED_FLAG, False))
+
+
+def infer_fully_shard_param_mode(param: torch.Tensor) -> str | None:
+    """How a parameter is data-parallel under hp-fsdp (HyperParallel's helper).
+
+    Args:
+        param: any tensor, typically a module's registered parameter.
+
+    Returns:
+        ``"fsdp"`` (sharded over one axis), ``"hsdp"`` (sharded over the shard axis and
+        replicated over the replicate axis), ``"ddp"`` (kept whole, gradients all-reduced:
+        ``replicate``, ``replicate_params`` or replicate-only ``dp_mesh_dims``), or None for a
+        tensor no ``fully_shard`` unit manages (including ``ignored_params``).
+
+    See Also:
+        ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo``: PyTorch keeps the
+        same distinction in its mesh-info classes (FSDP / HSDP / DDP).
+    """
+    if not is_dtensor_managed_param(param):
+        return None
+    mode = getattr(param, MODE_ATTR, None)
+    return mode if isinstance(mode, str) else None
 
 
 def hsdp_sync_stream(module: nn.Module | None = None) -> None:

@@ -35,10 +35,12 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from hp_fsdp.mesh_info import MeshInfo, _dim_names
 
-__all__ = ["MANAGED_FLAG", "ParamModuleInfo", "ShardedParam", "ShardedState"]
+__all__ = ["MANAGED_FLAG", "MODE_ATTR", "ParamModuleInfo", "ShardedParam", "ShardedState"]
 
 #: Attribute set on an original parameter (and its sharded replacement) once a unit owns it.
 MANAGED_FLAG = "_hp_fsdp_managed"
+#: Attribute on a managed sharded parameter naming its data-parallel mode (see ``mode``).
+MODE_ATTR = "_hp_fsdp_mode"
 
 
 class ShardedState(enum.Enum):
@@ -295,7 +297,7 @@ class ShardedParam:
             requires_grad=param.requires_grad,
         )
         setattr(param, MANAGED_FLAG, True)
-        setattr(self.sharded_param, MANAGED_FLAG, True)
+        self._mark(self.sharded_param)
         self._set_on_modules(self.sharded_param)
         self.state = ShardedState.SHARDED
         self.orig_dtype: torch.dtype = param.dtype
@@ -306,6 +308,18 @@ class ShardedParam:
         self._post_forward_data: torch.Tensor | None = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.fqn: str = module_info.name
+
+    @property
+    def mode(self) -> str:
+        """How the parameter is data-parallel: ``"fsdp"``, ``"hsdp"`` or ``"ddp"`` (kept whole)."""
+        if self.mesh_info.replicate_only:
+            return "ddp"
+        return "hsdp" if self.mesh_info.is_hsdp else "fsdp"
+
+    def _mark(self, sharded: nn.Parameter) -> None:
+        """Tag a registered sharded parameter as managed (and with its mode) for helpers."""
+        setattr(sharded, MANAGED_FLAG, True)
+        setattr(sharded, MODE_ATTR, self.mode)
 
     def _spmd_placements(
         self, spmd_mesh: DeviceMesh, mesh_info: MeshInfo, shard_dim: int
@@ -383,6 +397,7 @@ class ShardedParam:
                     "fully_shard; assign a DTensor with the same placements instead"
                 )
             self.sharded_param = current
+            self._mark(current)
         sharded = cast(DTensor, self.sharded_param)
         local = sharded._local_tensor
         if local.is_meta:

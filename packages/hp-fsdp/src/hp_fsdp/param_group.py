@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META
 from hp_fsdp.collectives import (
     AllGatherResult,
+    apply_gradient_scaling_factor,
     divide_factors,
     issue_all_gather,
     issue_reduce_scatter,
@@ -240,7 +241,7 @@ class PendingReduction:
             if post_divide is not None:
                 output = post_reduce(output, divide_factor=post_divide, inplace=True)
                 post_divide = None
-            output.mul_(scale.to(device=output.device, dtype=output.dtype))
+            apply_gradient_scaling_factor(output, scale)
         elif scale is not None:
             float_scale = float(scale)
         if orig_dtype is not None and output.dtype != orig_dtype:
