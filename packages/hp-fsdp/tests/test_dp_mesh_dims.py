@@ -98,15 +98,38 @@ def _check_equal(ours: nn.Module, ref: nn.Module) -> None:
         assert torch.equal(p.to_local(), q.to_local()), name
 
 
+def _pair(
+    base: nn.Module, mesh: DeviceMesh, tp: bool, torch_dims_for_ours: bool = False, **dims: Any
+) -> tuple[nn.Module, nn.Module]:
+    ours, ref = _distributed_copies(base, mesh, tp=tp)
+    dims_cls = TorchDims if torch_dims_for_ours else hp_fsdp.DataParallelMeshDims
+    _shard(ours, hp_fsdp.fully_shard, mesh=mesh, dp_mesh_dims=dims_cls(**dims))
+    _shard(ref, torch_fully_shard, mesh=mesh, dp_mesh_dims=TorchDims(**dims))
+    return ours, ref
+
+
+def _distributed_copies(base: nn.Module, mesh: DeviceMesh, tp: bool) -> tuple[nn.Module, nn.Module]:
+    """Two copies of ``base`` with DTensor parameters on ``mesh`` (see ``_distribute``)."""
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, ref):
+        _distribute(model, mesh, tp=tp)
+    return ours, ref
+
+
+def _trained_equal(ours: nn.Module, ref: nn.Module) -> None:
+    """Train both the same way and check every parameter bitwise (mesh, placements, values)."""
+    _train(ours)
+    _train(ref)
+    _check_equal(ours, ref)
+
+
 @distributed(world_size=4, timeout=120)
 def test_dp_mesh_dims_matches_torch_and_plain_fsdp() -> None:
     torch.manual_seed(0)
     base = _Model()
     # 2x2 (dp, tp): FSDP over "dp" keeps the TP placements, bitwise equal to torch's.
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
-    for model in (ours, ref):
-        _distribute(model, mesh, tp=True)
+    ours, ref = _distributed_copies(base, mesh, tp=True)
     _shard(ours, hp_fsdp.fully_shard, mesh=mesh, dp_mesh_dims=hp_fsdp.DataParallelMeshDims("dp"))
     _shard(ref, torch_fully_shard, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
     up = ours.get_parameter("blocks.0.up.weight")
@@ -126,18 +149,11 @@ def test_dp_mesh_dims_matches_torch_and_plain_fsdp() -> None:
     _check_equal(ours, ref)
     # HSDP on a 2x2 (rep, shard) mesh: Replicate over "rep", Shard over "shard", as torch's.
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
-    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
-    for model in (ours, ref):
-        _distribute(model, mesh2, tp=False)
-    dims = {"shard": "shard", "replicate": "rep"}
-    _shard(ours, hp_fsdp.fully_shard, mesh=mesh2, dp_mesh_dims=hp_fsdp.DataParallelMeshDims(**dims))
-    _shard(ref, torch_fully_shard, mesh=mesh2, dp_mesh_dims=TorchDims(**dims))
+    ours, ref = _pair(base, mesh2, tp=False, shard="shard", replicate="rep")
     hsdp_up = ours.get_parameter("blocks.0.up.weight")
     assert isinstance(hsdp_up, DTensor)
     assert tuple(hsdp_up.placements) == (Replicate(), Shard(0))
-    _train(ours)
-    _train(ref)
-    _check_equal(ours, ref)
+    _trained_equal(ours, ref)
     # A 1-D named "dp_shard" mesh of DTensor parameters equals plain fully_shard on that mesh.
     mesh1 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     spmd, plain = copy.deepcopy(base), copy.deepcopy(base)
@@ -153,18 +169,6 @@ def test_dp_mesh_dims_matches_torch_and_plain_fsdp() -> None:
     assert dist.get_world_size() == 4
 
 
-def _pair(
-    base: nn.Module, mesh: DeviceMesh, tp: bool, torch_dims_for_ours: bool = False, **dims: Any
-) -> tuple[nn.Module, nn.Module]:
-    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
-    for model in (ours, ref):
-        _distribute(model, mesh, tp=tp)
-    dims_cls = TorchDims if torch_dims_for_ours else hp_fsdp.DataParallelMeshDims
-    _shard(ours, hp_fsdp.fully_shard, mesh=mesh, dp_mesh_dims=dims_cls(**dims))
-    _shard(ref, torch_fully_shard, mesh=mesh, dp_mesh_dims=TorchDims(**dims))
-    return ours, ref
-
-
 @distributed(world_size=4, timeout=120)
 def test_dp_mesh_dims_several_shard_dims_and_ddp_match_torch() -> None:
     torch.manual_seed(0)
@@ -178,18 +182,14 @@ def test_dp_mesh_dims_several_shard_dims_and_ddp_match_torch() -> None:
     assert tuple(up.placements) == (Shard(0),)
     assert up.to_local().shape == (HIDDEN // 4, DIM)
     _check_equal(ours, ref)
-    _train(ours)
-    _train(ref)
-    _check_equal(ours, ref)
+    _trained_equal(ours, ref)
     # HSDP with two shard dims: (rep, dp_shard x cp), the replicate axis first.
     mesh3 = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("rep", "dp_shard", "cp"))
     ours, ref = _pair(base, mesh3, tp=False, shard=("dp_shard", "cp"), replicate="rep")
     up = ours.get_parameter("blocks.0.up.weight")
     assert isinstance(up, DTensor)
     assert tuple(up.placements) == (Replicate(), Shard(0))
-    _train(ours)
-    _train(ref)
-    _check_equal(ours, ref)
+    _trained_equal(ours, ref)
     # DDP over "dp" with Megatron TP over "tp": parameters stay whole on dp, gradients averaged
     # (torch's DataParallelMeshDims passed to ours: drop-in).
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -198,9 +198,7 @@ def test_dp_mesh_dims_several_shard_dims_and_ddp_match_torch() -> None:
     assert isinstance(up, DTensor)
     assert tuple(up.placements) == (Replicate(), Shard(0))
     assert up.to_local().shape == (HIDDEN // 2, DIM)
-    _train(ours)
-    _train(ref)
-    _check_equal(ours, ref)
+    _trained_equal(ours, ref)
     copies = [torch.empty_like(up.to_local()) for _ in range(4)]
     dist.all_gather(copies, up.to_local().contiguous())
     assert torch.equal(copies[0], copies[2])  # dp peers hold the same TP shard
@@ -214,9 +212,7 @@ def test_dp_mesh_dims_with_replicate_params() -> None:
     torch.manual_seed(0)
     base = _Model()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
-    for model in (ours, ref):
-        _distribute(model, mesh, tp=True)
+    ours, ref = _distributed_copies(base, mesh, tp=True)
     dims = hp_fsdp.DataParallelMeshDims(shard="dp")
     kept = {"blocks.0.up.weight", "blocks.1.down.bias"}
     for block in ours.blocks:  # type: ignore[union-attr]
@@ -246,9 +242,7 @@ def test_dp_mesh_dims_with_replicate_params() -> None:
     # HSDP dims: replicated parameters are all-reduced over all four dp ranks (a different
     # summation order from torch's reduce-scatter + all-reduce: compare with a tolerance).
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
-    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
-    for model in (ours, ref):
-        _distribute(model, mesh2, tp=False)
+    ours, ref = _distributed_copies(base, mesh2, tp=False)
     hsdp = {"shard": "shard", "replicate": "rep"}
     for block in ours.blocks:  # type: ignore[union-attr]
         hp_fsdp.fully_shard(
@@ -305,7 +299,5 @@ def test_fsdp_over_2d_ep_tp_mesh_matches_torch(shape: tuple[int, int, int]) -> N
     assert up.device_mesh.ndim == 3
     assert tuple(up.placements) == (_StridedShard(0, split_factor=2), Shard(0), Shard(0))
     _check_equal(ours, ref)
-    _train(ours)
-    _train(ref)
-    _check_equal(ours, ref)
+    _trained_equal(ours, ref)
     assert torch.equal(up.full_tensor(), ref.get_parameter("blocks.0.up.weight").full_tensor())
