@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -20,16 +21,26 @@ from hp_trainer import (
     enable_fsdp_symm_mem,
     get_fsdp_reshard_after_forward_policy,
 )
-from hp_trainer._parallel_api import FSDPModule
+from hp_trainer._parallel_api import FSDPModule, ShardPlacementResult
 
 
 class _FakeMesh:
+    """A 1-D mesh stand-in: enough for apply_fsdp_to_decoder's decisions and mesh infos."""
+
+    ndim = 1
+
     def __init__(self, size: int, name: str) -> None:
         self._size = size
         self.name = name
 
-    def size(self) -> int:
+    def size(self, dim: int | None = None) -> int:
         return self._size
+
+    def get_group(self, dim: int = 0) -> str:
+        return f"group of {self.name}"
+
+    def get_local_rank(self, dim: int = 0) -> int:
+        return 0
 
 
 class _Recorder:
@@ -86,6 +97,13 @@ class _MoEBlock(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.moe = _MoE(num_experts, dim)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        gates = torch.softmax(self.moe.router(h), dim=-1)  # dense mixture over the experts
+        hidden = torch.relu(torch.einsum("bsd,edh->bseh", h, self.moe.experts.w1))
+        out = torch.einsum("bseh,ehd->bsed", hidden, self.moe.experts.w2)
+        return x + (gates.unsqueeze(-1) * out).sum(2)
+
 
 class _ToyMoEDecoder(nn.Module):
     """A stand-in with the decoder's attribute layout and MoE blocks."""
@@ -99,6 +117,12 @@ class _ToyMoEDecoder(nn.Module):
         self.lm_head = nn.Linear(dim, 32, bias=False)
         if tied:
             self.lm_head.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            x = block(x)
+        return self.lm_head(self.norm(x))
 
 
 def _run(model: nn.Module, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> _Recorder:
@@ -173,24 +197,39 @@ def test_experts_shard_dim1_when_fsdp_exceeds_experts(monkeypatch: pytest.Monkey
     assert fn(model.layers["0"].moe.router.weight) is None  # the default Shard(0)
 
 
-def test_expert_parallel_gets_own_unit_mesh_and_prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_expert_parallel_uses_a_per_parameter_mesh_and_prefetch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TorchTitan's layout: experts stay in the block's unit, on edp_mesh via
+    ShardPlacementResult (one mesh-info object for all blocks); prefetch chains over blocks."""
     model = _ToyMoEDecoder(num_experts=4)
     edp = _FakeMesh(4, "efsdp")
     rec = _run(model, monkeypatch, dp=8, ep_degree=2, edp_mesh=edp)
     blocks = list(model.layers.values())
+    infos = []
     for block in blocks:
-        kwargs = rec.call_for(block.moe.experts)
-        assert kwargs["mesh"] is edp
-        assert kwargs["shard_placement_fn"](block.moe.experts.w2) == Shard(1)  # 4*2 > 4
-        assert rec.call_for(block)["mesh"].name == "dp"
-    # forward chain: embeddings -> block0 (+experts) -> block1 -> block2 -> [norm, lm_head]
-    assert rec.forward[id(model.tok_embeddings)] == [blocks[0], blocks[0].moe.experts]
-    assert rec.forward[id(blocks[0])] == [blocks[1], blocks[1].moe.experts]
+        kwargs = rec.call_for(block)
+        assert kwargs["mesh"].name == "dp"
+        result = kwargs["shard_placement_fn"](block.moe.experts.w2)
+        assert isinstance(result, ShardPlacementResult)
+        assert result.placement == Shard(1)  # efsdp 4 x ep 2 > 4 experts
+        assert result.mesh_info.mesh is edp
+        infos.append(result.mesh_info)
+        assert kwargs["shard_placement_fn"](block.moe.router.weight) is None  # dense: dp_mesh
+        assert not any(block.moe.experts is m for mods, _ in rec.calls for m in mods)
+    assert all(info is infos[0] for info in infos)
+    # forward chain: embeddings -> block0 -> block1 -> block2 -> [norm, lm_head]
+    assert rec.forward[id(model.tok_embeddings)] == [blocks[0]]
+    assert rec.forward[id(blocks[0])] == [blocks[1]]
     assert rec.forward[id(blocks[2])] == [model.norm]
     # backward chain: [norm, lm_head] -> block2 -> block1 -> block0 -> embeddings
-    assert rec.backward[id(model.norm)] == [blocks[2], blocks[2].moe.experts]
-    assert rec.backward[id(blocks[2])] == [blocks[1], blocks[1].moe.experts]
+    assert rec.backward[id(model.norm)] == [blocks[2]]
+    assert rec.backward[id(blocks[2])] == [blocks[1]]
     assert rec.backward[id(blocks[0])] == [model.tok_embeddings]
+    many = _ToyMoEDecoder(num_experts=16)
+    rec = _run(many, monkeypatch, dp=8, ep_degree=2, edp_mesh=edp)
+    fn = rec.call_for(many.layers["0"])["shard_placement_fn"]
+    assert fn(many.layers["0"].moe.experts.w1).placement == Shard(0)  # 4 x 2 <= 16 experts
     with pytest.raises(ValueError, match="edp_mesh"):
         _run(_ToyMoEDecoder(), monkeypatch, ep_degree=2)
 
@@ -237,3 +276,56 @@ def test_real_expert_sharding_on_dim1() -> None:
     assert w1.placements == (Shard(1),)
     assert w1.to_local().shape == (1, 4, 16)
     assert model.layers["0"].moe.router.weight.placements == (Shard(0),)
+
+
+@distributed(world_size=4)
+def test_real_expert_parallel_block_holds_two_groups() -> None:
+    """Dense parameters over 4 ranks, experts over the 2-rank "efsdp" axis, in one unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hp_fsdp
+
+    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    moe_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    torch.manual_seed(0)
+    model = _ToyMoEDecoder(num_experts=4, dim=8)
+    reference = copy.deepcopy(model)
+    apply_fsdp_to_decoder(
+        model,
+        dp_mesh,
+        torch.float32,
+        torch.float32,
+        pp_enabled=False,
+        ep_degree=2,
+        edp_mesh=moe_mesh["efsdp"],
+    )
+    block = model.layers["0"]
+    state = hp_fsdp.get_hsdp_state(block)
+    assert state is not None
+    assert [len(g.params) for g in state.groups] == [3, 2]  # norm, router; then w1, w2
+    w1 = block.moe.experts.w1
+    assert w1.device_mesh.mesh_dim_names == ("efsdp",)
+    assert w1.placements == (Shard(0),)  # efsdp 2 x ep 2 = 4 experts: no padding on dim 0
+    assert w1.to_local().shape == (2, 8, 16)
+    assert block.moe.router.weight.device_mesh.mesh_dim_names == ("dp",)
+    torch.manual_seed(100 + dist.get_rank())  # different data per rank
+    tokens = torch.randint(0, 32, (2, 8))
+    model(tokens).sum().backward()
+    grad = block.moe.experts.w1.grad
+    assert grad is not None
+    assert grad.device_mesh.mesh_dim_names == ("efsdp",)
+    assert grad.to_local().shape == (2, 8, 16)
+    # Oracle, one process: dense gradients average all 4 ranks' batches; expert gradients
+    # average the batches of this rank's "efsdp" peers (ranks r and r +- 2) only.
+    batches = [torch.empty_like(tokens) for _ in range(4)]
+    dist.all_gather(batches, tokens)
+    per_rank = []
+    for batch in batches:
+        reference.zero_grad()
+        reference(batch).sum().backward()
+        per_rank.append({n: p.grad.clone() for n, p in reference.named_parameters()})
+    peers = [r for r in range(4) if r % 2 == dist.get_rank() % 2]
+    for name, param in model.named_parameters():
+        ranks = peers if "experts" in name else range(4)
+        expected = torch.stack([per_rank[r][name] for r in ranks]).mean(0)
+        torch.testing.assert_close(param.grad.full_tensor(), expected, rtol=1e-5, atol=1e-6)

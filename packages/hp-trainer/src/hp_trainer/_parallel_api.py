@@ -6,7 +6,15 @@ so the engines are swapped in exactly one file.
 
 from __future__ import annotations
 
-from hp_fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from hp_fsdp import (
+    CPUOffloadPolicy,
+    FSDPMeshInfo,
+    FSDPModule,
+    HSDPMeshInfo,
+    MixedPrecisionPolicy,
+    ShardPlacementResult,
+    fully_shard,
+)
 from hp_tp import (
     ColwiseParallel,
     ParallelStyle,
@@ -20,12 +28,15 @@ from hp_tp import (
 __all__ = [
     "CPUOffloadPolicy",
     "ColwiseParallel",
+    "FSDPMeshInfo",
     "FSDPModule",
+    "HSDPMeshInfo",
     "MixedPrecisionPolicy",
     "ParallelStyle",
     "PrepareModuleInput",
     "RowwiseParallel",
     "SequenceParallel",
+    "ShardPlacementResult",
     "fully_shard",
     "loss_parallel",
     "parallelize_module",

@@ -14,8 +14,11 @@ from torch.distributed.tensor import Shard
 from hp_dtensor import device as hp_device
 from hp_trainer._parallel_api import (
     CPUOffloadPolicy,
+    FSDPMeshInfo,
     FSDPModule,
+    HSDPMeshInfo,
     MixedPrecisionPolicy,
+    ShardPlacementResult,
     fully_shard,
 )
 
@@ -80,6 +83,26 @@ def _shard_dim1_for(params: set[nn.Parameter]) -> Callable[[nn.Parameter], Shard
     return placement
 
 
+def _expert_mesh_info(edp_mesh: DeviceMesh, edp_mesh_dims: Any | None) -> FSDPMeshInfo:
+    """The mesh info of the expert parameters: FSDP over ``edp_mesh`` (HSDP when 2-D)."""
+    if edp_mesh_dims is not None:  # a full SPMD mesh: hp-fsdp picks the dims by their names
+        return FSDPMeshInfo(
+            edp_mesh, shard_mesh_dim=0, dp_mesh_dims=edp_mesh_dims, spmd_mesh=edp_mesh
+        )
+    if edp_mesh.ndim == 2:
+        return HSDPMeshInfo(edp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    return FSDPMeshInfo(edp_mesh, shard_mesh_dim=0)
+
+
+def _experts_on_mesh(
+    params: set[nn.Parameter], placement: Shard, mesh_info: FSDPMeshInfo
+) -> Callable[[nn.Parameter], ShardPlacementResult | None]:
+    def placement_fn(param: nn.Parameter) -> ShardPlacementResult | None:
+        return ShardPlacementResult(placement, mesh_info) if param in params else None
+
+    return placement_fn
+
+
 def apply_fsdp_to_decoder(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -102,12 +125,14 @@ def apply_fsdp_to_decoder(
     forward unless ``"always"`` (backward needs it first). Every block of ``model.layers`` is a
     unit, then the root. Mixed precision uses ``cast_forward_inputs=False``.
 
-    MoE blocks (``block.moe_enabled`` with experts at ``block.moe.experts``): without expert
-    parallelism the experts stay in the block's unit and are sharded on dim 1 when the FSDP
-    degree exceeds the number of experts (no padding), else dim 0. With ``ep_degree > 1`` the
-    experts form their own unit on ``edp_mesh`` (a per-parameter-group mesh), sharded on dim 1
-    when ``efsdp * ep`` exceeds the number of experts; explicit forward/backward prefetch chains
-    are then installed because EP's host syncs defeat implicit prefetching.
+    MoE blocks (``block.moe_enabled`` with experts at ``block.moe.experts``): the experts stay
+    in the block's unit. Without expert parallelism they are sharded on dim 1 when the FSDP
+    degree exceeds the number of experts (no padding), else dim 0. With ``ep_degree > 1`` they
+    get a per-parameter mesh: ``shard_placement_fn`` returns a ``ShardPlacementResult`` on
+    ``edp_mesh`` (HSDP when it is 2-D; by name with ``edp_mesh_dims``), sharded on dim 1 when
+    ``efsdp * ep`` exceeds the number of experts, so the block unit holds two parameter groups;
+    explicit forward/backward prefetch chains are then installed because EP's host syncs defeat
+    implicit prefetching.
 
     Args:
         model: The decoder (``tok_embeddings``, ``layers``, ``norm``, ``lm_head``; any may be
@@ -121,7 +146,8 @@ def apply_fsdp_to_decoder(
         ep_degree: Expert-parallel degree.
         edp_mesh: Expert data-parallel mesh (needed when ``ep_degree > 1``).
         dp_mesh_dims: Forwarded to ``fully_shard`` for multi-axis meshes (when not None).
-        edp_mesh_dims: Forwarded to ``fully_shard`` for the expert units (when not None).
+        edp_mesh_dims: The data-parallel dims of ``edp_mesh`` when it is a full SPMD mesh
+            (when not None).
         enable_symm_mem: Call :func:`enable_fsdp_symm_mem` afterwards.
 
     Returns:
@@ -161,6 +187,7 @@ def apply_fsdp_to_decoder(
 
     layers = getattr(model, "layers", None)
     blocks: list[nn.Module] = list(layers.values()) if layers is not None else []
+    expert_mesh_info: FSDPMeshInfo | None = None  # one object for all blocks: one group each
     for block in blocks:
         block_config = dict(fsdp_config)
         if getattr(block, "moe_enabled", False):
@@ -169,14 +196,12 @@ def apply_fsdp_to_decoder(
             expert_params = set(experts.parameters())
             if ep_degree > 1:
                 assert edp_mesh is not None
-                expert_config = dict(fsdp_config, mesh=edp_mesh)
-                if edp_mesh_dims is not None:
-                    expert_config["dp_mesh_dims"] = edp_mesh_dims
-                else:
-                    expert_config.pop("dp_mesh_dims", None)
-                if edp_mesh.size() * ep_degree > num_experts:
-                    expert_config["shard_placement_fn"] = _shard_dim1_for(expert_params)
-                fully_shard(experts, **expert_config, reshard_after_forward=reshard)
+                if expert_mesh_info is None:
+                    expert_mesh_info = _expert_mesh_info(edp_mesh, edp_mesh_dims)
+                dim = 1 if edp_mesh.size() * ep_degree > num_experts else 0
+                block_config["shard_placement_fn"] = _experts_on_mesh(
+                    expert_params, Shard(dim), expert_mesh_info
+                )
             elif dp_mesh.size() > num_experts:
                 block_config["shard_placement_fn"] = _shard_dim1_for(expert_params)
         fully_shard(block, **block_config, reshard_after_forward=reshard)
@@ -190,12 +215,6 @@ def apply_fsdp_to_decoder(
     return model
 
 
-def _unit_members(block: nn.Module) -> list[nn.Module]:
-    if getattr(block, "moe_enabled", False):
-        return [block, block.get_submodule("moe.experts")]
-    return [block]
-
-
 def _set_ep_prefetch_chains(
     model: nn.Module,
     blocks: list[nn.Module],
@@ -207,16 +226,16 @@ def _set_ep_prefetch_chains(
     tied = getattr(model, "enable_weight_tying", False)
     # forward: embeddings -> block 0 -> ... -> last block -> [norm, lm_head]
     if tok is not None:
-        tok.set_modules_to_forward_prefetch(_unit_members(blocks[0]))  # type: ignore[operator]
+        tok.set_modules_to_forward_prefetch([blocks[0]])  # type: ignore[operator]
     for cur, nxt in itertools.pairwise(blocks):
-        cur.set_modules_to_forward_prefetch(_unit_members(nxt))  # type: ignore[operator]
+        cur.set_modules_to_forward_prefetch([nxt])  # type: ignore[operator]
     if tail is not None and not tied:
         blocks[-1].set_modules_to_forward_prefetch([tail])  # type: ignore[operator]
     # backward: [norm, lm_head] -> last block -> ... -> block 0 -> embeddings
     if tail is not None:
-        tail.set_modules_to_backward_prefetch(_unit_members(blocks[-1]))  # type: ignore[operator]
+        tail.set_modules_to_backward_prefetch([blocks[-1]])  # type: ignore[operator]
     for cur, prev in zip(blocks[::-1], blocks[-2::-1], strict=False):
-        cur.set_modules_to_backward_prefetch(_unit_members(prev))  # type: ignore[operator]
+        cur.set_modules_to_backward_prefetch([prev])  # type: ignore[operator]
     if tok is not None and not tied:
         blocks[0].set_modules_to_backward_prefetch([tok])  # type: ignore[operator]
 
