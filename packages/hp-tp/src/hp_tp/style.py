@@ -53,8 +53,17 @@ def _to_dtensor(value: Any, mesh: DeviceMesh, placement: Placement, what: str) -
 def _redistribute(
     tensor: DTensor, placement: Placement | None, *, async_op: bool = False
 ) -> DTensor:
-    """``tensor`` redistributed to ``(placement,)`` when it is not already laid out so."""
-    if placement is None or tuple(tensor.placements) == (placement,):
+    """``tensor`` redistributed to ``(placement,)`` when it is not already laid out so.
+
+    ``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout: compared after normalizing the
+    dim, so an output already sharded on its last dim skips ``redistribute`` (a no-op that
+    still costs a Python round trip per call).
+    """
+    if placement is None:
+        return tensor
+    if isinstance(placement, Shard) and placement.dim < 0:
+        placement = Shard(placement.dim + tensor.ndim)
+    if tuple(tensor.placements) == (placement,):
         return tensor
     return tensor.redistribute(placements=(placement,), async_op=async_op)
 
