@@ -379,3 +379,31 @@ def test_errors() -> None:
         with pytest.raises(ValueError, match="describes a 2-D tensor"):
             hp_tp.shard_module(m, mesh, hp_tp.ShardingPlan(plan={"0.bias": tp("tp", "None")}))
         assert not isinstance(m[0].weight, DTensor)
+
+
+def test_layout_already_matching_skips_redistribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Shard(-1)`` is the layout DTensor stores as ``Shard(ndim - 1)``: no redistribute call."""
+    from hp_tp._layout import has_layout
+
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        x = DTensor.from_local(torch.ones(3, 4, 5), mesh, [Shard(2)], run_check=False)
+        assert has_layout(x, (Shard(-1),))
+        assert has_layout(x, (Shard(2),))
+        assert not has_layout(x, (Shard(1),))
+        assert not has_layout(x, (Replicate(),))
+        calls: list[Any] = []
+        original = DTensor.redistribute
+
+        def counted(self: DTensor, *args: Any, **kwargs: Any) -> DTensor:
+            calls.append(args or kwargs)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(DTensor, "redistribute", counted)
+        lin = nn.Linear(4, 6)
+        hp_tp.parallelize_module(lin, mesh, hp_tp.ColwiseParallel(use_local_output=False))
+        out = lin(torch.ones(3, 4))  # Replicate in, Shard(-1) out: nothing to move
+        assert isinstance(out, DTensor)
+        assert tuple(out.placements) == (Shard(1),)
+        assert out.to_local().shape == (3, 3)
+        assert calls == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from hp_tp._dtensor import DeviceMesh, Layout, Placement
+from hp_tp._dtensor import DeviceMesh, DTensor, Layout, Placement, Shard
 
 #: One tensor's layout: a Placement (1-D mesh), one Placement per mesh dim, or a tensor Layout.
 LayoutSpec: TypeAlias = "Placement | Sequence[Placement] | Layout"
@@ -61,3 +61,15 @@ def to_placements(spec: object, mesh: DeviceMesh, what: str) -> tuple[Placement,
             "give one placement per mesh dimension"
         )
     return placements
+
+
+def has_layout(tensor: DTensor, placements: Sequence[Placement]) -> bool:
+    """Whether ``tensor`` is already laid out as ``placements``.
+
+    A negative shard dim names the same layout as its non-negative form (``Shard(-1)`` is
+    ``Shard(ndim - 1)``, which is how DTensor stores it), so callers skip ``redistribute`` (a
+    no-op that still costs a Python round trip) whenever the layout already matches.
+    """
+    ndim = tensor.ndim
+    wanted = tuple(Shard(p.dim + ndim) if type(p) is Shard and p.dim < 0 else p for p in placements)
+    return tuple(tensor.placements) == wanted

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from hp_tp._dtensor import DeviceMesh, DTensor, get_current_mesh
-from hp_tp._layout import to_placements
+from hp_tp._layout import has_layout, to_placements
 
 __all__ = ["DFunction"]
 
@@ -107,7 +107,7 @@ class DFunction(torch.autograd.Function):
                 continue
             placements = to_placements(spec, mesh, f"{cls.__name__}.input_layouts[{i}]")
             if isinstance(arg, DTensor):
-                if tuple(arg.placements) != placements:
+                if not has_layout(arg, placements):
                     arg = arg.redistribute(mesh, placements)
                 grad_placements = (
                     placements

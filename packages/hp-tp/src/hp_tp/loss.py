@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from hp_tp._dtensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard
+from hp_tp._layout import has_layout
 
 __all__ = ["loss_parallel"]
 
@@ -314,7 +315,7 @@ def _class_sharded(
                 f"{fn} target of shape {tuple(target.shape)} does not match input of shape "
                 f"{tuple(input.shape)} (expected target shape {tuple(expected)})"
             )
-        if tuple(target.placements) != tuple(target_placements):
+        if not has_layout(target, target_placements):
             target = target.redistribute(mesh, target_placements)
         local_target: torch.Tensor = target.to_local()
     elif isinstance(target, torch.Tensor):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hp_tp._dtensor import DeviceMesh, DTensor, Layout, Replicate, distribute_tensor
-from hp_tp._layout import is_layout_spec, to_placements
+from hp_tp._layout import has_layout, is_layout_spec, to_placements
 
 __all__ = ["ShardingPlan", "shard_module"]
 
@@ -75,7 +75,7 @@ def _per_item_layouts(spec: Any, mesh: DeviceMesh, what: str) -> tuple[tuple[Any
 
 def _lay_out(value: Any, mesh: DeviceMesh, placements: tuple[Any, ...], what: str) -> Any:
     if isinstance(value, DTensor):
-        if tuple(value.placements) != placements:
+        if not has_layout(value, placements):
             value = value.redistribute(mesh, placements)
         return value
     if isinstance(value, torch.Tensor):

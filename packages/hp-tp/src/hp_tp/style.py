@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hp_tp._dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
+from hp_tp._layout import has_layout
 
 __all__ = [
     "ColwiseParallel",
@@ -55,15 +56,9 @@ def _redistribute(
 ) -> DTensor:
     """``tensor`` redistributed to ``(placement,)`` when it is not already laid out so.
 
-    ``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout: compared after normalizing the
-    dim, so an output already sharded on its last dim skips ``redistribute`` (a no-op that
-    still costs a Python round trip per call).
+    ``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout (see ``has_layout``).
     """
-    if placement is None:
-        return tensor
-    if isinstance(placement, Shard) and placement.dim < 0:
-        placement = Shard(placement.dim + tensor.ndim)
-    if tuple(tensor.placements) == (placement,):
+    if placement is None or has_layout(tensor, (placement,)):
         return tensor
     return tensor.redistribute(placements=(placement,), async_op=async_op)
 
