@@ -83,13 +83,25 @@ _CASES = [
     (4, "llama3", 2, 16, {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2}),
     (4, "llama3", 2, -1, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
     (4, "qwen3", 2, -1, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
+    # HSDP (replicate 2 x shard 1) over TP 2: the (replicate, shard, tp) DTensor layout
+    (
+        4,
+        "llama3",
+        2,
+        -1,
+        {
+            "data_parallel_replicate_degree": 2,
+            "data_parallel_shard_degree": 1,
+            "tensor_parallel_degree": 2,
+        },
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     ("ws", "model", "local_bs", "global_bs", "par"),
     _CASES,
-    ids=["fsdp3", "hsdp2x2-accum2", "fsdp2xtp2", "qwen3-fsdp2xtp2"],
+    ids=["fsdp3", "hsdp2x2-accum2", "fsdp2xtp2", "qwen3-fsdp2xtp2", "hsdp2x1xtp2"],
 )
 def test_parallel_losses_match_single_process(
     tmp_path: Path, ws: int, model: str, local_bs: int, global_bs: int, par: dict[str, Any]
