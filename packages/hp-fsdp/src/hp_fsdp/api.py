@@ -1118,8 +1118,6 @@ def _shard_units(
                 f"got {type(result).__name__}"
             )
         key = (param_mesh_info.shard_group, param_mesh_info.replicate_group)
-        if param_mesh_info.replicate_only:
-            key = (param_mesh_info.replicate_group, None)  # type: ignore[assignment]
         entry = by_mesh.setdefault(key, (param_mesh_info, [], []))
         if entry[0] is not param_mesh_info and entry[0].mesh != param_mesh_info.mesh:
             raise ValueError(
