@@ -1,0 +1,3 @@
+"""Context parallel attention (filled by the context-parallel work)."""
+
+__all__: list[str] = []
