@@ -344,7 +344,7 @@ def test_errors() -> None:
             hp_tp.parallelize_module(lin, mesh, ForgetfulColwise())
         assert not isinstance(lin.weight, DTensor)
         with pytest.raises(TypeError, match="parallelize_plan must be"):
-            hp_tp.parallelize_module(model, mesh, {"0": torch_tp.ColwiseParallel()})
+            hp_tp.parallelize_module(model, mesh, {"0": object()})
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with pytest.raises(ValueError, match="needs a 1-D device mesh, got a 2-D mesh"):
             hp_tp.parallelize_module(model, mesh2d, {"0": hp_tp.ColwiseParallel()})

@@ -10,7 +10,7 @@ import copy
 import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from torch import nn
 
@@ -45,21 +45,33 @@ def _resolve(
     return frontier, None
 
 
+def _is_style(plan: object) -> bool:
+    """Whether ``plan`` is a style: ours, torch's, or any object with a callable ``_apply``.
+
+    PyTorch's ``ParallelStyle`` protocol is ``_apply(module, device_mesh) -> module``; styles
+    written for torch's ``parallelize_module`` (torch's own, TorchTitan's, hp-cp-ep's expert
+    styles) therefore work here unchanged.
+    """
+    return isinstance(plan, ParallelStyle) or (
+        not isinstance(plan, Mapping) and callable(getattr(plan, "_apply", None))
+    )
+
+
 def _collect(
     module: nn.Module,
-    plan: ParallelStyle | Mapping[str, object],
+    plan: Any,
     prefix: str,
-    out: list[tuple[str, nn.Module, ParallelStyle]],
+    out: list[tuple[str, nn.Module, Any]],
     errors: list[str],
 ) -> None:
-    if isinstance(plan, ParallelStyle):
+    if _is_style(plan):
         out.append((prefix, module, plan))
         return
     if not isinstance(plan, Mapping):
         raise TypeError(
-            "parallelize_plan must be a ParallelStyle or a dict of module FQN (wildcards "
-            f"allowed) to ParallelStyle or nested plan; got {type(plan).__name__} at "
-            f"{prefix or '<root>'!r}"
+            "parallelize_plan must be a ParallelStyle (hp_tp's, torch's, or any object with "
+            "_apply(module, device_mesh)) or a dict of module FQN (wildcards allowed) to "
+            f"ParallelStyle or nested plan; got {type(plan).__name__} at {prefix or '<root>'!r}"
         )
     for key, value in plan.items():
         if not isinstance(key, str):
@@ -74,7 +86,7 @@ def _collect(
             )
             continue
         for path, target in targets:
-            _collect(target, value, path, out, errors)  # type: ignore[arg-type]
+            _collect(target, value, path, out, errors)
 
 
 def parallelize_module(
@@ -97,9 +109,13 @@ def parallelize_module(
     Args:
         module: the module to parallelize, in place.
         device_mesh: a 1-D mesh; default: the current mesh (``hp_dtensor.use_mesh`` or torch's
-            ``with mesh:``).
-        parallelize_plan: a style or a dict of FQN patterns to styles / nested plans. ``None``
-            warns and returns the module unchanged (as PyTorch does).
+            ``with mesh:``). Foreign styles (see below) get the mesh as given, of any
+            dimension, as in PyTorch (e.g. an expert-tensor-parallel style on ``[ep, tp]``).
+        parallelize_plan: a style or a dict of FQN patterns to styles / nested plans. A style
+            is an ``hp_tp`` style or any object implementing PyTorch's ``ParallelStyle``
+            protocol (an instance of ``torch.distributed.tensor.parallel.ParallelStyle``, or
+            any object with a callable ``_apply(module, device_mesh)``); both kinds mix in one
+            plan. ``None`` warns and returns the module unchanged (as PyTorch does).
         src_data_rank: rank whose parameter values are scattered/broadcast; ``None`` uses each
             rank's local values.
 
@@ -107,10 +123,10 @@ def parallelize_module(
         ``module``, parallelized.
 
     Raises:
-        ValueError: when no mesh is given or current, the mesh is not 1-D, or a plan key matches no
-            submodule.
-        TypeError: when the plan or one of its values is not a style (PyTorch's own style objects
-            are not accepted: use the ``hp_tp`` ones), or a style does not support a module type.
+        ValueError: when no mesh is given or current, the mesh is not 1-D while the plan holds
+            an ``hp_tp`` style, or a plan key matches no submodule.
+        TypeError: when the plan or one of its values is not a style, or a style does not
+            support a module type.
 
     See Also:
         ``torch.distributed.tensor.parallel.parallelize_module``: PyTorch's entry point.
@@ -121,22 +137,23 @@ def parallelize_module(
             "parallelize_module needs a device_mesh: pass one or make one current with "
             "hp_dtensor.use_mesh(mesh)"
         )
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"parallelize_module needs a 1-D device mesh, got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)}; pass the tensor-parallel sub-mesh, e.g. mesh['tp']"
-        )
     if parallelize_plan is None:
         warnings.warn(
             "parallelize_module got no parallelize_plan, so it leaves the module unchanged",
             stacklevel=2,
         )
         return module
-    targets: list[tuple[str, nn.Module, ParallelStyle]] = []
+    targets: list[tuple[str, nn.Module, Any]] = []
     errors: list[str] = []
     _collect(module, parallelize_plan, "", targets, errors)
     if errors:
         raise ValueError("parallelize_plan has keys that match no submodule: " + "; ".join(errors))
+    # hp_tp's styles are 1-D; foreign styles define their own mesh contract (as in PyTorch).
+    if mesh.ndim != 1 and any(isinstance(style, ParallelStyle) for _, _, style in targets):
+        raise ValueError(
+            f"parallelize_module needs a 1-D device mesh, got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)}; pass the tensor-parallel sub-mesh, e.g. mesh['tp']"
+        )
     for _path, target, style in targets:
         applied = copy.copy(style)
         applied.src_data_rank = src_data_rank
