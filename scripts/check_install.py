@@ -6,7 +6,10 @@ holds only torch, then:
 1. ``pip install --no-index --find-links wheelhouse hp-fsdp`` must install exactly hp-fsdp and
    its declared siblings, and ``import hp_fsdp`` must work;
 2. ``pip install --no-index --find-links wheelhouse hyper-parallel`` must install all nine, and
-   ``import hyper_parallel`` must work.
+   ``import hyper_parallel`` must work;
+3. the shipped default job, ``hp-train --config debug``, must run (2 steps) in that environment
+   exactly as a user meets it: no extra installed, no error, nothing but notes about optional
+   features switched off.
 
 ``--no-index`` makes sure nothing of ours can come from a package index by accident.
 """
@@ -55,16 +58,19 @@ def build_wheelhouse(wheelhouse: Path) -> None:
             wheelhouse,
             package.directory,
         )
+    # with their own dependencies (tokenizers needs huggingface-hub), but never torch
     _run(
         sys.executable,
         "-m",
         "pip",
         "download",
-        "--no-deps",
         "--dest",
         wheelhouse,
         *third_party_requirements(),
+        TORCH_PIN,
     )
+    for wheel in wheelhouse.glob("torch-*.whl"):
+        wheel.unlink()
 
 
 def third_party_requirements() -> list[str]:
@@ -117,7 +123,38 @@ def check(wheelhouse: Path, venv: Path) -> list[str]:
     _run(
         python, "-c", "import hyper_parallel; print('hyper_parallel', len(hyper_parallel.__all__))"
     )
+    problems += check_default_job(venv)
     return problems
+
+
+def check_default_job(venv: Path) -> list[str]:
+    """Run ``hp-train --config debug`` for 2 steps in the fresh environment."""
+    with tempfile.TemporaryDirectory(prefix="hp-install-job-") as outputs:
+        cmd = [
+            str(venv / "bin" / "hp-train"),
+            "--config",
+            "debug",
+            "--training.steps",
+            "2",
+            "--job.dump_folder",
+            outputs,
+        ]
+        print("+", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=outputs)
+        text = proc.stdout + proc.stderr
+        metrics = Path(outputs) / "llama3_debug" / "metrics.jsonl"
+        steps = (
+            [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+            if (metrics.is_file())
+            else []
+        )
+    print("\n".join(line for line in text.splitlines() if "hp-train" in line), flush=True)
+    if proc.returncode != 0 or steps != [1, 2]:
+        return [
+            f"hp-train --config debug exited {proc.returncode} with logged steps {steps}; "
+            f"output tail:\n{text[-3000:]}"
+        ]
+    return []
 
 
 def main() -> int:
@@ -130,7 +167,10 @@ def main() -> int:
     for problem in problems:
         print("install check FAILED:", problem, file=sys.stderr)
     if not problems:
-        print("install checks passed: hp-fsdp alone, and hyper-parallel with all nine packages")
+        print(
+            "install checks passed: hp-fsdp alone, hyper-parallel with all nine packages, "
+            "and the default job"
+        )
     return 1 if problems else 0
 
 

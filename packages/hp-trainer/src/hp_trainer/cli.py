@@ -11,6 +11,7 @@ import warnings
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hp_trainer.config import ConfigManager, JobConfig
+from hp_trainer.preflight import preflight
 
 __all__ = ["main", "needs_launcher", "nproc_for"]
 
@@ -108,22 +109,6 @@ def _quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def _prevalidate(config: JobConfig, world_size: int) -> None:
-    """Fail fast, before any process starts, on errors every rank would hit."""
-    from hp_trainer.data import BUILTIN_DATASETS
-    from hp_trainer.model_spec import get_model_spec
-    from hp_trainer.parallel_dims import _parallel_dims_from_config
-
-    get_model_spec(config.model.name).model_args(config.model.flavor)
-    _parallel_dims_from_config(config.parallelism, world_size)
-    dataset = config.data.dataset
-    if dataset not in BUILTIN_DATASETS and not os.path.exists(dataset):
-        raise ValueError(
-            f"data.dataset = {dataset!r} is neither a built-in dataset "
-            f"({', '.join(BUILTIN_DATASETS)}) nor an existing file or folder"
-        )
-
-
 def _train(config: JobConfig) -> None:
     from hp_trainer.trainer import Trainer
 
@@ -154,24 +139,29 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in args or "-h" in args:
         print(ConfigManager().help_text())
         return 0
+    rank = int(os.environ.get("RANK", "0"))
     try:
         config = ConfigManager().parse_args(args)
-    except ValueError as exc:
-        print(f"hp-train: error: {exc}", file=sys.stderr)
-        return 2
-    if needs_launcher(config):
-        nproc = nproc_for(config)
-        try:
-            _prevalidate(config, nproc)
-        except ValueError as exc:
+        launch = needs_launcher(config)
+        world = nproc_for(config) if launch else int(os.environ.get("WORLD_SIZE", "1"))
+        report = preflight(config, world)
+    except (ValueError, ImportError) as exc:
+        if rank == 0:
             print(f"hp-train: error: {exc}", file=sys.stderr)
-            return 2
+        return 2
+    if rank == 0:
+        for note in report.notes:
+            print(f"hp-train: note: {note}", file=sys.stderr, flush=True)
+    args += report.overrides
+    if launch:
+        nproc = nproc_for(config)
         print(f"hp-train: starting {nproc} local ranks with torch.distributed.run", flush=True)
         start = time.perf_counter()
         status = _launch(nproc, args)
         print(f"hp-train: finished in {time.perf_counter() - start:.1f} s", flush=True)
         return status
-    rank = int(os.environ.get("RANK", "0"))
+    if report.overrides:
+        config = ConfigManager().parse_args(args)
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="[hp-train] %(asctime)s %(levelname)s %(message)s",

@@ -1,0 +1,123 @@
+"""Start-up checks that run once, before any worker process or process group exists.
+
+Every rank would hit the same error on a bad config, a missing file or a missing optional
+package; checking here reports it once, with what to change, instead of once per rank after
+the launcher started them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+from hp_trainer.config import JobConfig
+
+__all__ = ["OptionalDependency", "PreflightReport", "missing_optional_dependencies", "preflight"]
+
+
+@dataclass(frozen=True)
+class OptionalDependency:
+    """A package that one config option needs and hp-trainer does not install by default.
+
+    Attributes:
+        option: The ``section.field`` that needs it.
+        module: The module imported.
+        extra: The hp-trainer extra that installs it.
+        required: Whether the run cannot go on without it (else the option is switched off
+            with a note).
+
+    See Also:
+        ``importlib.util.find_spec``: how presence is checked (without importing).
+    """
+
+    option: str
+    module: str
+    extra: str
+    required: bool
+
+    @property
+    def pip_command(self) -> str:
+        """The command that installs the missing package."""
+        return f"pip install 'hp-trainer[{self.extra}]'"
+
+
+def missing_optional_dependencies(config: JobConfig) -> list[OptionalDependency]:
+    """The optional packages that the chosen options need and this environment lacks.
+
+    Args:
+        config: The configuration.
+
+    Returns:
+        One entry per enabled option whose package is not importable.
+
+    See Also:
+        ``torchtitan.tools.utils``: TorchTitan imports its optional packages lazily as well.
+    """
+    wanted: list[OptionalDependency] = []
+    if config.metrics.enable_tensorboard:
+        wanted.append(
+            OptionalDependency("metrics.enable_tensorboard", "tensorboard", "tensorboard", True)
+        )
+    if config.metrics.enable_plot:
+        wanted.append(OptionalDependency("metrics.enable_plot", "matplotlib", "plot", False))
+    return [dep for dep in wanted if importlib.util.find_spec(dep.module) is None]
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What :func:`preflight` found that does not stop the run.
+
+    Attributes:
+        notes: Lines to print once (an optional feature switched off, and why).
+        overrides: ``--section.field value`` arguments to pass on to the ranks so that they do
+            not try the switched-off features again.
+    """
+
+    notes: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+
+
+def preflight(config: JobConfig, world_size: int) -> PreflightReport:
+    """Check a job before starting it: fail on errors every rank would hit, note the rest.
+
+    Args:
+        config: The configuration.
+        world_size: The number of ranks the job will have.
+
+    Returns:
+        Notes and overrides for features switched off because an optional package is missing.
+
+    Raises:
+        ValueError: For a model flavor, parallel layout or dataset that cannot work, naming the
+            value and what is expected.
+        ImportError: For an option that needs a missing package, naming the pip command.
+
+    See Also:
+        ``torchtitan.train.main``: TorchTitan validates in each rank instead.
+    """
+    from hp_trainer.data import BUILTIN_DATASETS
+    from hp_trainer.model_spec import get_model_spec
+    from hp_trainer.parallel_dims import _parallel_dims_from_config
+
+    get_model_spec(config.model.name).model_args(config.model.flavor)
+    _parallel_dims_from_config(config.parallelism, world_size)
+    dataset = config.data.dataset
+    if dataset not in BUILTIN_DATASETS and not os.path.exists(dataset):
+        raise ValueError(
+            f"data.dataset = {dataset!r} is neither a built-in dataset "
+            f"({', '.join(BUILTIN_DATASETS)}) nor an existing file or folder"
+        )
+    notes: list[str] = []
+    overrides: list[str] = []
+    for dep in missing_optional_dependencies(config):
+        if dep.required:
+            raise ImportError(
+                f"{dep.option} = true needs the '{dep.module}' package, which is not installed: "
+                f"{dep.pip_command} (or set {dep.option} false)"
+            )
+        notes.append(
+            f"{dep.option} is off for this run: it needs '{dep.module}' ({dep.pip_command})"
+        )
+        overrides += [f"--{dep.option}", "false"]
+    return PreflightReport(tuple(notes), tuple(overrides))
