@@ -8,16 +8,86 @@ import torch
 import hp_kernels as hk
 
 
-def test_every_op_exists_and_only_reference_kernels_ship() -> None:
+def test_shipped_kernels_are_what_the_dispatcher_holds() -> None:
+    from hp_kernels._library import SHIPPED
+
     shipped = hk.shipped_device_kernels()
     assert set(shipped) == set(hk.OP_NAMES)
     for name in hk.OP_NAMES:
         assert hasattr(torch.ops.hp_kernels, name), name
-        assert shipped[name] == ()
-        # The reference is the default kernel: no device-specific registration anywhere.
-        assert not hk.has_device_kernel(name, "cpu")
+        expected = tuple(d for d in SHIPPED.device_types(name) if hk.has_device_kernel(name, d))
+        assert shipped[name] == expected
+        # No shipped kernel replaces the reference on the CPU.
+        assert "cpu" not in shipped[name]
     # Namespace is ours, not torch's ``fsdp``: both stacks import together.
     assert str(torch.ops.hp_kernels.all_gather_copy_in.default._schema).startswith("hp_kernels::")
+
+
+def test_shipped_kernels_follow_registrations() -> None:
+    """A registration recorded as shipped shows up, and disappears with its library."""
+    from hp_kernels._library import SHIPPED
+
+    name = "post_reduce_inplace"
+    before = hk.shipped_device_kernels()[name]
+    assert PU1 not in before
+    lib = torch.library.Library("hp_kernels", "FRAGMENT")  # type: ignore[no-untyped-call]
+    try:
+        hk.register_device_kernel(name, PU1, hk.reference_kernel(name), lib=lib)
+        SHIPPED._device_types.setdefault(name, set()).add(PU1)
+        assert PU1 in hk.shipped_device_kernels()[name]
+    finally:
+        lib._destroy()
+    # The record alone does not make a kernel "shipped": the dispatcher no longer has it.
+    assert hk.shipped_device_kernels()[name] == before
+    SHIPPED._device_types[name].discard(PU1)
+
+
+PU1 = "privateuseone"
+
+
+def _merge_args() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(2, 5, 4, generator=gen),
+        torch.randn(2, 5, generator=gen),
+        torch.randn(2, 5, 4, generator=gen),
+        torch.randn(2, 5, generator=gen),
+    )
+
+
+def test_kernel_registered_with_torch_library_is_honoured_in_eager_ops_and_compile() -> None:
+    """One dispatch path: a plain ``torch.library.register_kernel`` wins everywhere."""
+    args = _merge_args()
+    reference = hk.reference_kernel("merge_attention_partials")
+    expected_out, expected_lse = reference(*args)
+    calls: list[int] = []
+
+    def doubled(oa, la, ob, lb):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        out, lse = reference(oa, la, ob, lb)
+        return out * 2, lse
+
+    compiled = torch.compile(hk.merge_attention_partials, fullgraph=True, backend="aot_eager")
+    lib = torch.library.Library("hp_kernels", "FRAGMENT")  # type: ignore[no-untyped-call]
+    try:
+        torch.library.register_kernel(
+            "hp_kernels::merge_attention_partials", "cpu", doubled, lib=lib
+        )
+        assert hk.has_device_kernel("merge_attention_partials", "cpu")
+        eager = hk.merge_attention_partials(*args)
+        via_ops = torch.ops.hp_kernels.merge_attention_partials(*args)
+        via_compile = compiled(*args)
+        for out, lse in (eager, via_ops, via_compile):
+            torch.testing.assert_close(out, 2 * expected_out, rtol=0, atol=0)
+            torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
+        assert len(calls) == 3
+    finally:
+        lib._destroy()
+    # Deregistered: every path is back on the reference, with no stale record.
+    assert not hk.has_device_kernel("merge_attention_partials", "cpu")
+    out, _ = hk.merge_attention_partials(*args)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    assert len(calls) == 3
 
 
 _CALLS: list[tuple[int, ...]] = []
@@ -29,22 +99,29 @@ def _spy_unpermute(permuted_tokens, sorted_indices, probs, topk):  # type: ignor
 
 
 def test_register_device_kernel_targets_the_dispatch_key() -> None:
-    assert set(hk.OP_NAMES) <= {n for n in dir(torch.ops.hp_kernels) if not n.startswith("_")}
     # PrivateUse1 (Ascend's slot) is valid without torch_npu installed.
-    assert not hk.has_device_kernel("merge_attention_partials", "privateuseone")
-    hk.register_device_kernel(
-        "merge_attention_partials", "privateuseone", hk.reference_kernel("merge_attention_partials")
-    )
-    assert hk.has_device_kernel("merge_attention_partials", "privateuseone")
-    assert not hk.has_device_kernel("merge_attention_partials", "cpu")
-    # A kernel registered for a device is what the dispatcher runs for that device's tensors.
-    # (Registration is process-wide, so the spy delegates to the reference and changes nothing.)
-    hk.register_device_kernel("unpermute_tokens", ["cpu"], _spy_unpermute)
-    assert hk.has_device_kernel("unpermute_tokens", "cpu")
-    p, idx, _ = hk.permute_tokens(torch.randn(3, 2), torch.tensor([1, 0, 1]), 2)
-    before = len(_CALLS)
-    assert torch.equal(hk.unpermute_tokens(p, idx), p[torch.argsort(idx)])
-    assert _CALLS[before:] == [(3, 2)]
+    lib = torch.library.Library("hp_kernels", "FRAGMENT")  # type: ignore[no-untyped-call]
+    try:
+        assert not hk.has_device_kernel("merge_attention_partials", PU1)
+        hk.register_device_kernel(
+            "merge_attention_partials",
+            PU1,
+            hk.reference_kernel("merge_attention_partials"),
+            lib=lib,
+        )
+        assert hk.has_device_kernel("merge_attention_partials", PU1)
+        assert not hk.has_device_kernel("merge_attention_partials", "cpu")
+        # A kernel registered for a device is what the dispatcher runs for its tensors.
+        hk.register_device_kernel("unpermute_tokens", ["cpu"], _spy_unpermute, lib=lib)
+        assert hk.has_device_kernel("unpermute_tokens", "cpu")
+        p, idx, _ = hk.permute_tokens(torch.randn(3, 2), torch.tensor([1, 0, 1]), 2)
+        before = len(_CALLS)
+        assert torch.equal(hk.unpermute_tokens(p, idx), p[torch.argsort(idx)])
+        assert _CALLS[before:] == [(3, 2)]
+    finally:
+        lib._destroy()
+    assert not hk.has_device_kernel("unpermute_tokens", "cpu")
+    assert not hk.has_device_kernel("merge_attention_partials", PU1)
 
 
 def test_register_device_kernel_errors() -> None:

@@ -1,15 +1,21 @@
 """Device-kernel dispatch for the ``hp_kernels`` ops.
 
-Every op is a ``torch.library`` custom op whose default kernel is the pure-torch reference: it
-runs on any device (CPU, GPUs, Ascend NPUs through ``torch_npu``, meta). A device-specific kernel
-replaces it for one device type through :func:`register_device_kernel`, which goes through
-``torch.library.register_kernel``; the dispatcher then picks it for tensors of that device and
-the reference keeps serving every other device.
+Every op is a ``torch.library`` custom op whose default kernel is the pure-torch reference
+(registered under ``CompositeExplicitAutograd``): it runs on any device (CPU, GPUs, Ascend NPUs,
+meta). A kernel registered for a device type's own dispatch key replaces it for tensors of that
+device, whoever registers it: this package's shipped kernels, :func:`register_device_kernel`, or
+a plain ``torch.library.register_kernel`` call. Eager calls, ``torch.ops.hp_kernels.*`` and
+``torch.compile`` all follow the dispatcher's table, read live on every call.
 
-What ships in 0.1.0: the reference kernels only. Triton (``cuda``) and ``torch_npu``
-(``privateuseone``) kernels are not shipped, because a device kernel is only accepted with parity
-evidence from the hardware (or, for Triton, the ``TRITON_INTERPRET=1`` interpreter) and none was
-available when this release was built; :func:`shipped_device_kernels` reports this at run time.
+Shipped device kernels, registered at import when their runtime is importable (never imported
+before a kernel runs):
+
+- ``cuda``: Triton kernels (:mod:`hp_kernels.triton_kernels`) when ``triton`` is installed;
+  verified against the reference under ``TRITON_INTERPRET=1`` on CPU tensors.
+- ``privateuseone`` (Ascend): ``torch_npu`` fused ops (:mod:`hp_kernels.npu_kernels`) when
+  ``torch_npu`` is installed.
+
+:func:`shipped_device_kernels` reports what is registered at run time, from the dispatcher.
 Out-of-tree accelerators register under PyTorch's generic ``"privateuseone"`` device type (the
 dispatch slot ``torch_npu`` renames), which is valid with or without the plugin installed.
 """
@@ -21,8 +27,7 @@ from typing import Any
 
 import torch
 
-from hp_kernels._dispatch_keys import PRIVATEUSE1_DEVICE_TYPE, PRIVATEUSE1_DISPATCH_KEY
-from hp_kernels._library import REFERENCE_KERNELS, forget_registrations, qualname
+from hp_kernels._library import REFERENCE_KERNELS, SHIPPED, dispatch_key_of, qualname
 
 __all__ = [
     "OP_NAMES",
@@ -56,16 +61,18 @@ def _check_op(op_name: str) -> str:
 def _dispatch_key(device_type: str) -> str:
     if not isinstance(device_type, str) or not device_type:
         raise TypeError(f"device_type must be a non-empty str, got {device_type!r}")
-    if device_type == PRIVATEUSE1_DEVICE_TYPE:
-        return PRIVATEUSE1_DISPATCH_KEY
     try:
-        return str(torch._C._dispatch_key_for_device(device_type))
+        return dispatch_key_of(device_type)
     except RuntimeError as err:
         raise ValueError(f"unknown device type {device_type!r}: {err}") from err
 
 
 def register_device_kernel(
-    op_name: str, device_types: str | Sequence[str], fn: Callable[..., Any]
+    op_name: str,
+    device_types: str | Sequence[str],
+    fn: Callable[..., Any],
+    *,
+    lib: torch.library.Library | None = None,
 ) -> None:
     """Register a device-specific kernel for one of the ``hp_kernels`` ops.
 
@@ -80,6 +87,8 @@ def register_device_kernel(
         op_name: One of :data:`OP_NAMES`.
         device_types: Device type(s) such as ``"cpu"`` or ``"privateuseone"``.
         fn: The kernel.
+        lib: Keyword-only extension: the ``torch.library.Library`` that owns the registration
+            (as in ``torch.library.register_kernel``); destroying it removes the kernel.
 
     Raises:
         ValueError: If ``op_name`` is unknown or a device type is invalid.
@@ -99,8 +108,7 @@ def register_device_kernel(
     types = [device_types] if isinstance(device_types, str) else list(device_types)
     for device_type in types:
         _dispatch_key(device_type)
-    torch.library.register_kernel(name, types, fn)
-    forget_registrations()
+    torch.library.register_kernel(name, types, fn, lib=lib)
 
 
 def has_device_kernel(op_name: str, device_type: str) -> bool:
@@ -146,19 +154,32 @@ def reference_kernel(op_name: str) -> Callable[..., Any]:
 
 
 def shipped_device_kernels() -> dict[str, tuple[str, ...]]:
-    """Device kernels this release ships, per op (the reference serves every other device).
+    """Device kernels this package registered and the dispatcher still holds, per op.
+
+    Computed at call time: the (op, device type) pairs this package's kernel modules registered
+    at import (CUDA when ``triton`` is installed, ``privateuseone`` when ``torch_npu`` is), kept
+    only where the dispatcher's table still has a kernel for that device's key. The reference
+    kernel serves every other device.
 
     Returns:
-        A mapping from op name to the device types with a shipped specialised kernel. In 0.1.0
-        every entry is empty: no Triton or ``torch_npu`` kernel passed a hardware parity check
-        yet, so none is registered.
+        A mapping from every op name in :data:`OP_NAMES` to the sorted device types with a
+        shipped specialised kernel (empty when the op has none in this environment).
 
     Example:
         >>> from hp_kernels import shipped_device_kernels
-        >>> shipped_device_kernels()["post_reduce"]
-        ()
+        >>> from hp_kernels import OP_NAMES
+        >>> sorted(shipped_device_kernels()) == sorted(OP_NAMES)
+        True
 
     See Also:
-        ``torch.library.custom_op``: the reference kernels are the ops' default implementation.
+        ``torch.library.register_kernel``: how the kernels are registered.
     """
-    return {name: () for name in OP_NAMES}
+    result: dict[str, tuple[str, ...]] = {}
+    for op_name in OP_NAMES:
+        live = [
+            device_type
+            for device_type in SHIPPED.device_types(op_name)
+            if has_device_kernel(op_name, device_type)
+        ]
+        result[op_name] = tuple(sorted(live))
+    return result
