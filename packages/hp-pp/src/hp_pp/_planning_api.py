@@ -1,5 +1,31 @@
 """Public names of the planning side: actions, schedule generators, CSV, validator, simulator."""
 
 from hp_pp.actions import Action, ActionType, ScheduleTable
+from hp_pp.comm_lowering import add_communication, add_reduce_grad, add_unshard_reshard
+from hp_pp.csv_io import read_csv as read_schedule_csv
+from hp_pp.csv_io import write_csv as write_schedule_csv
+from hp_pp.generators import (
+    SCHEDULE_NAMES,
+    canonical_schedule_name,
+    rank_to_stages,
+    stage_to_rank,
+)
+from hp_pp.generators import STYLE as SCHEDULE_STYLE
+from hp_pp.generators import generate as generate_schedule
 
-__all__ = ["Action", "ActionType", "ScheduleTable"]
+__all__ = [
+    "SCHEDULE_NAMES",
+    "SCHEDULE_STYLE",
+    "Action",
+    "ActionType",
+    "ScheduleTable",
+    "add_communication",
+    "add_reduce_grad",
+    "add_unshard_reshard",
+    "canonical_schedule_name",
+    "generate_schedule",
+    "rank_to_stages",
+    "read_schedule_csv",
+    "stage_to_rank",
+    "write_schedule_csv",
+]
