@@ -12,6 +12,7 @@ from hp_pp.generators import (
 )
 from hp_pp.generators import STYLE as SCHEDULE_STYLE
 from hp_pp.generators import generate as generate_schedule
+from hp_pp.validate import ValidationReport, check_schedule, validate_schedule
 
 __all__ = [
     "SCHEDULE_NAMES",
@@ -19,13 +20,16 @@ __all__ = [
     "Action",
     "ActionType",
     "ScheduleTable",
+    "ValidationReport",
     "add_communication",
     "add_reduce_grad",
     "add_unshard_reshard",
     "canonical_schedule_name",
+    "check_schedule",
     "generate_schedule",
     "rank_to_stages",
     "read_schedule_csv",
     "stage_to_rank",
+    "validate_schedule",
     "write_schedule_csv",
 ]

@@ -1,0 +1,151 @@
+"""The offline validator: built-ins pass, hand-made broken schedules are caught and named."""
+
+from __future__ import annotations
+
+import pytest
+
+from hp_pp.actions import Action, ScheduleTable
+from hp_pp.comm_lowering import add_communication, add_reduce_grad, add_unshard_reshard
+from hp_pp.generators import SCHEDULE_NAMES, STYLE, generate
+from hp_pp.validate import check_schedule, validate_schedule
+
+
+def _table(rows: dict[int, str]) -> ScheduleTable:
+    """``{0: "0F0 0SEND_F0 - 0B0"}``: space-separated cells, ``-`` for idle."""
+    return {
+        rank: [None if cell == "-" else Action.parse(cell) for cell in row.split()]
+        for rank, row in rows.items()
+    }
+
+
+def _sizes(name: str) -> list[tuple[int, int, int]]:
+    if name in ("GPipe", "1F1B"):
+        return [(2, 2, 2), (2, 2, 5), (3, 3, 3), (3, 3, 7), (4, 4, 8)]
+    if name in ("ZBVZeroBubble", "DualPipeV"):
+        return [(1, 2, 2), (2, 4, 4), (2, 4, 7), (3, 6, 6), (3, 6, 9), (4, 8, 8)]
+    return [(2, 4, 2), (2, 4, 4), (3, 6, 3), (3, 6, 6), (4, 8, 8), (2, 6, 4), (3, 3, 6), (4, 8, 5)]
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_every_builtin_schedule_is_valid(name: str) -> None:
+    for p, n, m in _sizes(name):
+        try:
+            compute = generate(name, pp_size=p, num_stages=n, n_microbatches=m)
+        except ValueError:
+            continue
+        lowered = add_communication(compute, num_stages=n, style=STYLE[name])
+        with_fsdp = add_unshard_reshard(add_reduce_grad(lowered, n_microbatches=m))
+        for table in (compute, lowered, with_fsdp):
+            report = check_schedule(table, num_stages=n, n_microbatches=m, style=STYLE[name])
+            assert report.ok
+            assert not report.deadlocked
+            assert report.pp_size == p
+            assert report.num_stages == n
+
+
+def test_peak_in_flight_closed_forms() -> None:
+    p, m = 4, 8
+    gpipe = validate_schedule(generate("GPipe", pp_size=p, num_stages=p, n_microbatches=m))
+    assert gpipe.peak_in_flight == dict.fromkeys(range(p), m)
+    one_f_one_b = validate_schedule(generate("1F1B", pp_size=p, num_stages=p, n_microbatches=m))
+    assert one_f_one_b.peak_in_flight == {r: p - r for r in range(p)}
+
+
+def test_deadlock_is_caught_with_rank_and_action() -> None:
+    # Rank 0 waits for the gradient of micro-batch 0 before sending micro-batch 1's
+    # activation, which rank 1 needs before it runs (and sends) that gradient.
+    table = _table(
+        {
+            0: "0F0 0SEND_F0 0F1 0RECV_B0 0SEND_F1 0B0 0RECV_B1 0B1",
+            1: "1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1",
+        }
+    )
+    report = validate_schedule(table)
+    assert report.deadlocked
+    (deadlock,) = [p for p in report.problems if p.startswith("deadlock")]
+    assert "rank 0 at position 3 (0RECV_B0) waits for a send from rank 1" in deadlock
+    assert "rank 1 at position 1 (1RECV_F1) waits for a send from rank 0" in deadlock
+    with pytest.raises(ValueError, match=r"deadlock: rank 0 at position 3 \(0RECV_B0\)"):
+        check_schedule(table)
+
+
+def test_compute_only_deadlock_names_the_waiting_actions() -> None:
+    table = _table({0: "0F0 0B0 0F1 0B1", 1: "1F1 1B1 1F0 1B0"})
+    report = validate_schedule(table)
+    assert report.deadlocked
+    assert any(
+        "rank 0 at position 1 (0B0) waits for the output of stage 1, micro-batch 0" in p
+        and "rank 1 at position 0 (1F1) waits for the output of stage 0, micro-batch 1" in p
+        for p in report.problems
+    )
+
+
+def test_receives_out_of_posting_order_are_mismatched() -> None:
+    table = _table(
+        {
+            0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+            1: "1RECV_F1 1RECV_F0 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
+        }
+    )
+    report = validate_schedule(table)
+    assert not report.deadlocked
+    assert (
+        "rank 1, position 0: 1RECV_F1 would receive 0SEND_F0 (rank 0, position 1): "
+        "messages between two ranks match in posting order" in report.problems
+    )
+
+
+def test_unmatched_send_and_missing_receive() -> None:
+    table = _table(
+        {
+            0: "0F0 0SEND_F0 0SEND_F0 0RECV_B0 0B0",
+            1: "1RECV_F0 1F0 1B0 1SEND_B0",
+        }
+    )
+    report = validate_schedule(table)
+    assert "rank 0, position 2: 0SEND_F0 is never received by rank 1" in report.problems
+    missing_recv = _table({0: "0F0 0SEND_F0 0RECV_B0 0B0", 1: "1F0 1B0 1SEND_B0"})
+    report = validate_schedule(missing_recv)
+    assert report.deadlocked
+    assert any("rank 1 at position 0 (1F0) waits for 1RECV_F0" in p for p in report.problems)
+
+
+def test_order_duplicates_and_missing_work() -> None:
+    backward_first = _table({0: "0B0 0F0"})
+    assert (
+        "rank 0, position 0: 0B0 runs before its forward 0F0"
+        in validate_schedule(backward_first).problems
+    )
+    weight_first = _table({0: "0F0 0W0 0I0"})
+    assert (
+        "rank 0, position 1: 0W0 runs before its input backward 0I0"
+        in validate_schedule(weight_first).problems
+    )
+    duplicate = _table({0: "0F0 0F0 0B0"})
+    assert any("duplicate 0F0" in p for p in validate_schedule(duplicate).problems)
+    missing = _table({0: "0F0 0B0 0F1"})
+    assert (
+        "stage 0, micro-batch 1: no backward (0B1 or 0I1 + 0W1)"
+        in validate_schedule(missing).problems
+    )
+    no_weight = _table({0: "0F0 0I0"})
+    assert "rank 0: 0I0 has no 0W0" in validate_schedule(no_weight).problems
+    short = validate_schedule(_table({0: "0F0 0B0"}), n_microbatches=2)
+    assert "stage 0, micro-batch 1: no forward 0F1" in short.problems
+
+
+def test_placement_problems() -> None:
+    table = generate("ZBV", pp_size=2, num_stages=4, n_microbatches=4)
+    report = validate_schedule(table, style="loop")
+    assert any("belongs to rank 0 under the 'loop' placement" in p for p in report.problems)
+    two_ranks = _table({0: "0F0 0B0", 1: "0F1 0B1"})
+    assert any(
+        "runs stage 0, which rank 0 also runs" in p for p in validate_schedule(two_ranks).problems
+    )
+
+
+def test_bad_input_types() -> None:
+    with pytest.raises(TypeError, match="expected an Action or None, got '0F0'"):
+        validate_schedule({0: ["0F0"]})  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="table must be a dict"):
+        validate_schedule([[Action.parse("0F0")]])  # type: ignore[arg-type]
