@@ -1,3 +1,39 @@
 """Public names of the runtime side: stages, micro-batching, executor, schedule classes, split."""
 
-__all__: list[str] = []
+from hp_pp.executor import PipelineExecutor
+from hp_pp.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
+from hp_pp.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleRuntime,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleMPipe,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+from hp_pp.stage import PipelineStage
+
+__all__ = [
+    "PipelineExecutor",
+    "PipelineScheduleMulti",
+    "PipelineScheduleRuntime",
+    "PipelineScheduleSingle",
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleMPipe",
+    "ScheduleZBVZeroBubble",
+    "TensorChunkSpec",
+    "get_schedule_class",
+    "merge_chunks",
+    "split_args_kwargs_into_chunks",
+]

@@ -1,0 +1,315 @@
+"""The one executor: runs a rank's list of actions over the stages that rank holds.
+
+The executor never knows which schedule it runs; it interprets actions:
+
+- ``F``: forward of one micro-batch (the loss too, on the last stage); ``B``: full backward;
+  ``I``: backward for the inputs; ``W``: backward for the weights; ``OVERLAP_F_B``: its
+  sub-actions, with the receives of all of them posted before the first one computes.
+- ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: point-to-point transfers, non-blocking; a
+  compute action waits for the receives it needs.
+- ``UNSHARD``/``RESHARD``: an FSDP stage module's ``unshard()``/``reshard()``;
+  ``REDUCE_GRAD``: a marker (the reduction itself runs in the stage's last backward, see
+  :mod:`hp_pp._fsdp_protocol`).
+
+A table with transfer actions is run as written (a compute action whose receive was not posted
+raises). A compute-only table (what the generators produce) gets its transfers implicitly:
+activations and gradients are sent as soon as they are computed, and the receives of the next
+compute actions are posted ahead (``lookahead``), so the transfer of one micro-batch is in
+flight while another micro-batch computes (HyperParallel's compute/communication overlap). Only
+the very first receive of a stage on the first step blocks where it is posted (it reads the
+description of what the previous stage sends). Stages on the same rank hand tensors over
+without communication.
+
+The executor records the order in which it posts, waits and computes in :attr:`events`
+(``("post_recv_f", stage, mb)``, ``("wait_recv_f", ...)``, ``("F", ...)``, ...), so tests can
+observe issue/wait order.
+
+See Also:
+    ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_pp.actions import Action, ActionType
+from hp_pp.stage import PipelineStage
+
+__all__ = ["PipelineExecutor"]
+
+_F = ActionType.FORWARD
+_B = ActionType.FULL_BACKWARD
+_I = ActionType.BACKWARD_INPUT
+_W = ActionType.BACKWARD_WEIGHT
+
+
+def _flat(actions: Sequence[Action]) -> Iterator[Action]:
+    for a in actions:
+        if a.sub_actions is not None:
+            yield from a.sub_actions
+        else:
+            yield a
+
+
+class PipelineExecutor:
+    """Runs one rank's action list.
+
+    Args:
+        stages: The stages this rank holds.
+        actions: This rank's actions in order (``None`` entries are idle slots).
+        lookahead: For compute-only tables: how many compute actions ahead to post receives.
+
+    Raises:
+        ValueError: an action names a stage this rank does not hold.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        actions: Sequence[Action | None],
+        *,
+        lookahead: int = 1,
+    ) -> None:
+        self.stages = {s.stage_index: s for s in stages}
+        self.actions = [a for a in actions if a is not None]
+        for a in _flat(self.actions):
+            if a.stage_index not in self.stages:
+                raise ValueError(
+                    f"action {a} names stage {a.stage_index}, but this rank holds stages "
+                    f"{sorted(self.stages)}"
+                )
+        self.explicit_comm = any(a.type.is_communication for a in self.actions)
+        self.lookahead = lookahead
+        self.events: list[tuple[str, int, int]] = []
+        self._compute = [a for a in _flat(self.actions) if a.type.is_compute]
+        # The last weight-gradient action of each stage: FSDP reduces there.
+        self._last_weight_action: dict[int, int] = {}
+        for pos, a in enumerate(self._compute):
+            if a.type in (_B, _W):
+                self._last_weight_action[a.stage_index] = pos
+        self._tie_shapes: dict[str, tuple[tuple[int, ...], str]] | None = None
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        arg_chunks: list[tuple[Any, ...]],
+        kwarg_chunks: list[dict[str, Any]],
+        target_chunks: list[Any] | None,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        *,
+        backward: bool,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """Run the actions once (one step); returns the last stage's losses by micro-batch."""
+        self.events.clear()
+        self._args = arg_chunks
+        self._kwargs = kwarg_chunks
+        self._targets = target_chunks
+        self._loss_fn = loss_fn
+        self._loss_kwargs = loss_kwargs or {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._backward = backward
+        for stage in self.stages.values():
+            stage.clear_runtime_states()
+            if backward and stage.fsdp is not None:
+                stage.fsdp.set_last_backward(False)
+        actions = self.actions if backward else self._forward_only(self.actions)
+        compute = self._compute if backward else [a for a in self._compute if a.type is _F]
+        pos = 0
+        for action in actions:
+            if action.type.is_compute or action.type is ActionType.OVERLAP_F_B:
+                subs = action.sub_actions or (action,)
+                if not self.explicit_comm:
+                    # Receives of this action's compute and of the next few, posted ahead.
+                    for ahead in compute[pos + len(subs) : pos + len(subs) + self.lookahead]:
+                        self._post_recv(ahead, block=False)
+                    for sub in subs:
+                        self._post_recv(sub, block=True)
+                for sub in subs:
+                    self._run_compute(sub, pos)
+                    pos += 1
+            else:
+                self._run_other(action)
+        for stage in self.stages.values():
+            stage.wait_sends()
+        return self._losses
+
+    @staticmethod
+    def _forward_only(actions: list[Action]) -> list[Action]:
+        keep = {_F, ActionType.SEND_F, ActionType.RECV_F, ActionType.UNSHARD, ActionType.RESHARD}
+        out: list[Action] = []
+        for a in actions:
+            if a.sub_actions is not None:
+                out += [s for s in a.sub_actions if s.type is _F]
+            elif a.type in keep:
+                out.append(a)
+        return out
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def _post_recv(self, action: Action, *, block: bool) -> None:
+        stage = self.stages[action.stage_index]
+        mb = action.microbatch_index
+        assert mb is not None
+        if action.type is _F:
+            if stage.is_first or stage.is_local(stage.stage_index - 1):
+                return
+            if stage.has_posted_recv_activations(mb):
+                return
+            if not block and not stage.knows_input_meta:
+                return
+            self.events.append(("post_recv_f", stage.stage_index, mb))
+            stage.post_recv_activations(mb)
+        elif action.type in (_B, _I):
+            if stage.is_last or stage.is_local(stage.stage_index + 1):
+                return
+            if stage.has_posted_recv_grads(mb) or stage._state(mb).output_grads is not None:
+                return
+            if stage._state(mb).outputs is None:
+                return  # its forward has not run yet; posted when it comes closer
+            self.events.append(("post_recv_b", stage.stage_index, mb))
+            stage.post_recv_grads(mb)
+
+    def _run_other(self, action: Action) -> None:
+        stage = self.stages[action.stage_index]
+        mb = action.microbatch_index
+        kind = action.type
+        if kind is ActionType.SEND_F:
+            assert mb is not None
+            self.events.append(("send_f", stage.stage_index, mb))
+            stage.send_activations(mb)
+        elif kind is ActionType.SEND_B:
+            assert mb is not None
+            self.events.append(("send_b", stage.stage_index, mb))
+            stage.send_grads(mb)
+        elif kind is ActionType.RECV_F:
+            assert mb is not None
+            self.events.append(("post_recv_f", stage.stage_index, mb))
+            stage.post_recv_activations(mb)
+        elif kind is ActionType.RECV_B:
+            assert mb is not None
+            self.events.append(("post_recv_b", stage.stage_index, mb))
+            stage.post_recv_grads(mb)
+        elif kind is ActionType.UNSHARD:
+            if stage.fsdp is not None:
+                stage.fsdp.unshard()
+        elif kind is ActionType.RESHARD:
+            if stage.fsdp is not None:
+                stage.fsdp.reshard()
+        elif kind is ActionType.REDUCE_GRAD:
+            pass  # reduction happens in the stage's last backward (see _fsdp_protocol)
+        else:  # pragma: no cover - the vocabulary is closed
+            raise ValueError(f"the executor cannot run {action}")
+
+    # -- compute ----------------------------------------------------------------------------
+
+    def _run_compute(self, action: Action, pos: int) -> None:
+        stage = self.stages[action.stage_index]
+        mb = action.microbatch_index
+        assert mb is not None
+        s = stage.stage_index
+        if action.type is _F:
+            if not stage.is_first and not stage.is_local(s - 1):
+                if not stage.has_posted_recv_activations(mb):
+                    raise ValueError(
+                        f"action {action}: stage {s} forward of micro-batch {mb} has no "
+                        f"{s}RECV_F{mb} before it in the table"
+                    )
+                self.events.append(("wait_recv_f", s, mb))
+                stage.wait_recv_activations(mb)
+            self.events.append(("F", s, mb))
+            args = self._args[mb] if stage.is_first else ()
+            output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
+            if stage.is_last:
+                self._maybe_loss(stage, mb, output)
+            elif stage.is_local(s + 1):
+                self.stages[s + 1].set_local_inputs(mb, stage.outputs_of(mb))
+            elif not self.explicit_comm:
+                self.events.append(("send_f", s, mb))
+                stage.send_activations(mb)
+            return
+        if not self._backward:
+            return
+        if action.type in (_B, _I):
+            if not stage.is_last and not stage.is_local(s + 1):
+                if not stage.has_posted_recv_grads(mb):
+                    if stage._state(mb).output_grads is None:
+                        raise ValueError(
+                            f"action {action}: stage {s} backward of micro-batch {mb} has no "
+                            f"{s}RECV_B{mb} before it in the table"
+                        )
+                else:
+                    self.events.append(("wait_recv_b", s, mb))
+                    stage.wait_recv_grads(mb)
+            if stage.fsdp is not None:
+                stage.fsdp.set_last_backward(self._last_weight_action.get(s) == pos)
+            self.events.append((action.type.value, s, mb))
+            stage.backward_one_chunk(mb, full_backward=action.type is _B)
+            if not stage.is_first:
+                if stage.is_local(s - 1):
+                    self.stages[s - 1].set_local_output_grads(mb, stage.input_grads_of(mb))
+                elif not self.explicit_comm:
+                    self.events.append(("send_b", s, mb))
+                    stage.send_grads(mb)
+            return
+        if action.type is _W:
+            if stage.fsdp is not None:
+                stage.fsdp.set_last_backward(self._last_weight_action.get(s) == pos)
+            self.events.append(("W", s, mb))
+            stage.backward_weight_one_chunk(mb)
+
+    def _maybe_loss(self, stage: PipelineStage, mb: int, output: Any) -> None:
+        if self._loss_fn is None:
+            return
+        if self._targets is None:
+            raise ValueError(
+                f"stage {stage.stage_index} is the last stage and has a loss_fn, but step() got "
+                "no target"
+            )
+        loss = self._loss_fn(output, self._targets[mb], **self._loss_kwargs)
+        self._losses[mb] = loss.detach()
+        if self._backward:
+            stage.set_loss(mb, loss)
+
+    # -- after the step ---------------------------------------------------------------------
+
+    def sum_tied_grads(self, group: dist.ProcessGroup | None) -> None:
+        """Sum the gradients of parameters tied across stages (see :class:`PipelineStage`)."""
+        local: dict[str, torch.Tensor] = {}
+        for stage in self.stages.values():
+            params = dict(stage.submod.named_parameters())
+            for fqn, tie in stage.tied_parameters.items():
+                local.setdefault(tie, params[fqn])
+        if self._tie_shapes is None:
+            mine = {tie: (tuple(p.shape), str(p.dtype)) for tie, p in local.items()}
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+            for entry in gathered:
+                shapes.update(entry)
+            self._tie_shapes = shapes
+        for tie in sorted(self._tie_shapes):
+            shape, dtype = self._tie_shapes[tie]
+            param = local.get(tie)
+            if param is not None and param.grad is not None:
+                total = param.grad.clone()
+            else:
+                total = torch.zeros(
+                    shape,
+                    dtype=getattr(torch, dtype.removeprefix("torch.")),
+                    device=next(iter(self.stages.values())).device,
+                )
+            dist.all_reduce(total, group=group)
+            for stage in self.stages.values():
+                params = dict(stage.submod.named_parameters())
+                for fqn, t in stage.tied_parameters.items():
+                    if t == tie:
+                        params[fqn].grad = total.clone()

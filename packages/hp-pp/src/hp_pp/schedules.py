@@ -1,0 +1,548 @@
+"""Schedule classes with PyTorch's names and signatures, all running on the one executor.
+
+A schedule class turns the step's batch into micro-batches, takes the action table of its
+schedule (from :func:`hp_pp.generators.generate`, or any table the user loads with
+:meth:`PipelineScheduleRuntime.load_actions` / :meth:`PipelineScheduleRuntime.load_csv`), and
+hands this rank's row to a :class:`~hp_pp.executor.PipelineExecutor`. After the backward it sums
+tied gradients and divides gradients by ``n_microbatches`` when ``scale_grads`` is set, as
+PyTorch does (so a mean-reduced ``loss_fn`` gives the gradients of the full batch).
+
+Bad input raises ``ValueError`` before any communication: sizes a schedule cannot run, stages
+that do not sit where the schedule's mapping puts them (e.g. ZBV without the V mapping), a
+last stage without ``loss_fn`` when a target is given, a batch that ``n_microbatches`` does not
+divide.
+
+See Also:
+    ``torch.distributed.pipelining.schedules``: ``ScheduleGPipe``, ``Schedule1F1B``,
+    ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``,
+    ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, ``get_schedule_class``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from hp_pp import generators
+from hp_pp.actions import ScheduleTable
+from hp_pp.csv_io import read_csv
+from hp_pp.executor import PipelineExecutor
+from hp_pp.microbatch import merge_chunks, split_args_kwargs_into_chunks
+from hp_pp.stage import PipelineStage
+
+__all__ = [
+    "PipelineScheduleMulti",
+    "PipelineScheduleRuntime",
+    "PipelineScheduleSingle",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleMPipe",
+    "ScheduleZBVZeroBubble",
+    "get_schedule_class",
+]
+
+
+class PipelineScheduleRuntime:
+    """Runs any action table over this rank's stages: the base of every schedule class.
+
+    Args:
+        stages: The stages this rank holds (all of one pipeline, one process group).
+        n_microbatches: Micro-batches per step.
+        loss_fn: ``loss_fn(output, target)`` on the last stage; ``None``: no backward.
+        args_chunk_spec: Chunk spec per positional argument (default: dim 0).
+        kwargs_chunk_spec: Chunk spec per keyword argument (default: dim 0).
+        output_merge_spec: How to merge the last stage's outputs (default: concat on dim 0).
+        scale_grads: Divide gradients by ``n_microbatches`` after the backward.
+        actions: Keyword-only. The action table ``{rank: [Action | None, ...]}``, compute-only
+            or with transfers; may also be given later with :meth:`load_actions`.
+        style: Keyword-only. Stage placement, ``"loop"`` (stage ``s`` on rank
+            ``s % pp_size``) or ``"v"`` (stages ``r`` and ``2 * pp_size - 1 - r`` on rank
+            ``r``).
+        lookahead: Keyword-only. For compute-only tables: how many compute actions ahead the
+            receives are posted (``0``: post each receive when it is needed).
+
+    Raises:
+        ValueError: no stages, stages of different pipelines, ``n_microbatches`` < 1, stages
+            not where ``style`` places them, or a table that names stages this rank lacks.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``
+    """
+
+    def __init__(
+        self,
+        stages: list[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any, ...] | None = None,
+        scale_grads: bool = True,
+        *,
+        actions: ScheduleTable | None = None,
+        style: str = "loop",
+        lookahead: int = 1,
+    ) -> None:
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        if not stages:
+            raise ValueError("a schedule needs at least one PipelineStage")
+        if any(not isinstance(s, PipelineStage) for s in stages):
+            raise TypeError(
+                "stages must be hp_pp.PipelineStage objects, got "
+                f"{[type(s).__name__ for s in stages]}"
+            )
+        num_stages = {s.num_stages for s in stages}
+        if len(num_stages) != 1 or len({id(s.group) for s in stages}) != 1:
+            raise ValueError("all stages of a schedule must share num_stages and group")
+        if style not in ("loop", "v"):
+            raise ValueError(f"style must be 'loop' or 'v', got {style!r}")
+        self._stages = sorted(stages, key=lambda s: s.stage_index)
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self._args_chunk_spec = args_chunk_spec
+        self._kwargs_chunk_spec = kwargs_chunk_spec
+        self._output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        self._num_stages = num_stages.pop()
+        self._group = self._stages[0].group
+        self._pp_size = self._stages[0].group_size
+        self._rank = self._stages[0].group_rank
+        self._lookahead = lookahead
+        self._style = style
+        self._bind_stages(style)
+        self._executor: PipelineExecutor | None = None
+        if actions is not None:
+            self.load_actions(actions)
+
+    # -- tables -----------------------------------------------------------------------------
+
+    def _bind_stages(self, style: str) -> None:
+        if style == "v" and self._num_stages != 2 * self._pp_size:
+            raise ValueError(
+                f"a V-shaped schedule needs num_stages == 2 * pp_size = {2 * self._pp_size}, got "
+                f"{self._num_stages}"
+            )
+        if style == "loop" and self._num_stages % self._pp_size != 0:
+            raise ValueError(
+                f"num_stages={self._num_stages} is not a multiple of pp_size={self._pp_size}"
+            )
+        expected = generators.rank_to_stages(self._rank, self._pp_size, self._num_stages, style)
+        held = [s.stage_index for s in self._stages]
+        if held != sorted(expected):
+            raise ValueError(
+                f"rank {self._rank} holds stages {held}, but the {style!r} mapping of "
+                f"{self._num_stages} stages on {self._pp_size} ranks puts stages "
+                f"{sorted(expected)} there"
+            )
+        mapping = {
+            s: generators.stage_to_rank(s, self._pp_size, style) for s in range(self._num_stages)
+        }
+        for stage in self._stages:
+            stage.stage_to_group_rank = dict(mapping)
+        self._style = style
+
+    def load_actions(self, actions: ScheduleTable, *, style: str | None = None) -> None:
+        """Use ``actions`` (``{rank: [Action | None, ...]}``) as the schedule.
+
+        Args:
+            actions: The table; compute-only tables get their transfers implicitly.
+            style: Keyword-only. A new stage placement (default: keep the current one).
+
+        Raises:
+            ValueError: the table has no row for this rank, or names stages it lacks, or does
+                not run every micro-batch's forward on each of this rank's stages.
+        """
+        if style is not None and style != self._style:
+            self._bind_stages(style)
+        if self._rank not in actions:
+            raise ValueError(f"the action table has no row for pipeline rank {self._rank}")
+        row = actions[self._rank]
+        executor = PipelineExecutor(self._stages, row, lookahead=self._lookahead)
+        forwards = {
+            (a.stage_index, a.microbatch_index) for a in executor._compute if a.type.value == "F"
+        }
+        want = {(s.stage_index, m) for s in self._stages for m in range(self._n_microbatches)}
+        if forwards != want:
+            raise ValueError(
+                f"the table's forwards on rank {self._rank} are {sorted(forwards)}, expected one "
+                f"per stage and micro-batch: {sorted(want)} (n_microbatches="
+                f"{self._n_microbatches})"
+            )
+        self.pipeline_order: ScheduleTable = dict(actions)
+        self._executor = executor
+
+    def load_csv(self, path_or_file: str | Path | IO[str], *, style: str | None = None) -> None:
+        """Read the schedule from a CSV file in the compact notation (see :func:`read_csv`)."""
+        self.load_actions(read_csv(path_or_file), style=style)
+
+    @property
+    def executor(self) -> PipelineExecutor:
+        """The executor of this rank's row (its :attr:`~PipelineExecutor.events` show order)."""
+        if self._executor is None:
+            raise ValueError("no action table loaded: call load_actions() or load_csv() first")
+        return self._executor
+
+    # -- running ----------------------------------------------------------------------------
+
+    @property
+    def _holds_last(self) -> bool:
+        return any(s.is_last for s in self._stages)
+
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run one training step on the whole batch (forward, backward, gradient scaling).
+
+        Args:
+            *args: The first stage's inputs for the whole batch (other ranks pass none).
+            target: The loss target for the whole batch (rank of the last stage).
+            losses: A list that receives each micro-batch's loss (rank of the last stage).
+            return_outputs: Whether to merge and return the last stage's outputs.
+            loss_kwargs: Extra keyword arguments for ``loss_fn``.
+            **kwargs: Keyword inputs for the whole batch, given to every stage.
+
+        Returns:
+            The merged output on the rank of the last stage (if ``return_outputs``), else
+            ``None``.
+
+        Raises:
+            ValueError: a batch that ``n_microbatches`` does not divide, or a missing target.
+        """
+        return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, backward=True)
+
+    def eval(
+        self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Forward only (no backward, no gradient change); losses are computed if a target is
+        given."""
+        return self._run(args, kwargs, target, losses, True, None, backward=False)
+
+    def _run(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        losses: list[Any] | None,
+        return_outputs: bool,
+        loss_kwargs: dict[str, Any] | None,
+        *,
+        backward: bool,
+    ) -> Any:
+        executor = self.executor
+        n = self._n_microbatches
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list, got {type(losses).__name__}")
+        backward = backward and self._loss_fn is not None
+        if self._holds_last and backward and target is None:
+            raise ValueError(
+                "this rank holds the last stage and the schedule has a loss_fn: step() needs "
+                "target="
+            )
+        if self._holds_last and target is not None and self._loss_fn is None:
+            raise ValueError(
+                "step() got a target but the schedule has no loss_fn (pass loss_fn= to the "
+                "schedule)"
+            )
+        arg_chunks, kwarg_chunks = split_args_kwargs_into_chunks(
+            args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec
+        )
+        target_chunks = None
+        if target is not None:
+            target_chunks = [c[0] for c in split_args_kwargs_into_chunks((target,), None, n)[0]]
+        if any(s.is_first for s in self._stages) and not args and not kwargs:
+            raise ValueError("this rank holds the first stage: step() needs the model inputs")
+        mb_losses = executor.run(
+            arg_chunks,
+            kwarg_chunks,
+            target_chunks,
+            self._loss_fn,
+            backward=backward,
+            loss_kwargs=loss_kwargs,
+        )
+        if backward:
+            if self._ties_anywhere():
+                executor.sum_tied_grads(self._group)
+            if self.scale_grads:
+                for stage in self._stages:
+                    stage.scale_grads(n)
+        if self._holds_last and losses is not None and mb_losses:
+            losses.clear()
+            losses.extend(mb_losses[m] for m in range(n))
+        if self._holds_last and return_outputs:
+            last = self._stages[-1]
+            return merge_chunks(
+                [_detached(last.output_chunks[m]) for m in range(n)], self._output_merge_spec
+            )
+        return None
+
+    def _ties_anywhere(self) -> bool:
+        """Whether any rank of the pipeline declared tied parameters (asked once, all ranks)."""
+        if not hasattr(self, "_any_ties"):
+            flag = torch.tensor(
+                [int(any(s.tied_parameters for s in self._stages))], dtype=torch.int64
+            )
+            dist.all_reduce(flag, group=self._group)
+            self._any_ties = bool(flag.item())
+        return self._any_ties
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, tuple | list):
+        return type(output)(_detached(o) for o in output)
+    return output
+
+
+class PipelineScheduleSingle(PipelineScheduleRuntime):
+    """A built-in schedule with one stage per rank (``_schedule_name`` names it).
+
+    See Also:
+        ``torch.distributed.pipelining.schedules.PipelineScheduleSingle``
+    """
+
+    _schedule_name = ""
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any, ...] | None = None,
+        scale_grads: bool = True,
+    ) -> None:
+        if not isinstance(stage, PipelineStage):
+            raise TypeError(
+                f"{type(self).__name__} takes one hp_pp.PipelineStage, got {type(stage).__name__}"
+            )
+        style = generators.STYLE[self._schedule_name]
+        super().__init__(
+            [stage],
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            style=style,
+        )
+        self.load_actions(
+            generators.generate(
+                self._schedule_name,
+                pp_size=self._pp_size,
+                num_stages=self._num_stages,
+                n_microbatches=n_microbatches,
+            )
+        )
+
+
+class PipelineScheduleMulti(PipelineScheduleRuntime):
+    """A built-in schedule with several stages per rank (``_schedule_name`` names it).
+
+    ``backward_requires_autograd`` must be ``True`` (backward runs through autograd);
+    ``defer_pp_recv=True`` posts each receive only when its compute needs it (less memory for
+    receive buffers, no receive posted ahead).
+
+    See Also:
+        ``torch.distributed.pipelining.schedules.PipelineScheduleMulti``
+    """
+
+    _schedule_name = ""
+
+    def __init__(
+        self,
+        stages: list[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any, ...] | None = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+    ) -> None:
+        if not backward_requires_autograd:
+            raise ValueError(
+                "backward_requires_autograd=False is not supported: hp-pp's backward runs "
+                "through autograd (give PipelineStage a dw_builder for custom weight gradients)"
+            )
+        if isinstance(stages, PipelineStage):
+            stages = [stages]
+        style = (
+            generators.STYLE[self._schedule_name]
+            if self._schedule_name in generators.SCHEDULE_NAMES
+            else "loop"
+        )
+        super().__init__(
+            list(stages),
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            style=style,
+            lookahead=0 if defer_pp_recv else 1,
+        )
+        self.load_actions(
+            generators.generate(
+                self._schedule_name,
+                pp_size=self._pp_size,
+                num_stages=self._num_stages,
+                n_microbatches=n_microbatches,
+            )
+        )
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
+    """All forwards, then all backwards.
+
+    See Also:
+        ``torch.distributed.pipelining.ScheduleGPipe``
+    """
+
+    _schedule_name = "GPipe"
+
+
+class Schedule1F1B(PipelineScheduleSingle):
+    """One forward, one backward in the steady state.
+
+    See Also:
+        ``torch.distributed.pipelining.Schedule1F1B``
+    """
+
+    _schedule_name = "1F1B"
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    """1F1B over several stages per rank (loop mapping).
+
+    See Also:
+        ``torch.distributed.pipelining.ScheduleInterleaved1F1B``
+    """
+
+    _schedule_name = "Interleaved1F1B"
+
+
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Every micro-batch through one local stage before the next (loop mapping).
+
+    See Also:
+        ``torch.distributed.pipelining.ScheduleLoopedBFS``
+    """
+
+    _schedule_name = "LoopedBFS"
+
+    def __init__(
+        self,
+        stages: list[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any, ...] | None = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+    ) -> None:
+        super().__init__(
+            stages,
+            n_microbatches,
+            loss_fn,
+            None,
+            None,
+            output_merge_spec,
+            scale_grads,
+            backward_requires_autograd,
+            defer_pp_recv,
+        )
+
+
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    """Interleaved schedule with backward split into input (I) and weight (W) parts.
+
+    See Also:
+        ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``
+    """
+
+    _schedule_name = "InterleavedZeroBubble"
+
+
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    """Zero-bubble schedule on the V mapping (two stages per rank).
+
+    See Also:
+        ``torch.distributed.pipelining.ScheduleZBVZeroBubble``
+    """
+
+    _schedule_name = "ZBVZeroBubble"
+
+
+class ScheduleDualPipeV(PipelineScheduleMulti):
+    """DualPipeV on the V mapping, with overlapped forward+backward pairs.
+
+    See Also:
+        ``torch.distributed.pipelining.ScheduleDualPipeV``
+    """
+
+    _schedule_name = "DualPipeV"
+
+
+class ScheduleMPipe(PipelineScheduleMulti):
+    """HyperParallel's MPipe schedule (its generator is ``generate("MPipe", ...)``).
+
+    See Also:
+        ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` (the closest PyTorch
+        schedule).
+    """
+
+    _schedule_name = "MPipe"
+
+
+_CLASSES: dict[str, type[PipelineScheduleRuntime]] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+    "MPipe": ScheduleMPipe,
+}
+
+
+def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
+    """The schedule class of a name (case-insensitive; ``"ScheduleZBVZeroBubble"``, ``"ZBV"``,
+    ``"zbvzerobubble"`` and ``"MPipe"`` all work).
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+
+    See Also:
+        ``torch.distributed.pipelining.schedules.get_schedule_class``
+    """
+    key = schedule_name.strip().lower().removeprefix("schedule")
+    for name, cls in _CLASSES.items():
+        if key == name.lower():
+            return cls
+    try:
+        return _CLASSES[generators.canonical_schedule_name(schedule_name)]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"unknown schedule {schedule_name!r}; expected one of {list(_CLASSES)}"
+        ) from None
