@@ -1,0 +1,345 @@
+"""Token dispatch and combine: moving routed tokens to the ranks that hold their experts.
+
+Expert parallelism splits the ``E`` experts over the ``ep`` ranks of a group (rank ``r`` holds
+experts ``r*E/ep .. (r+1)*E/ep - 1``). After the router, each rank holds its tokens grouped by
+global expert. Dispatch:
+
+1. exchange the per-expert token counts (a small ``all_to_all_single`` of ``E`` integers), so
+   every rank knows how many rows it sends to and receives from every peer (the split sizes);
+2. ``all_to_all_single`` the token rows with those splits (issued asynchronously, so the caller
+   can compute something else, e.g. the shared experts, before waiting);
+3. regroup the received rows from (source rank, local expert) order to (local expert, source
+   rank) order, so each local expert's rows are contiguous for the grouped GEMM.
+
+Combine undoes 3 and 2 (an ``all_to_all_single`` with the splits swapped). Both directions are
+differentiable: the backward of an all-to-all is the all-to-all with the splits swapped.
+
+With tensor parallelism over the experts' hidden dimension (``ExpertTensorParallel``,
+``TensorParallel``), the tokens entering the experts are replicated over the TP group and each TP
+rank computes a partial sum of the output: the combine all-reduces it over TP, and the dispatch
+all-reduces the input gradient over TP in the backward (Megatron's f/g pair).
+
+See Also:
+    ``torch.distributed._functional_collectives.all_to_all_single_autograd``: PyTorch's
+    differentiable all-to-all; TorchTitan's ``ExpertParallel._token_dispatch``/``_token_combine``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
+
+__all__ = ["DispatchedTokens", "TokenDispatcher", "all_to_all_tokens"]
+
+
+class _PendingWork:
+    """The handle of an asynchronous collective a differentiable op issued."""
+
+    def __init__(self) -> None:
+        self.work: dist.Work | None = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+def _all_to_all(
+    tokens: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> tuple[torch.Tensor, dist.Work | None]:
+    out = tokens.new_empty((sum(output_splits), *tokens.shape[1:]))
+    work = dist.all_to_all_single(
+        out,
+        tokens.contiguous(),
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=group,
+        async_op=async_op,
+    )
+    return out, work
+
+
+class _AllToAllTokens(torch.autograd.Function):
+    """Differentiable ``all_to_all_single`` of token rows with explicit split sizes."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        tokens: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup,
+        pending: _PendingWork | None,
+    ) -> torch.Tensor:
+        ctx.splits = (output_splits, input_splits)  # type: ignore[attr-defined]
+        ctx.group = group  # type: ignore[attr-defined]
+        out, work = _all_to_all(tokens, output_splits, input_splits, group, pending is not None)
+        if pending is not None:
+            pending.work = work  # the caller waits before reading ``out``
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        output_splits, input_splits = ctx.splits
+        grad_in, _ = _all_to_all(grad, input_splits, output_splits, ctx.group, False)
+        return grad_in, None, None, None, None
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient over the TP group in the backward."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """All-reduce (sum) of partial outputs over the TP group; identity backward."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None
+
+
+def _agree(ok: bool, group: dist.ProcessGroup) -> list[bool]:
+    """Every rank's ``ok`` flag, gathered on every rank (so all ranks raise together)."""
+    flags = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flags, group=group)
+    return [bool(f.item()) for f in gathered]
+
+
+def all_to_all_tokens(
+    tokens: torch.Tensor,
+    input_splits: list[int],
+    output_splits: list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` of token rows, split sizes exchanged or verified.
+
+    Rank ``r`` sends ``tokens[sum(input_splits[:p]) : ... + input_splits[p]]`` to each peer ``p``
+    and receives the rows every peer sends it, in peer order. Without ``output_splits`` they are
+    exchanged first (a small all-to-all of the split sizes). With ``output_splits`` given, the
+    sizes are checked collectively against what the peers will send: when any rank's sizes
+    disagree, *every* rank raises (no rank is left waiting in the data all-to-all).
+
+    Args:
+        tokens: ``[N, ...]`` rows, ``N == sum(input_splits)``.
+        input_splits: Rows sent to each rank of ``group``.
+        output_splits: Rows received from each rank; ``None`` exchanges them.
+        group: Process group (default: the world).
+
+    Returns:
+        ``[sum(output_splits), ...]`` received rows. Differentiable in ``tokens``.
+
+    Raises:
+        ValueError: On every rank, when some rank's splits have the wrong length, do not add up
+            to its rows, or disagree with its peers' (the message names the ranks).
+
+    See Also:
+        ``torch.distributed._functional_collectives.all_to_all_single_autograd``.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
+    world = dist.get_world_size(pg)
+    rank = dist.get_rank(pg)
+    local_problem = ""
+    if len(input_splits) != world or (output_splits is not None and len(output_splits) != world):
+        local_problem = f"split lists must have {world} entries (one per rank of the group)"
+    elif sum(input_splits) != tokens.shape[0]:
+        local_problem = f"input_splits sum to {sum(input_splits)} but tokens has {tokens.shape[0]}"
+    sent = torch.zeros(world, dtype=torch.int64)
+    if not local_problem:
+        sent = torch.tensor(input_splits, dtype=torch.int64)
+    expected = torch.empty_like(sent)
+    dist.all_to_all_single(expected, sent, group=pg)
+    received = [int(v) for v in expected.tolist()]
+    if output_splits is None:
+        oks = _agree(not local_problem, pg)
+        output_splits = received
+    else:
+        if not local_problem and list(output_splits) != received:
+            local_problem = (
+                f"output_splits {list(output_splits)} disagree with the sizes the peers send "
+                f"{received}"
+            )
+        oks = _agree(not local_problem, pg)
+    if not all(oks):
+        bad = [r for r, ok in enumerate(oks) if not ok]
+        detail = f" (this rank {rank}: {local_problem})" if local_problem else ""
+        raise ValueError(f"all_to_all_tokens: split sizes are inconsistent on ranks {bad}{detail}")
+    out: torch.Tensor = _AllToAllTokens.apply(tokens, output_splits, list(input_splits), pg, None)  # type: ignore[no-untyped-call]
+    return out
+
+
+@dataclass
+class _DispatchState:
+    """What ``combine`` needs to undo one ``dispatch``."""
+
+    input_splits: list[int]
+    output_splits: list[int]
+    regroup: torch.Tensor | None  # (source, expert) -> (expert, source) row order
+    pending: _PendingWork
+
+
+class DispatchedTokens:
+    """The result of :meth:`TokenDispatcher.dispatch`: wait for it, then run the experts.
+
+    Attributes:
+        num_tokens_per_expert: ``[E_local]`` int64 rows per local expert (known at issue time).
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        state: _DispatchState | None,
+    ) -> None:
+        self._tokens = tokens
+        self.num_tokens_per_expert = num_tokens_per_expert
+        self._state = state
+
+    def wait(self) -> torch.Tensor:
+        """The rows of the local experts, grouped by local expert (blocks until they arrived)."""
+        if self._state is not None:
+            self._state.pending.wait()
+            if self._state.regroup is not None:
+                return self._tokens.index_select(0, self._state.regroup)
+        return self._tokens
+
+
+class TokenDispatcher:
+    """Moves expert inputs to the ranks holding their experts and the outputs back.
+
+    One object per experts module (set by the expert-parallel styles as
+    ``experts.token_dispatcher``), so several MoE layers never share dispatch state. Without
+    groups it is the identity (one device).
+
+    Args:
+        num_local_experts: Experts held by this rank.
+        ep_group: Expert-parallel group (tokens exchanged by all-to-all), or ``None``.
+        tp_group: Tensor-parallel group over the experts' hidden dimension, or ``None``.
+
+    See Also:
+        TorchTitan's ``ExpertParallel`` / ``ExpertTensorParallel`` token dispatch.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        ep_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.num_local_experts = num_local_experts
+        self.ep_group = ep_group
+        self.tp_group = tp_group
+        self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self._checked_peers = False
+
+    def _check_peers(self, hidden: int) -> None:
+        """Once: every EP rank must hold as many experts and the same hidden size."""
+        assert self.ep_group is not None
+        mine = torch.tensor([self.num_local_experts, hidden], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.ep_size)]
+        dist.all_gather(everyone, mine, group=self.ep_group)
+        if any(not torch.equal(other, mine) for other in everyone):
+            table = [tuple(int(v) for v in t.tolist()) for t in everyone]
+            raise ValueError(
+                "expert-parallel ranks disagree on (local experts, hidden size): "
+                f"{table} per rank; every rank must build the same MoE"
+            )
+        self._checked_peers = True
+
+    def dispatch(
+        self, tokens: torch.Tensor, num_tokens_per_expert: torch.Tensor
+    ) -> DispatchedTokens:
+        """Send ``tokens`` (grouped by global expert) to their experts' ranks.
+
+        The split sizes are exchanged synchronously (a host sync: the receive buffer size must
+        be known); the token all-to-all is issued asynchronously. Call
+        :meth:`DispatchedTokens.wait` before reading the rows.
+
+        Args:
+            tokens: ``[N, dim]`` rows grouped by global expert.
+            num_tokens_per_expert: ``[E]`` rows per global expert (``E = ep * E_local``).
+        """
+        expected = self.num_local_experts * self.ep_size
+        if num_tokens_per_expert.numel() != expected:
+            raise ValueError(
+                f"num_tokens_per_expert has {num_tokens_per_expert.numel()} entries, expected "
+                f"{expected} (ep={self.ep_size} x {self.num_local_experts} local experts)"
+            )
+        if self.tp_group is not None:
+            tokens = _CopyToTensorParallel.apply(tokens, self.tp_group)  # type: ignore[no-untyped-call]
+        if self.ep_group is None:
+            return DispatchedTokens(tokens, num_tokens_per_expert, None)
+        if not self._checked_peers:
+            self._check_peers(tokens.shape[-1])
+        counts = num_tokens_per_expert.to(torch.int64).view(self.ep_size, self.num_local_experts)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.ep_group)
+        input_splits = counts.sum(1).tolist()
+        output_splits = received.sum(1).tolist()
+        pending = _PendingWork()
+        out = _AllToAllTokens.apply(tokens, output_splits, input_splits, self.ep_group, pending)  # type: ignore[no-untyped-call]
+        regroup = _regroup_index(received) if self.num_local_experts > 1 else None
+        state = _DispatchState(input_splits, output_splits, regroup, pending)
+        return DispatchedTokens(out, received.sum(0), state)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
+        """Return the experts' outputs to the ranks (and row order) their tokens came from."""
+        if self.tp_group is not None:
+            expert_out = _ReduceFromTensorParallel.apply(expert_out, self.tp_group)  # type: ignore[no-untyped-call]
+        state = dispatched._state
+        if state is None:
+            return expert_out
+        if state.regroup is not None:
+            inverse = torch.empty_like(state.regroup)
+            inverse[state.regroup] = torch.arange(
+                state.regroup.numel(), device=inverse.device, dtype=inverse.dtype
+            )
+            expert_out = expert_out.index_select(0, inverse)
+        assert self.ep_group is not None
+        out: torch.Tensor = _AllToAllTokens.apply(  # type: ignore[no-untyped-call]
+            expert_out, state.input_splits, state.output_splits, self.ep_group, None
+        )
+        return out
+
+
+def _regroup_index(received: torch.Tensor) -> torch.Tensor:
+    """Row order taking (source rank, local expert) blocks to (local expert, source rank).
+
+    ``received[s, j]`` rows arrived from source ``s`` for local expert ``j``, in ``s``-major
+    order; the result lists, for each ``j`` then ``s``, the rows of block ``(s, j)``.
+    """
+    sizes = received.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes  # start of block (s, j), s-major
+    blocks = torch.arange(sizes.numel(), device=sizes.device)
+    order = blocks.view(received.shape).t().reshape(-1)  # j-major blocks
+    lengths = sizes[order]
+    block_start = torch.repeat_interleave(starts[order], lengths)
+    within = torch.arange(int(lengths.sum()), device=sizes.device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
+    return block_start + within

@@ -1,0 +1,95 @@
+"""The auxiliary-loss-free load balancing update of the experts' routing bias.
+
+Every :class:`~hp_cp_ep.MoE` accumulates the routed choices of its forwards in the
+``tokens_per_expert`` buffer (this rank's tokens, all micro-batches of the step). After the
+optimizer step the trainer calls :func:`update_expert_bias` (or registers it as an optimizer hook
+with :func:`register_expert_bias_update`): the counts of every MoE layer are summed over the
+data-parallel ranks in *one* all-reduce, each layer's ``expert_bias`` moves by
+``load_balance_coeff * sign(mean - count)`` (centred, so the bias does not drift), the counts are
+reset, and the step's global load is returned and kept on the layer as ``last_load`` for metrics.
+As every replica applies the same update to the same summed counts, the biases stay identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hp_cp_ep.ep.moe import MoE
+from hp_cp_ep.ep.stats import ExpertLoad, expert_load
+
+__all__ = ["moe_layers", "register_expert_bias_update", "update_expert_bias"]
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """Every :class:`~hp_cp_ep.MoE` in ``model`` by fully qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def update_expert_bias(
+    model: nn.Module, process_group: dist.ProcessGroup | None = None
+) -> dict[str, ExpertLoad]:
+    """Apply the auxiliary-loss-free bias update to every MoE layer of ``model``; reset counts.
+
+    Call it once per optimizer step, after ``optimizer.step()``. The counts of all layers are
+    stacked and all-reduced (sum) in one collective over ``process_group``: pass the group of
+    ranks that see *different* tokens and hold replicas of the router (data parallel, including
+    the ranks expert parallelism borrows; not the tensor-parallel ranks, which see the same
+    tokens). ``None`` uses the default group when one is initialized, else no reduction.
+
+    Args:
+        model: A model containing :class:`~hp_cp_ep.MoE` layers.
+        process_group: The data-parallel group the counts are summed over.
+
+    Returns:
+        The global load of each MoE layer over the step, by FQN (also stored on the layer as
+        ``last_load``).
+
+    See Also:
+        TorchTitan's ``build_optimizers_with_moe_load_balancing`` (its optimizer hook);
+        DeepSeek-V3's auxiliary-loss-free load balancing.
+    """
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    counts = torch.stack([layer.tokens_per_expert for layer in layers.values()])
+    if dist.is_initialized():
+        dist.all_reduce(counts, group=process_group)
+    loads: dict[str, ExpertLoad] = {}
+    with torch.no_grad():
+        for (name, layer), layer_counts in zip(layers.items(), counts, strict=True):
+            if layer.expert_bias is not None and layer.load_balance_coeff is not None:
+                delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
+                layer.expert_bias.add_(delta - delta.mean())
+            layer.tokens_per_expert.zero_()
+            loads[name] = expert_load(layer_counts)
+            layer.last_load = loads[name]
+    return loads
+
+
+def register_expert_bias_update(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    process_group: dist.ProcessGroup | None = None,
+) -> RemovableHandle:
+    """Run :func:`update_expert_bias` after every ``optimizer.step()``.
+
+    Args:
+        optimizer: The optimizer whose steps trigger the update.
+        model: The model holding the MoE layers.
+        process_group: The data-parallel group (see :func:`update_expert_bias`).
+
+    Returns:
+        The hook handle (``.remove()`` to stop).
+    """
+
+    def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        update_expert_bias(model, process_group)
+
+    post_hook: Callable[[torch.optim.Optimizer, Any, Any], None] = hook
+    return optimizer.register_step_post_hook(post_hook)

@@ -1,0 +1,268 @@
+"""The MoE layer: router, routed experts, optional shared experts, token permutation.
+
+Forward for ``T`` tokens (TorchTitan's MoE semantics)::
+
+    scores, experts, counts = router(x, expert_bias)      # top-k experts per token
+    rows = permute_tokens(x, experts)                      # T*k rows grouped by expert
+    (capacity: rows beyond an expert's capacity are dropped, in token order)
+    (score_before_experts: rows *= their score)
+    dispatched = experts.token_dispatcher.dispatch(rows)   # EP: async all-to-all issued ...
+    shared = shared_experts(x)                             # ... overlapped with this
+    out = experts.compute(dispatched.wait())               # grouped GEMM on local experts
+    routed = experts.token_dispatcher.combine(out)         # EP: all-to-all back
+    y = unpermute_tokens(routed, weights=scores or 1) + shared
+
+The layer is *dropless* by default: every choice is computed. With ``capacity_factor`` set, each
+expert takes at most ``ceil(capacity_factor * T * k / E)`` rows of this rank's batch; the
+choices beyond it (the later tokens) contribute zero and are not sent anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_cp_ep.ep.experts import GroupedExperts
+from hp_cp_ep.ep.router import TokenChoiceTopKRouter, load_balancing_loss
+from hp_cp_ep.ep.stats import ExpertLoad
+from hp_kernels import permute_tokens, unpermute_tokens
+
+__all__ = ["MoE", "MoEArgs", "SharedExperts"]
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Options of a :class:`MoE` layer (TorchTitan's ``MoEArgs`` fields, plus two extensions).
+
+    Attributes:
+        num_experts: Routed experts ``E``.
+        num_shared_experts: Shared experts (one SwiGLU of ``hidden_dim * num_shared_experts``
+            applied to every token); 0 for none.
+        score_func: ``"softmax"`` or ``"sigmoid"``.
+        route_norm: Normalise the top-k scores to sum to 1.
+        route_scale: Scale applied to the top-k scores.
+        score_before_experts: Multiply each row by its score before the experts (``True``) or
+            weight the experts' outputs when combining (``False``).
+        num_expert_groups: Expert groups for group-limited routing (``None``: off).
+        num_limited_groups: Groups a token may reach.
+        use_grouped_mm: Use ``torch._grouped_mm`` where it applies.
+        top_k: Experts per token.
+        load_balance_coeff: Step of the auxiliary-loss-free expert bias update (``None``: no
+            bias).
+        capacity_factor: Extension: ``None`` for dropless; else per-expert capacity factor.
+        aux_loss_coeff: Extension: weight of the auxiliary load-balancing loss added to the
+            backward (0: off).
+        _debug_force_load_balance: Route round-robin (debugging, benchmarks).
+    """
+
+    num_experts: int = 8
+    num_shared_experts: int = 1
+    score_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    route_norm: bool = False
+    route_scale: float = 1.0
+    score_before_experts: bool = True
+    num_expert_groups: int | None = None
+    num_limited_groups: int | None = None
+    use_grouped_mm: bool = True
+    top_k: int = 1
+    load_balance_coeff: float | None = 1e-3
+    capacity_factor: float | None = None
+    aux_loss_coeff: float = 0.0
+    _debug_force_load_balance: bool = False
+
+
+class SharedExperts(nn.Module):
+    """A SwiGLU feed-forward applied to every token, next to the routed experts.
+
+    Args:
+        dim: Model dimension.
+        hidden_dim: Hidden dimension (``per-expert hidden * num_shared_experts``).
+
+    See Also:
+        ``torchtitan.models.moe.FeedForward`` used as TorchTitan's ``shared_experts``.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        """Truncated-normal init: ``w1`` with std 0.02, ``w2`` and ``w3`` with ``init_std``."""
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``w2(silu(w1 x) * w3 x)``."""
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; the backward also sends gradient 1 into ``aux_loss``.
+
+    So the auxiliary loss trains the router without the training loop adding it to its loss.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward layer (TorchTitan's ``MoE`` interface).
+
+    Takes ``[..., dim]`` tokens (any leading shape) and returns the same shape. Dropless by
+    default; see :class:`MoEArgs` for the options. Buffers: ``expert_bias`` (``[E]`` fp32, when
+    ``load_balance_coeff`` is set; persistent) and ``tokens_per_expert`` (``[E]`` fp32, this
+    rank's routed choices accumulated since the last :func:`hp_cp_ep.update_expert_bias`).
+    After each forward ``aux_loss`` holds the (detached) auxiliary loss when it is enabled.
+
+    Under :class:`hp_cp_ep.ExpertParallel` the dispatch all-to-all is issued before the shared
+    experts run and waited for after, so the two overlap.
+
+    Args:
+        moe_args: The options.
+        dim: Model dimension.
+        hidden_dim: Hidden dimension of each expert.
+
+    Raises:
+        ValueError: For inconsistent options (see :class:`hp_cp_ep.TokenChoiceTopKRouter`), or a
+            non-positive ``capacity_factor``.
+
+    Example:
+        >>> import torch
+        >>> from hp_cp_ep import MoE, MoEArgs
+        >>> moe = MoE(MoEArgs(num_experts=4, top_k=2), dim=8, hidden_dim=16)
+        >>> moe(torch.randn(2, 3, 8)).shape
+        torch.Size([2, 3, 8])
+
+    See Also:
+        ``torchtitan.models.moe.MoE``: TorchTitan's MoE layer; DeepSeek-V3's ``DeepseekV3MoE``.
+    """
+
+    def __init__(self, moe_args: MoEArgs, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        if moe_args.capacity_factor is not None and moe_args.capacity_factor <= 0:
+            raise ValueError(
+                f"capacity_factor must be positive or None, got {moe_args.capacity_factor}"
+            )
+        self.moe_args = moe_args
+        self.num_experts = moe_args.num_experts
+        self.top_k = moe_args.top_k
+        self.router = TokenChoiceTopKRouter(
+            dim=dim,
+            num_experts=moe_args.num_experts,
+            num_expert_groups=moe_args.num_expert_groups,
+            num_limited_groups=moe_args.num_limited_groups,
+            top_k=moe_args.top_k,
+            score_func=moe_args.score_func,
+            route_norm=moe_args.route_norm,
+            route_scale=moe_args.route_scale,
+            _debug_force_load_balance=moe_args._debug_force_load_balance,
+        )
+        self.experts = GroupedExperts(
+            dim, hidden_dim, moe_args.num_experts, use_grouped_mm=moe_args.use_grouped_mm
+        )
+        self.shared_experts: SharedExperts | None = (
+            SharedExperts(dim, hidden_dim * moe_args.num_shared_experts)
+            if moe_args.num_shared_experts > 0
+            else None
+        )
+        self.load_balance_coeff = moe_args.load_balance_coeff
+        self.expert_bias: torch.Tensor | None
+        if self.load_balance_coeff is not None:
+            self.register_buffer(
+                "expert_bias", torch.zeros(moe_args.num_experts, dtype=torch.float32)
+            )
+        else:
+            self.expert_bias = None
+        self.tokens_per_expert: torch.Tensor
+        self.register_buffer(
+            "tokens_per_expert",
+            torch.zeros(moe_args.num_experts, dtype=torch.float32),
+            persistent=False,
+        )
+        self.aux_loss: torch.Tensor | None = None
+        self.last_load: ExpertLoad | None = None
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
+        """Initialise router, experts and shared experts; zero the bias and the counts."""
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        with torch.no_grad():
+            if buffer_device is not None:
+                self.tokens_per_expert = self.tokens_per_expert.to(buffer_device)
+                if self.expert_bias is not None:
+                    self.expert_bias = self.expert_bias.to(buffer_device)
+            self.tokens_per_expert.zero_()
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+
+    def _capacity_mask(self, selected: torch.Tensor) -> torch.Tensor:
+        """``[T, k]`` bool: choices within their expert's capacity (earlier tokens first)."""
+        assert self.moe_args.capacity_factor is not None
+        num_tokens = selected.shape[0]
+        capacity = math.ceil(
+            self.moe_args.capacity_factor * num_tokens * self.top_k / self.num_experts
+        )
+        flat = selected.reshape(-1)
+        one_hot = F.one_hot(flat, self.num_experts)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # rank of the choice in its expert
+        return (position < capacity).view_as(selected)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MoE to ``x`` of shape ``[..., dim]``."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router.route(tokens, self.expert_bias)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(routing.num_tokens_per_expert.to(torch.float32))
+        selected = routing.selected_experts
+        num_bins = self.num_experts
+        if self.moe_args.capacity_factor is not None:
+            # dropped choices go to an extra bin E that sorts last and is never computed
+            keep = self._capacity_mask(selected)
+            selected = torch.where(keep, selected, self.num_experts)
+            num_bins += 1
+        rows, sorted_indices, counts = permute_tokens(tokens, selected, num_bins)
+        weights = routing.top_scores.to(tokens.dtype)
+        if self.moe_args.score_before_experts:
+            rows = rows * weights.reshape(-1)[sorted_indices].unsqueeze(-1)
+        kept = rows.shape[0] if num_bins == self.num_experts else int(counts[:-1].sum())
+        expert_counts = counts[: self.num_experts]
+
+        dispatcher = self.experts.token_dispatcher
+        dispatched = dispatcher.dispatch(rows[:kept], expert_counts)
+        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        expert_out = self.experts.compute(dispatched.wait(), dispatched.num_tokens_per_expert)
+        routed = dispatcher.combine(expert_out, dispatched)
+        if kept < rows.shape[0]:
+            routed = torch.cat([routed, routed.new_zeros((rows.shape[0] - kept, shape[-1]))])
+
+        if self.moe_args.score_before_experts:
+            out = unpermute_tokens(routed, sorted_indices, topk=self.top_k)
+        else:
+            out = unpermute_tokens(routed, sorted_indices, weights)
+        if shared is not None:
+            out = out + shared
+        if self.moe_args.aux_loss_coeff > 0 and self.training:
+            aux = load_balancing_loss(routing.scores, routing.selected_experts, self.num_experts)
+            self.aux_loss = aux.detach()
+            out = _AttachAuxLoss.apply(out, aux * self.moe_args.aux_loss_coeff)  # type: ignore[no-untyped-call]
+        return out.reshape(shape)

@@ -1,0 +1,197 @@
+"""Parallel styles for routed experts: EP, EP x TP, and TP when EP = 1.
+
+Each style is a ``torch.distributed.tensor.parallel.ParallelStyle`` applied to a
+:class:`~hp_cp_ep.GroupedExperts` module (usually ``moe.experts``) with ``parallelize_module``,
+torch's or hp-tp's. It turns the expert weights into DTensor parameters and installs the
+module's :class:`~hp_cp_ep.TokenDispatcher`:
+
+=========================  ==========  ====================================  ==================
+style                      mesh        ``w1``/``w3`` , ``w2`` placements     dispatch / combine
+=========================  ==========  ====================================  ==================
+``ExpertParallel``         ``[ep]``    ``Shard(0)``, ``Shard(0)``            all-to-all over ep
+``ExpertTensorParallel``   ``[ep,tp]`` ``(Shard(0), Shard(1))``,             all-to-all over ep,
+                                       ``(Shard(0), Shard(2))``              all-reduce over tp
+``TensorParallel``         ``[tp]``    ``Shard(1)``, ``Shard(2)``            all-reduce over tp
+=========================  ==========  ====================================  ==================
+
+Under tensor parallelism the MoE input must be replicated over the TP ranks (as TorchTitan's
+plans do with ``PrepareModuleInput``): every TP rank routes the same tokens and computes a slice
+of each expert's hidden units.
+
+See Also:
+    ``torchtitan.distributed.expert_parallel``: TorchTitan's ``ExpertParallel``,
+    ``ExpertTensorParallel`` and ``TensorParallel``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from hp_cp_ep.ep.dispatch import TokenDispatcher
+
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallel"]
+
+
+def _check_experts(module: nn.Module, style: str) -> int:
+    """The module's number of experts; a clear error for a module the styles cannot handle."""
+    num_experts = getattr(module, "num_experts", None)
+    hidden_dims = getattr(module, "hidden_dim_of_weight", None)
+    if (
+        not isinstance(num_experts, int)
+        or not isinstance(hidden_dims, dict)
+        or not hasattr(module, "token_dispatcher")
+    ):
+        raise TypeError(
+            f"{style} applies to GroupedExperts-like modules (num_experts, hidden_dim_of_weight, "
+            f"token_dispatcher), got {type(module).__name__}"
+        )
+    for name, param in module.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{style}: {type(module).__name__}.{name} is already a DTensor on "
+                f"{param.device_mesh}; apply one expert style per module, once"
+            )
+        if param.ndim != 3 or param.shape[0] != num_experts:
+            raise ValueError(
+                f"{style}: {type(module).__name__}.{name} has shape {tuple(param.shape)}, "
+                f"expected [num_experts={num_experts}, ...]"
+            )
+    return num_experts
+
+
+def _check_divisible(what: str, value: int, degree: int, style: str) -> None:
+    if value % degree != 0:
+        raise ValueError(f"{style}: {what}={value} is not divisible by the degree {degree}")
+
+
+def _distribute(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements_of: dict[str, tuple[Placement, ...]],
+    src_data_rank: int | None,
+) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        sharded = distribute_tensor(
+            param.detach(), mesh, placements_of[name], src_data_rank=src_data_rank
+        )
+        module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+
+
+def _install(module: nn.Module, dispatcher: TokenDispatcher) -> None:
+    """Give the experts module its own dispatcher (per module: layers never share state)."""
+    module.__dict__["token_dispatcher"] = dispatcher
+
+
+class ExpertParallel(ParallelStyle):
+    """Shard the experts over a 1-D expert-parallel mesh and dispatch tokens by all-to-all.
+
+    Expert ``e`` lives on rank ``e // (E / ep)``. Tokens are sent to their experts' ranks with
+    ``all_to_all_single`` (split sizes exchanged first) and the outputs returned the same way;
+    both are differentiable, and the dispatch overlaps with the shared experts inside
+    :class:`~hp_cp_ep.MoE`. Each rank routes its own tokens (EP ranks are data-parallel ranks).
+
+    Raises:
+        ValueError: When the mesh is not 1-D or ``num_experts`` is not divisible by its size.
+        TypeError: When the module is not ``GroupedExperts``-like.
+
+    Example:
+        .. code-block:: python
+
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(moe.experts, ep_mesh, ExpertParallel())
+
+    See Also:
+        ``torchtitan.distributed.expert_parallel.ExpertParallel``.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"{style} needs a 1-D expert-parallel mesh, got shape {tuple(device_mesh.shape)}"
+            )
+        num_experts = _check_experts(module, style)
+        ep = device_mesh.size()
+        _check_divisible("num_experts", num_experts, ep, style)
+        names = [name for name, _ in module.named_parameters(recurse=False)]
+        _distribute(module, device_mesh, {n: (Shard(0),) for n in names}, self.src_data_rank)
+        _install(module, TokenDispatcher(num_experts // ep, ep_group=device_mesh.get_group()))
+        return module
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """EP x TP on a 2-D ``[ep, tp]`` mesh: experts over ``ep``, their hidden units over ``tp``.
+
+    Tokens are dispatched by all-to-all among the ranks of the same TP index; each TP rank
+    computes its slice of every local expert's hidden units, and the partial outputs are summed
+    over TP before the combine. The MoE input must be replicated over TP.
+
+    Raises:
+        ValueError: When the mesh is not 2-D, or ``num_experts`` (by ep) or the hidden size (by
+            tp) does not divide.
+        TypeError: When the module is not ``GroupedExperts``-like.
+
+    See Also:
+        ``torchtitan.distributed.expert_parallel.ExpertTensorParallel``.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        if device_mesh.ndim != 2:
+            raise ValueError(
+                f"{style} needs a 2-D [ep, tp] mesh, got shape {tuple(device_mesh.shape)}"
+            )
+        num_experts = _check_experts(module, style)
+        ep, tp = device_mesh.size(0), device_mesh.size(1)
+        _check_divisible("num_experts", num_experts, ep, style)
+        hidden_dims: dict[str, int] = module.hidden_dim_of_weight  # type: ignore[assignment]
+        placements: dict[str, tuple[Placement, ...]] = {}
+        for name, param in module.named_parameters(recurse=False):
+            dim = hidden_dims[name]
+            _check_divisible(f"{name}.shape[{dim}]", param.shape[dim], tp, style)
+            placements[name] = (Shard(0), Shard(dim))
+        _distribute(module, device_mesh, placements, self.src_data_rank)
+        dispatcher = TokenDispatcher(
+            num_experts // ep,
+            ep_group=device_mesh.get_group(0),
+            tp_group=device_mesh.get_group(1),
+        )
+        _install(module, dispatcher)
+        return module
+
+
+class TensorParallel(ParallelStyle):
+    """Tensor parallelism for routed experts when EP = 1: hidden units over a 1-D ``tp`` mesh.
+
+    Every rank holds all experts, a ``1/tp`` slice of each one's hidden units, and routes the
+    same (replicated) tokens; the partial outputs are summed over TP.
+
+    Raises:
+        ValueError: When the mesh is not 1-D or the hidden size does not divide by its size.
+        TypeError: When the module is not ``GroupedExperts``-like.
+
+    See Also:
+        ``torchtitan.distributed.expert_parallel.TensorParallel``.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"{style} needs a 1-D tensor-parallel mesh, got shape {tuple(device_mesh.shape)}"
+            )
+        num_experts = _check_experts(module, style)
+        tp = device_mesh.size()
+        hidden_dims: dict[str, int] = module.hidden_dim_of_weight  # type: ignore[assignment]
+        placements: dict[str, tuple[Placement, ...]] = {}
+        for name, param in module.named_parameters(recurse=False):
+            dim = hidden_dims[name]
+            _check_divisible(f"{name}.shape[{dim}]", param.shape[dim], tp, style)
+            placements[name] = (Shard(dim),)
+        _distribute(module, device_mesh, placements, self.src_data_rank)
+        _install(module, TokenDispatcher(num_experts, tp_group=device_mesh.get_group()))
+        return module
