@@ -1,3 +1,14 @@
-"""Context parallel attention (filled by the context-parallel work)."""
+"""Context parallel attention: ring, Ulysses, all-gather-KV and their 2-D hybrids.
 
-__all__: list[str] = []
+One engine (:class:`ContextParallelAttention`) and three fronts over it: PyTorch's functional
+``context_parallel`` context manager, HyperParallel's ``ContextParallel`` module style and
+TorchTitan's trainer-side ``create_context_parallel_ctx``.
+
+See Also:
+    ``torch.distributed.tensor.experimental.context_parallel``
+"""
+
+from hp_cp_ep.cp.attention import CP_MODES, ContextParallelAttention
+from hp_cp_ep.cp.load_balance import shard_sequence, unshard_sequence
+
+__all__ = ["CP_MODES", "ContextParallelAttention", "shard_sequence", "unshard_sequence"]
