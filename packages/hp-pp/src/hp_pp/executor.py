@@ -128,11 +128,12 @@ class PipelineExecutor:
             if action.type.is_compute or action.type is ActionType.OVERLAP_F_B:
                 subs = action.sub_actions or (action,)
                 if not self.explicit_comm:
-                    # Receives of this action's compute and of the next few, posted ahead.
-                    for ahead in compute[pos + len(subs) : pos + len(subs) + self.lookahead]:
-                        self._post_recv(ahead, block=False)
+                    # Receives of this action's compute, then of the next few (posted ahead so
+                    # they are in flight while this action computes).
                     for sub in subs:
                         self._post_recv(sub, block=True)
+                    for ahead in compute[pos + len(subs) : pos + len(subs) + self.lookahead]:
+                        self._post_recv(ahead, block=False)
                 for sub in subs:
                     self._run_compute(sub, pos)
                     pos += 1
@@ -283,13 +284,13 @@ class PipelineExecutor:
 
     def sum_tied_grads(self, group: dist.ProcessGroup | None) -> None:
         """Sum the gradients of parameters tied across stages (see :class:`PipelineStage`)."""
-        local: dict[str, torch.Tensor] = {}
+        local: dict[str, list[torch.Tensor]] = {}
         for stage in self.stages.values():
             params = dict(stage.submod.named_parameters())
             for fqn, tie in stage.tied_parameters.items():
-                local.setdefault(tie, params[fqn])
+                local.setdefault(tie, []).append(params[fqn])
         if self._tie_shapes is None:
-            mine = {tie: (tuple(p.shape), str(p.dtype)) for tie, p in local.items()}
+            mine = {tie: (tuple(ps[0].shape), str(ps[0].dtype)) for tie, ps in local.items()}
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, mine, group=group)
             shapes: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -298,15 +299,14 @@ class PipelineExecutor:
             self._tie_shapes = shapes
         for tie in sorted(self._tie_shapes):
             shape, dtype = self._tie_shapes[tie]
-            param = local.get(tie)
-            if param is not None and param.grad is not None:
-                total = param.grad.clone()
-            else:
-                total = torch.zeros(
-                    shape,
-                    dtype=getattr(torch, dtype.removeprefix("torch.")),
-                    device=next(iter(self.stages.values())).device,
-                )
+            total = torch.zeros(
+                shape,
+                dtype=getattr(torch, dtype.removeprefix("torch.")),
+                device=next(iter(self.stages.values())).device,
+            )
+            for param in local.get(tie, []):
+                if param.grad is not None:
+                    total += param.grad
             dist.all_reduce(total, group=group)
             for stage in self.stages.values():
                 params = dict(stage.submod.named_parameters())

@@ -25,6 +25,7 @@ See Also:
 
 from __future__ import annotations
 
+import datetime
 import io
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -200,6 +201,9 @@ class PipelineStage:
             input, else of a DTensor parameter of ``submodule`` with the same dim names).
         tied_parameters: Keyword-only. ``{fqn in submodule: tie name}``: parameters shared with
             other stages; their gradients are summed across the pipeline group after backward.
+        timeout: Keyword-only. How long a wait for a send or receive may take before it raises
+            ``RuntimeError`` naming this rank, the peer rank and the transfer (default: the
+            process group's timeout). A peer that died or raised makes this rank fail, not hang.
 
     Raises:
         ValueError: ``stage_index`` outside ``[0, num_stages)``, or an unknown tied parameter.
@@ -224,6 +228,7 @@ class PipelineStage:
         get_mesh: Callable[..., DeviceMesh] | None = None,
         *,
         tied_parameters: Mapping[str, str] | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
@@ -242,6 +247,7 @@ class PipelineStage:
         self.group_rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.dw_builder = dw_builder
+        self.timeout = timeout
         self._get_mesh = get_mesh
         del output_grads, input_grads  # gradients take the shape of their tensors
         self._declared_inputs = self._declared_metas(input_args)
@@ -269,7 +275,7 @@ class PipelineStage:
         self._mb: dict[int, _MicrobatchState] = {}
         self._recv_fwd: dict[int, _PendingRecv] = {}
         self._recv_bwd: dict[int, _PendingRecv] = {}
-        self._sends: list[tuple[Any, list[torch.Tensor]]] = []
+        self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
         self.output_chunks: dict[int, Any] = {}
 
     # -- identity ---------------------------------------------------------------------------
@@ -323,9 +329,21 @@ class PipelineStage:
 
     def wait_sends(self) -> None:
         """Wait until every send this stage issued has completed."""
-        for work, _keepalive in self._sends:
-            work.wait()
-        self._sends.clear()
+        sends, self._sends = self._sends, []
+        for work, _keepalive, peer in sends:
+            self._wait(work, "a send", peer)
+
+    def _wait(self, work: Any, what: str, peer: int) -> None:
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}, stage {self.stage_index}: {what} with rank {peer} did "
+                f"not complete ({err})"
+            ) from err
 
     # -- low-level messages -----------------------------------------------------------------
 
@@ -334,18 +352,21 @@ class PipelineStage:
             return
         ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t in tensors]
         for work in dist.batch_isend_irecv(ops):
-            self._sends.append((work, tensors))
+            self._sends.append((work, tensors, peer))
 
     def _send_object(self, obj: Any, peer: int, tag_len: int, tag_obj: int) -> None:
         payload = _to_bytes(obj)
         self._isend([torch.tensor([payload.numel()], dtype=torch.int64)], peer, tag_len)
         self._isend([payload], peer, tag_obj)
 
-    def _recv_object_blocking(self, peer: int, tag_len: int, tag_obj: int) -> Any:
+    def _recv_blocking(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        self._wait(dist.irecv(tensor, peer, self.group, tag), what, peer)
+
+    def _recv_object_blocking(self, peer: int, tag_len: int, tag_obj: int, what: str) -> Any:
         length = torch.zeros(1, dtype=torch.int64)
-        dist.recv(length, peer, self.group, tag_len)
+        self._recv_blocking(length, peer, tag_len, what)
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        dist.recv(payload, peer, self.group, tag_obj)
+        self._recv_blocking(payload, peer, tag_obj, what)
         return _from_bytes(payload)
 
     # -- forward ----------------------------------------------------------------------------
@@ -369,6 +390,7 @@ class PipelineStage:
                 peer,
                 self._tag(_KIND_ACT, src_stage, 0, _PART_META_LEN),
                 self._tag(_KIND_ACT, src_stage, 0, _PART_META),
+                f"receiving the description of stage {src_stage}'s outputs",
             )
             metas = [_ValueMeta.from_plain(p) for p in plain]
             self._check_declared(metas, self._declared_inputs, "inputs")
@@ -406,12 +428,14 @@ class PipelineStage:
         """Wait for micro-batch ``mb``'s inputs and make them this stage's inputs."""
         pending = self._recv_fwd.pop(mb)
         for work in pending.works:
-            work.wait()
+            self._wait(work, f"receiving micro-batch {mb}'s activations", pending.peer)
         assert self._input_meta is not None
         objects: list[Any] = []
         if pending.object_len is not None:
             payload = torch.empty(int(pending.object_len.item()), dtype=torch.uint8)
-            dist.recv(payload, pending.peer, self.group, pending.object_tag)
+            self._recv_blocking(
+                payload, pending.peer, pending.object_tag, f"receiving micro-batch {mb}'s values"
+            )
             objects = list(_from_bytes(payload))
         tensors = iter(pending.buffers)
         objs = iter(objects)
@@ -713,7 +737,7 @@ class PipelineStage:
         """Wait for micro-batch ``mb``'s output gradients."""
         pending = self._recv_bwd.pop(mb)
         for work in pending.works:
-            work.wait()
+            self._wait(work, f"receiving micro-batch {mb}'s gradients", pending.peer)
         buffers = iter(pending.buffers)
         grads: list[torch.Tensor | None] = []
         for out in self.outputs_of(mb):

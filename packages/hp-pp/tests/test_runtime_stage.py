@@ -1,0 +1,198 @@
+"""Runtime behaviour: what crosses a stage boundary, explicit tables and CSV, overlap order, eval."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hp_pp
+from hp_dtensor.testing import distributed
+from hp_pp import generators
+
+DIM = 12
+
+
+class Head(nn.Module):
+    """Stage 0: returns a float activation, an integer tensor and a Python float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        h = torch.tanh(self.lin(x))
+        mask = (x[:, :1] > 0).long()
+        return h, mask, 0.5
+
+
+class Tail(nn.Module):
+    """Stage 1: consumes all three."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.tanh(self.lin(h)) * scale + mask.float()
+
+
+def _models() -> tuple[Head, Tail]:
+    torch.manual_seed(0)
+    return Head(), Tail()
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, DIM, generator=g), torch.randn(8, DIM, generator=g)
+
+
+@distributed(world_size=2)
+def test_several_tensors_and_a_python_value_cross_the_boundary() -> None:
+    head, tail = _models()
+    ref_head, ref_tail = _models()
+    rank = dist.get_rank()
+    module = head if rank == 0 else tail
+    # Stage 1 declares its inputs; they are checked against what stage 0 announces.
+    declared = (torch.zeros(2, DIM), torch.zeros(2, 1, dtype=torch.long), 0.5)
+    stage = hp_pp.PipelineStage(
+        module, rank, 2, torch.device("cpu"), input_args=declared if rank == 1 else None
+    )
+    sched = hp_pp.ScheduleGPipe(stage, 4, loss_fn=nn.functional.mse_loss)
+    ref = ref_head if rank == 0 else ref_tail
+    for step in range(2):
+        module.zero_grad(set_to_none=True)
+        ref_head.zero_grad(set_to_none=True)
+        ref_tail.zero_grad(set_to_none=True)
+        x, y = _data(step)
+        losses: list[torch.Tensor] = []
+        out = sched.step(x, losses=losses) if rank == 0 else sched.step(target=y, losses=losses)
+        ref_losses = []
+        for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = nn.functional.mse_loss(ref_tail(*ref_head(xm)), ym)
+            (loss / 4).backward()
+            ref_losses.append(loss.detach())
+        if rank == 1:
+            torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+            assert out.shape == (8, DIM)
+        for p, q in zip(module.parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+def _chain(num_stages: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(num_stages)]
+
+
+def _run(
+    name: str, n_mb: int, *, table: Any = None, lookahead: int = 1, steps: int = 1
+) -> tuple[dict[str, torch.Tensor], list[list[tuple[str, int, int]]]]:
+    ws = dist.get_world_size()
+    style = generators.STYLE[name]
+    num_stages = ws * (1 if name in ("GPipe", "1F1B") else 2)
+    mods = _chain(num_stages)
+    indices = generators.rank_to_stages(dist.get_rank(), ws, num_stages, style)
+    stages = [hp_pp.PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in indices]
+    if table is None:
+        table = generators.generate(name, pp_size=ws, num_stages=num_stages, n_microbatches=n_mb)
+    sched = hp_pp.PipelineScheduleRuntime(
+        stages, n_mb, nn.functional.mse_loss, style=style, lookahead=lookahead
+    )
+    if isinstance(table, str):
+        sched.load_csv(io.StringIO(table))
+    else:
+        sched.load_actions(table)
+    events = []
+    for step in range(steps):
+        x, y = _data(step)
+        args = (x,) if 0 in indices else ()
+        target = y if num_stages - 1 in indices else None
+        sched.step(*args, target=target)
+        events.append(list(sched.executor.events))
+    grads = {f"{s}.{k}": p.grad for s in indices for k, p in mods[s].named_parameters()}
+    return grads, events
+
+
+@pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble", "DualPipeV"])
+@distributed(world_size=2)
+def test_table_with_transfers_from_csv_equals_compute_only_table(name: str) -> None:
+    ws, n_mb = 2, 4
+    num_stages = ws * (1 if name == "1F1B" else 2)
+    style = generators.STYLE[name]
+    compute = generators.generate(name, pp_size=ws, num_stages=num_stages, n_microbatches=n_mb)
+    lowered = hp_pp.add_communication(compute, num_stages=num_stages, style=style)
+    assert any(a is not None and a.type.is_communication for a in lowered[0])
+    buffer = io.StringIO()
+    hp_pp.write_schedule_csv(lowered, buffer)
+    implicit, _ = _run(name, n_mb)
+    explicit, events = _run(name, n_mb, table=buffer.getvalue())
+    assert any(e[0] == "send_f" for e in events[0]) or dist.get_rank() == ws - 1
+    for k, g in implicit.items():
+        assert torch.equal(g, explicit[k]), k
+
+
+@distributed(world_size=2)
+def test_receive_of_next_microbatch_is_in_flight_during_compute() -> None:
+    _, events = _run("1F1B", 4, steps=2)
+    _, deferred = _run("1F1B", 4, steps=2, lookahead=0)
+    if dist.get_rank() == 1:
+        ev = events[1]  # second step: the stage description is known, receives post ahead
+        # 1F1B on the last stage: F0 B0 F1 B1 ...; micro-batch 1's activations are in flight
+        # while micro-batch 0's backward computes.
+        assert (
+            ev.index(("post_recv_f", 1, 1))
+            < ev.index(("B", 1, 0))
+            < ev.index(("wait_recv_f", 1, 1))
+        )
+        dv = deferred[1]
+        assert dv.index(("B", 1, 0)) < dv.index(("post_recv_f", 1, 1))
+    else:
+        ev = events[1]
+        # gradients of micro-batch 0 are awaited only after micro-batch 1's forward was issued
+        assert (
+            ev.index(("post_recv_b", 0, 0))
+            < ev.index(("F", 0, 1))
+            < ev.index(("wait_recv_b", 0, 0))
+        )
+
+
+@distributed(world_size=2)
+def test_overlapped_forward_backward_posts_both_receives_first() -> None:
+    _, events = _run("DualPipeV", 4, steps=2)
+    if dist.get_rank() == 0:
+        ev = events[1]
+        # (3F2;0B0)OVERLAP_F_B: both receives are posted before the forward computes, and the
+        # backward's gradients are awaited after it: the transfer overlaps the forward.
+        f = ev.index(("F", 3, 2))
+        assert ev.index(("post_recv_b", 0, 0)) < f
+        assert ev.index(("post_recv_f", 3, 2)) < f
+        assert ev.index(("wait_recv_b", 0, 0)) > f
+
+
+@distributed(world_size=2)
+def test_eval_runs_forward_only() -> None:
+    rank = dist.get_rank()
+    mods = _chain(2)
+    stage = hp_pp.PipelineStage(mods[rank], rank, 2, torch.device("cpu"))
+    sched = hp_pp.Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
+    x, y = _data(0)
+    losses: list[torch.Tensor] = []
+    out = sched.eval(x) if rank == 0 else sched.eval(target=y, losses=losses)
+    assert all(p.grad is None for p in mods[rank].parameters())
+    if rank == 1:
+        ref = mods[1](mods[0](x))
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(
+            torch.stack(losses),
+            torch.stack(
+                [
+                    nn.functional.mse_loss(r, t)
+                    for r, t in zip(ref.chunk(2), y.chunk(2), strict=True)
+                ]
+            ),
+        )
