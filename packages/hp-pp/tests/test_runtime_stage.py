@@ -1,4 +1,4 @@
-"""Runtime behaviour: what crosses a stage boundary, explicit tables and CSV, overlap order, eval."""
+"""Runtime behaviour: values across a stage boundary, tables with transfers, overlap, eval."""
 
 from __future__ import annotations
 
