@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_cp_ep.cp import ContextParallelAttention, shard_sequence
-from hp_dtensor.testing import run_distributed
+from hp_dtensor.testing import distributed
 
 B, H, S, D = 2, 12, 24, 8
 
@@ -82,20 +82,35 @@ def _check_mode(mode: str, mesh_shape: tuple[int, ...], dtype: torch.dtype) -> i
     return checked
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("mode", ["ring", "allgather", "ulysses"])
-def test_mode_matches_single_device_fp32(world_size: int, mode: str) -> None:
-    assert (
-        run_distributed(_check_mode, world_size, mode, (world_size,), torch.float32)
-        == [8] * world_size
-    )
+_MODES_1D = ["ring", "allgather", "ulysses"]
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "allgather"])
-def test_hybrid_2x2_matches_single_device_fp32(mode: str) -> None:
-    assert run_distributed(_check_mode, 4, mode, (2, 2), torch.float32) == [8] * 4
+@pytest.mark.parametrize("mode", _MODES_1D)
+@distributed(world_size=2)
+def test_cp2_matches_single_device_fp32(mode: str) -> None:
+    assert _check_mode(mode, (2,), torch.float32) == 8
+
+
+@pytest.mark.parametrize("mode", _MODES_1D)
+@distributed(world_size=3)
+def test_cp3_matches_single_device_fp32(mode: str) -> None:
+    assert _check_mode(mode, (3,), torch.float32) == 8
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_bf16_within_documented_tolerance(mode: str) -> None:
-    assert run_distributed(_check_mode, 3, mode, (3,), torch.bfloat16) == [8] * 3
+@distributed(world_size=3)
+def test_cp3_bf16_within_documented_tolerance(mode: str) -> None:
+    assert _check_mode(mode, (3,), torch.bfloat16) == 8
+
+
+@pytest.mark.parametrize("mode", _MODES_1D)
+@distributed(world_size=4)
+def test_cp4_matches_single_device_fp32(mode: str) -> None:
+    assert _check_mode(mode, (4,), torch.float32) == 8
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "allgather"])
+@distributed(world_size=4)
+def test_hybrid_2x2_matches_single_device_fp32(mode: str) -> None:
+    """Ulysses over mesh dim 1 times ring ("hybrid") or all-gather-KV over dim 0."""
+    assert _check_mode(mode, (2, 2), torch.float32) == 8
