@@ -259,11 +259,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--only", default="", help="run only the rows whose name contains this")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = {}
     for name, (ours, ref) in _cases(device).items():
+        if args.only and args.only not in name and "noise" not in name:
+            continue
         rows[name] = _compare(ours, ref, args.steps, device)
         print(f"{name:55s} ratio {rows[name]['ratio']:.3f}", flush=True)
     out = Path(args.out)

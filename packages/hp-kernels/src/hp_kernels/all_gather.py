@@ -213,24 +213,37 @@ def all_gather_copy_out(
             f"all_gather_output has {all_gather_output.numel()} elements, expected "
             f"world_size * sum(input_split_sizes) = {world_size * sum(splits)}"
         )
+    dtype = all_gather_output.dtype
+    # Only the element counts are checked up front (``split_with_sizes_copy`` would resize a
+    # wrong-sized output); a wrong dtype or layout makes the copy raise, and then the
+    # per-output explanation replaces its message.
+    if [o.numel() for o in out] != [world_size * s for s in splits]:
+        _explain_bad_copy_out(out, splits, world_size, dtype)
+    try:
+        call(
+            _all_gather_copy_out_op,
+            [all_gather_output],
+            all_gather_output,
+            splits,
+            world_size,
+            list(out),
+        )
+    except RuntimeError:
+        _explain_bad_copy_out(out, splits, world_size, dtype)
+        raise
+
+
+def _explain_bad_copy_out(
+    out: Sequence[torch.Tensor], splits: Sequence[int], world_size: int, dtype: torch.dtype
+) -> None:
     for i, (o, split) in enumerate(zip(out, splits, strict=True)):
-        if o.dtype != all_gather_output.dtype:
-            raise TypeError(
-                f"out[{i}] has dtype {o.dtype}, expected the buffer dtype {all_gather_output.dtype}"
-            )
+        if o.dtype != dtype:
+            raise TypeError(f"out[{i}] has dtype {o.dtype}, expected the buffer dtype {dtype}")
         if o.numel() != world_size * split or not o.is_contiguous():
             raise ValueError(
                 f"out[{i}] must be contiguous with {world_size * split} elements, "
                 f"got shape {tuple(o.shape)}"
             )
-    call(
-        _all_gather_copy_out_op,
-        [all_gather_output],
-        all_gather_output,
-        splits,
-        world_size,
-        list(out),
-    )
 
 
 def unpadded_views(
@@ -271,50 +284,77 @@ def unpadded_views(
         ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.init_unsharded_param``:
         PyTorch FSDP2's unpadded views of the all-gather output.
     """
-    _check_world(world_size)
-    padded = [int(s) for s in padded_shape]
-    glob = [int(s) for s in global_shape]
+    # Argument checks cost more than the view itself, so they are kept to tuple comparisons
+    # (the shard-dim sizes and the element count are checked by ``view``/``narrow`` below).
+    padded = tuple(padded_shape)
+    glob = tuple(global_shape)
     ndim = len(glob)
-    if len(padded) != ndim:
-        raise ValueError(f"padded_shape {padded} and global_shape {glob} differ in rank")
-    if ndim == 0:
-        raise ValueError("cannot shard a 0-d parameter")
-    if not -ndim <= shard_dim < ndim:
+    if (
+        out is None
+        and ndim
+        and (shard_dim == 0 or shard_dim == -ndim)
+        and glob[1:] == padded[1:]
+        and type(world_size) is int
+        and world_size >= 1
+        and glob[0] >= 0
+    ):
+        # The common case (a dim-0 view) in as few Python steps as torch's own view: ``view``
+        # checks the element count and ``narrow`` the dim-0 bound; a failure falls through to
+        # the checks below, which raise the explanatory error.
+        try:
+            return gathered.view(world_size * padded[0], *padded[1:]).narrow(0, 0, glob[0])
+        except RuntimeError:
+            pass
+    if (
+        not isinstance(world_size, int)
+        or world_size < 1
+        or len(padded) != ndim
+        or not -ndim <= shard_dim < ndim
+    ):
+        _check_world(world_size)
+        if len(padded) != ndim:
+            raise ValueError(
+                f"padded_shape {list(padded)} and global_shape {list(glob)} differ in rank"
+            )
+        if ndim == 0:
+            raise ValueError("cannot shard a 0-d parameter")
         raise ValueError(f"shard_dim {shard_dim} is out of range for a {ndim}-d parameter")
     dim = shard_dim % ndim
-    if gathered.numel() != world_size * math.prod(padded):
-        raise ValueError(
-            f"gathered has {gathered.numel()} elements, expected world_size * prod(padded_shape) "
-            f"= {world_size * math.prod(padded)}"
-        )
     if (
-        glob[dim] > padded[dim] * world_size
-        or glob[:dim] != padded[:dim]
+        glob[:dim] != padded[:dim]
         or glob[dim + 1 :] != padded[dim + 1 :]
+        or not 0 <= glob[dim] <= padded[dim] * world_size
+        or gathered.numel() != world_size * math.prod(padded)
     ):
+        if gathered.numel() != world_size * math.prod(padded):
+            raise ValueError(
+                f"gathered has {gathered.numel()} elements, expected world_size * "
+                f"prod(padded_shape) = {world_size * math.prod(padded)}"
+            )
         raise ValueError(
-            f"global_shape {glob} does not fit {world_size} shards of padded_shape {padded} "
-            f"on dim {dim}"
+            f"global_shape {list(glob)} does not fit {world_size} shards of padded_shape "
+            f"{list(padded)} on dim {dim}"
         )
-    if out is not None and list(out.shape) != glob:
-        raise ValueError(f"out has shape {list(out.shape)}, expected {glob}")
+    if out is not None and tuple(out.shape) != glob:
+        raise ValueError(f"out has shape {list(out.shape)}, expected {list(glob)}")
     if dim == 0:
-        view = gathered.view([world_size * padded[0], *padded[1:]]).narrow(0, 0, glob[0])
+        view = gathered.view(world_size * padded[0], *padded[1:]).narrow(0, 0, glob[0])
         if out is None:
             return view
         out.copy_(view)
         return out
-    blocks = gathered.view([world_size, *padded]).movedim(0, dim)
-    merged_shape = list(padded)
-    merged_shape[dim] = world_size * padded[dim]
-    if glob[dim] == merged_shape[dim]:
-        if out is None:
-            return blocks.reshape(merged_shape)
-        split_shape = [*padded[:dim], world_size, *padded[dim:]]
-        out.view(split_shape).copy_(blocks)
-        return out
-    full_tensor = blocks.reshape(merged_shape).narrow(dim, 0, glob[dim])
+    # Rank blocks along dim 0, concatenated along ``dim`` with one ``cat`` (measured faster on
+    # CPU than a reshape of the moved-dim view). Padding is a suffix of the concatenation, so
+    # each block is first narrowed to its unpadded part (one copy in all, never two).
+    blocks = gathered.view([world_size * padded[0], *padded[1:]]).chunk(world_size, 0)
+    width = padded[dim]
+    if glob[dim] != world_size * width:
+        kept = glob[dim]
+        blocks = tuple(
+            b.narrow(dim, 0, min(width, kept - r * width))
+            for r, b in enumerate(blocks)
+            if kept > r * width
+        )
     if out is None:
-        return full_tensor.contiguous()
-    out.copy_(full_tensor)
-    return out
+        return torch.cat(blocks, dim)
+    return torch.cat(blocks, dim, out=out)

@@ -19,6 +19,10 @@ from hp_kernels._library import call, define_op, needs_autograd
 __all__ = ["merge_attention_partials"]
 
 
+#: Dtypes the merge computes in (a pair in one of them needs no cast).
+_NATIVE_COMPUTE = (torch.float32, torch.float64)
+
+
 def _compute_dtype(out: torch.Tensor, lse: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(out.dtype, lse.dtype), torch.float32)
 
@@ -36,6 +40,11 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ..
 def _merge_op(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if out_a.dtype == lse_a.dtype and out_a.dtype in _NATIVE_COMPUTE:
+        # Already in the compute dtype: skip six no-op ``.to`` calls (about 1 us each).
+        c_a, c_b, lse = _weights(lse_a, lse_b)
+        out = torch.mul(out_a, c_a.unsqueeze(-1))
+        return out.addcmul_(out_b, c_b.unsqueeze(-1)), lse
     compute = _compute_dtype(out_a, lse_a)
     c_a, c_b, lse = _weights(lse_a.to(compute), lse_b.to(compute))
     out = torch.mul(out_a.to(compute), c_a.unsqueeze(-1))

@@ -63,14 +63,68 @@ def _copy_in(
     out: torch.Tensor,
     predivide_factor: float | None,
 ) -> None:
-    arranged = [
-        _arranged(g, d % g.dim(), world_size) for g, d in zip(grads, shard_dims, strict=True)
-    ]
+    rows = out.view(world_size, -1)
+    offset = 0
     with torch.no_grad():
-        # One native kernel: pads dim 0, casts to out's dtype, concatenates chunk-wise.
-        torch._chunk_cat(arranged, 0, world_size, out=out.view(world_size, -1))
-        if predivide_factor is not None and predivide_factor != 1:
-            out.div_(predivide_factor)
+        # One strided copy (with the cast) per gradient into its column block of the
+        # [world_size, per_rank] buffer: measured faster on CPU than torch FSDP2's
+        # ``cat(chunk(...))`` + ``torch._chunk_cat`` pair, whose layout it reproduces.
+        for grad, dim in zip(grads, shard_dims, strict=True):
+            d = dim % grad.dim()
+            chunk = _chunk_shape(grad.shape, d, world_size)
+            cn = math.prod(chunk)
+            if cn:
+                _copy_chunks(grad, d, world_size, chunk, rows.narrow(1, offset, cn))
+            offset += cn
+        _divide(out, predivide_factor)
+
+
+def _copy_chunks(
+    grad: torch.Tensor, dim: int, world_size: int, chunk: list[int], block: torch.Tensor
+) -> None:
+    """Write chunk ``r`` of ``grad`` (sharded on ``dim``) flattened into row ``r`` of ``block``."""
+    if dim != 0:
+        # Even split (checked): the shard index moved to the front, no padding.
+        block.view(world_size, *chunk).copy_(_arranged(grad, dim, world_size))
+        return
+    cn = block.shape[1]
+    flat = grad.reshape(-1)
+    full = grad.shape[0] // chunk[0]  # chunks with every row present
+    block[:full].copy_(flat[: full * cn].view(full, cn))
+    if full < world_size:
+        tail = flat.numel() - full * cn  # elements of the one partial chunk (may be 0)
+        block[full, :tail].copy_(flat[full * cn :])
+        block[full, tail:].zero_()
+        block[full + 1 :].zero_()
+
+
+def _exact_reciprocal(divisor: float) -> float | None:
+    """``1 / divisor`` when multiplying by it is bitwise equal to dividing (a power of two).
+
+    ``x / 2**k`` and ``x * 2**-k`` are the correctly rounded values of the same real number,
+    so they agree in every bit (subnormals included); a multiply is cheaper than a divide.
+    """
+    mantissa, exponent = math.frexp(divisor)
+    if abs(mantissa) == 0.5 and -120 < exponent < 120:
+        return 1.0 / divisor
+    return None
+
+
+def _divided(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor`` as a new tensor (true division, bit for bit)."""
+    reciprocal = _exact_reciprocal(divisor)
+    return torch.div(t, divisor) if reciprocal is None else torch.mul(t, reciprocal)
+
+
+def _divide(t: torch.Tensor, divisor: float | None) -> None:
+    """``t /= divisor`` in place, in ``t``'s dtype (true division, bit for bit)."""
+    if divisor is None or divisor == 1:
+        return
+    reciprocal = _exact_reciprocal(divisor)
+    if reciprocal is None:
+        t.div_(divisor)
+    else:
+        t.mul_(reciprocal)
 
 
 def _per_rank_numel(shapes: Sequence[Sequence[int]], dims: Sequence[int], world_size: int) -> int:
@@ -338,7 +392,7 @@ def _post_reduce_op(
     scale: float | None,
     out_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    y = reduced / divide_factor if divide_factor is not None else reduced.clone()
+    y = reduced.clone() if divide_factor is None else _divided(reduced, divide_factor)
     if scale is not None:
         y = y.mul_(scale)
     if out_dtype is not None and out_dtype != y.dtype:
@@ -384,7 +438,7 @@ def _post_reduce_accumulate_op(
     out_dtype: torch.dtype | None,
 ) -> None:
     with torch.no_grad():
-        y = reduced / divide_factor if divide_factor is not None else reduced
+        y = reduced if divide_factor is None else _divided(reduced, divide_factor)
         if scale is not None:
             y = y * scale
         if out_dtype is not None and out_dtype != y.dtype:
@@ -409,8 +463,7 @@ def _post_reduce_inplace_op(
 ) -> None:
     # No grad-mode switch: post_reduce rejects inputs that require grad before calling this,
     # and the dispatcher runs it below autograd (a no_grad block cost more than the division).
-    if divide_factor is not None:
-        reduced.div_(divide_factor)
+    _divide(reduced, divide_factor)
     if scale is not None:
         reduced.mul_(scale)
 
