@@ -133,34 +133,18 @@ def test_placements_and_local_shapes_match_torch(
 
 
 def test_validation_errors() -> None:
-    h = _helpers()
     with fake_world(2, rank=0):
         mesh = init_device_mesh("cpu", (2,))
-        with pytest.raises(ValueError, match="without a forward"):
-            hp_fsdp.fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)
         with pytest.raises(TypeError, match=r"nn\.Module"):
             hp_fsdp.fully_shard("model", mesh=mesh)  # type: ignore[call-overload]
         with pytest.raises(TypeError, match="dp_mesh_dims"):
             hp_fsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, dp_mesh_dims=object())  # type: ignore[call-overload]
-        with pytest.raises(ValueError, match="divisor"):
-            hp_fsdp.fully_shard(nn.Linear(2, 2), mesh=mesh, reshard_after_forward=3)
-        with pytest.raises(ValueError, match="evenly"):
-            hp_fsdp.fully_shard(
-                nn.Linear(3, 2), mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1)
-            )
-        model = h.TinyLM()
-        hp_fsdp.fully_shard(model.head, mesh=mesh)  # the head's weight is tied to the embedding
-        with pytest.raises(ValueError, match="one unit"):
-            hp_fsdp.fully_shard(model, mesh=mesh)
+        # torch-compatible misuse errors: see test_torch_errors.py
         linear = nn.Linear(4, 4)
         hp_fsdp.fully_shard(linear, mesh=mesh)
-        with pytest.raises(ValueError, match="already applied"):
-            hp_fsdp.fully_shard(linear, mesh=mesh)
-        with pytest.raises(TypeError, match="deep-copied"):
-            copy.deepcopy(linear)
         with pytest.raises(TypeError, match="fully_shard was applied"):
             linear.set_modules_to_forward_prefetch([nn.Linear(2, 2)])  # type: ignore[list-item]
-        with pytest.raises(ValueError, match="must be a bool"):
+        with pytest.raises(ValueError, match="should be a bool"):
             linear.set_reshard_after_forward(2)  # type: ignore[arg-type]
 
 

@@ -32,6 +32,7 @@ from hp_dtensor.device import (
     pin_memory_available,
 )
 from hp_dtensor.device import stream as device_stream
+from hp_fsdp.errors import FSDPDeepCopyError, FSDPUsageError
 from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
     MeshInfo,
@@ -152,9 +153,9 @@ class UnshardHandle:
 
 
 def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
-    raise TypeError(
-        "a fully_shard module cannot be deep-copied; copy the model before fully_shard, or "
-        "use its state dict"
+    raise FSDPDeepCopyError(
+        "FSDP does not support deepcopy: a fully_shard module cannot be deep-copied; copy the "
+        "model before fully_shard, or use its state dict"
     )
 
 
@@ -280,7 +281,8 @@ class FSDPModule:
         """
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
-                f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}"
+                "reshard_after_forward should be a bool, got "
+                f"{type(reshard_after_forward).__name__}"
             )
         for state in self._units(recurse):
             state.auto_reshard_after_forward = False
@@ -502,6 +504,11 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_all_reduce_hook``: PyTorch's method.
         """
         state = self._get_fsdp_state()
+        if stream is not None and any(g.mesh_info.is_hsdp for g in state.groups):
+            raise ValueError(
+                "stream cannot be set when using native HSDP: the hook runs on the all-reduce "
+                "stream after the replicate-axis all-reduce"
+            )
         if stream is not None and not is_accelerator(state.device):
             raise ValueError(
                 "set_all_reduce_hook(stream=...) needs an accelerator; this unit computes on "
@@ -848,7 +855,7 @@ def _managed_params(
         for param in module.parameters(recurse=False):
             if param in ignored or param in seen_params:
                 continue
-            if getattr(param, _MANAGED_FLAG, False):
+            if isinstance(param, DTensor) and getattr(param, _MANAGED_FLAG, False):
                 raise ValueError(
                     f"a parameter of {type(module).__name__} is already sharded by another "
                     "fully_shard unit (a tied parameter?); put all modules that share a "
@@ -1014,11 +1021,14 @@ def fully_shard(
             type(root).forward is nn.Module.forward
         ):
             raise ValueError(
-                f"fully_shard cannot wrap a {type(root).__name__} without a forward; wrap its "
-                "children or the parent module"
+                "fully_shard does not support containers that do not implement forward: "
+                f"{type(root).__name__} has no forward; wrap its children or the parent module"
             )
         if get_state(root) is not None:
-            raise ValueError(f"fully_shard was already applied to {type(root).__name__}")
+            raise FSDPUsageError(
+                "Each distinct composable distributed API can only be applied to a module once: "
+                f"fully_shard was already applied to {type(root).__name__}"
+            )
     mp = to_mp_policy(mp_policy)
     offload = to_offload_policy(offload_policy)
     if isinstance(offload, CPUOffloadPolicy) and offload.pin_memory and not pin_memory_available():
@@ -1113,9 +1123,9 @@ def _shard_units(
         if isinstance(result, Shard):
             dim = result.dim
         elif result is not None:
-            raise TypeError(
-                "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, "
-                f"got {type(result).__name__}"
+            raise ValueError(
+                f"Invalid shard_placement_fn result: {result!r}; shard_placement_fn must return "
+                "Shard(dim), a ShardPlacementResult or None"
             )
         key = (param_mesh_info.shard_group, param_mesh_info.replicate_group)
         entry = by_mesh.setdefault(key, (param_mesh_info, [], []))

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from hp_fsdp.errors import FSDPUsageError
+
 __all__ = [
     "DDPMeshInfo",
     "DataParallelMeshDims",
@@ -124,12 +126,13 @@ def mesh_info_from_mesh(mesh: DeviceMesh) -> MeshInfo:
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard expects a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, got a {mesh.ndim}-D "
-            f"mesh {mesh}"
+            f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh {mesh} "
+            "(1-D: FSDP, 2-D: HSDP)"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            "a 2-D mesh for HSDP needs mesh_dim_names, e.g. ('replicate', 'shard'), got none"
+        raise FSDPUsageError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+            "('replicate', 'shard'); got none"
         )
     return MeshInfo(mesh)
 
@@ -148,6 +151,13 @@ class DataParallelMeshDims:
 
     shard: str | tuple[str, ...] | None = None
     replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims, got "
+                "neither"
+            )
 
     @property
     def shard_names(self) -> tuple[str, ...]:
@@ -355,13 +365,20 @@ def _spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> Mes
     shard = _dim_names(dp_mesh_dims.shard)
     replicate = _dim_names(dp_mesh_dims.replicate)
     if not shard and not replicate:
-        raise ValueError("dp_mesh_dims needs shard, replicate or both, got neither")
+        raise ValueError(
+            "At least one of shard or replicate must be set in dp_mesh_dims, got neither"
+        )
     names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError("fully_shard(dp_mesh_dims=...) needs a mesh with mesh_dim_names")
+        raise ValueError(
+            "mesh must have mesh_dim_names when dp_mesh_dims is provided (fully_shard("
+            "dp_mesh_dims=...))"
+        )
     for name in (*shard, *replicate):
         if name not in names:
-            raise ValueError(f"dp_mesh_dims names {name!r}, not a dim of the mesh {names}")
+            raise ValueError(
+                f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names} (dp_mesh_dims)"
+            )
 
     def submesh(dims: tuple[str, ...]) -> DeviceMesh:
         return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))

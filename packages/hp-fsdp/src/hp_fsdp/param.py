@@ -33,9 +33,17 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from hp_fsdp.errors import FSDPUnsupportedParamError, FSDPUsageError
 from hp_fsdp.mesh_info import MeshInfo, _dim_names
 
-__all__ = ["MANAGED_FLAG", "MODE_ATTR", "ParamModuleInfo", "ShardedParam", "ShardedState"]
+__all__ = [
+    "MANAGED_FLAG",
+    "MODE_ATTR",
+    "ParamModuleInfo",
+    "ParamOrigin",
+    "ShardedParam",
+    "ShardedState",
+]
 
 #: Attribute set on an original parameter (and its sharded replacement) once a unit owns it.
 MANAGED_FLAG = "_hp_fsdp_managed"
@@ -53,6 +61,10 @@ class ShardedState(enum.Enum):
     SHARDED = enum.auto()
     SHARDED_POST_FORWARD = enum.auto()
     UNSHARDED = enum.auto()
+
+
+class ParamOrigin:
+    """Identity token of an original parameter (set on it under :data:`MANAGED_FLAG`)."""
 
 
 @dataclass
@@ -188,8 +200,8 @@ class ShardedParam:
             isinstance(param, DTensor) and param.device_mesh == spmd_mesh
         ):
             raise ValueError(
-                f"with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
-                f"fully_shard, got {module_info.name!r} as {type(param).__name__}"
+                "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+                f"mesh passed to fully_shard, got {module_info.name!r} as {type(param).__name__}"
                 + (f" on {param.device_mesh}" if isinstance(param, DTensor) else "")
             )
         if isinstance(param, DTensor):
@@ -202,27 +214,28 @@ class ShardedParam:
                 )
             if self._tp_spec.mesh.device_type != mesh_info.mesh.device_type:
                 raise ValueError(
-                    f"the DTensor parameter {module_info.name!r} lives on a "
-                    f"{self._tp_spec.mesh.device_type} mesh but fully_shard's mesh is "
-                    f"{mesh_info.mesh.device_type}"
+                    "Requires DTensor to have mesh of the same type as the FSDP mesh: the DTensor "
+                    f"parameter {module_info.name!r} lives on a {self._tp_spec.mesh.device_type} "
+                    f"mesh but fully_shard's mesh is {mesh_info.mesh.device_type}"
                 )
             data = param._local_tensor
         if param.ndim == 0:
             raise ValueError(
-                f"fully_shard cannot shard the scalar parameter {module_info.name!r}; make it a "
-                "1-D tensor with one element"
+                "fully_shard doesn't support scalar parameters: change "
+                f"{module_info.name!r} to a 1-D tensor with one element"
             )
         if not data.is_contiguous():
-            raise ValueError(
-                f"fully_shard needs contiguous parameters, got {module_info.name!r} with shape "
+            raise FSDPUnsupportedParamError(
+                "FSDP does not support non-contiguous parameters yet: fully_shard needs "
+                f"contiguous parameters, got {module_info.name!r} with shape "
                 f"{tuple(param.shape)} and stride {param.stride()}"
             )
         if shard_dim < 0:
             shard_dim += data.ndim
         if not 0 <= shard_dim < data.ndim:
-            raise ValueError(
-                f"shard dim {shard_dim} is out of range for the {param.ndim}-D parameter "
-                f"{module_info.name!r}"
+            raise FSDPUsageError(
+                f"Shard dim {shard_dim} is invalid for {data.ndim}D tensor: the shard dim is out "
+                f"of range for the parameter {module_info.name!r} of shape {tuple(param.shape)}"
             )
         self.module_info = module_info
         self.mesh_info = mesh_info
@@ -256,11 +269,6 @@ class ShardedParam:
         self.orig_size = data.size()
         self.orig_stride = _contiguous_strides(self.orig_size)
         ws, rank = mesh_info.shard_size, mesh_info.shard_rank
-        if shard_dim > 0 and data.size(shard_dim) % ws != 0:
-            raise ValueError(
-                f"fully_shard needs Shard({shard_dim}) of {module_info.name!r} (size "
-                f"{tuple(param.shape)}) to split evenly over {ws} ranks"
-            )
         meta = (
             self._tp_spec.tensor_meta
             if self._tp_spec is not None
@@ -296,7 +304,11 @@ class ShardedParam:
             _make_dtensor(local, self._spec, param.requires_grad),
             requires_grad=param.requires_grad,
         )
-        setattr(param, MANAGED_FLAG, True)
+        existing = getattr(param, MANAGED_FLAG, None)
+        #: Shared by every ShardedParam made from one original parameter (tied ones in two
+        #: units), so lazy initialization can name the duplicate as PyTorch does.
+        self.origin = existing if isinstance(existing, ParamOrigin) else ParamOrigin()
+        setattr(param, MANAGED_FLAG, self.origin)
         self._mark(self.sharded_param)
         self._set_on_modules(self.sharded_param)
         self.state = ShardedState.SHARDED
@@ -574,6 +586,56 @@ class ShardedParam:
             local = local.wait()
         return local
 
+    def chunk_length(self, rank: int) -> int:
+        """How many entries of the shard dim ``rank`` holds (``torch.chunk`` semantics)."""
+        dim_size = self.orig_size[self.shard_dim]
+        chunk = self.padded_sharded_size[self.shard_dim]
+        return max(min(chunk, dim_size - chunk * rank), 0)
+
+    def reduce_scatter_layout(self, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The gradient and shard dim to pack for the reduce-scatter.
+
+        An uneven split of a shard dim other than 0 is padded to equal chunks and the chunks
+        stacked on dim 0, so row ``r`` of the packed buffer is rank ``r``'s padded chunk.
+
+        Args:
+            grad: the unsharded (local) gradient.
+
+        Returns:
+            ``(tensor, shard_dim)`` for ``reduce_scatter_copy_in``.
+        """
+        dim = self.shard_dim
+        if dim == 0 or grad.size(dim) % self.mesh_info.shard_size == 0:
+            return grad, dim
+        ws = self.mesh_info.shard_size
+        padded_size = list(grad.shape)
+        padded_size[dim] = self.padded_sharded_size[dim] * ws
+        padded = grad.new_zeros(padded_size)
+        padded.narrow(dim, 0, grad.size(dim)).copy_(grad)
+        return torch.cat(padded.chunk(ws, dim), 0), 0
+
+    def reduced_shard_view(self, output: torch.Tensor, offset: int) -> torch.Tensor:
+        """This parameter's reduced gradient shard inside a flat reduce-scatter output.
+
+        Args:
+            output: the flat reduced output of the unit.
+            offset: the element offset of this parameter's padded shard in it.
+
+        Returns:
+            A view of the sharded size.
+        """
+        if self.shard_dim == 0 or self.padded_sharded_size == self.sharded_size:
+            return torch.as_strided(
+                output, self.sharded_size, self.sharded_stride, storage_offset=offset
+            )
+        padded = torch.as_strided(
+            output,
+            self.padded_sharded_size,
+            _contiguous_strides(self.padded_sharded_size),
+            storage_offset=offset,
+        )
+        return padded.narrow(self.shard_dim, 0, self.sharded_size[self.shard_dim])
+
     @property
     def is_tensor_parallel(self) -> bool:
         """Whether the parameter was a DTensor (FSDP over tensor parallelism)."""
@@ -656,7 +718,8 @@ class ShardedParam:
             if value.shape == global_shape:
                 from torch.distributed.tensor import distribute_tensor
 
-                full = value.detach().to(device=self.sharded_param.device, dtype=dtype)
+                device = value.device if self.sharded_param.is_meta else self.sharded_param.device
+                full = value.detach().to(device=device, dtype=dtype)
                 local = distribute_tensor(
                     full, spec.mesh, list(self.placements), src_data_rank=None
                 )._local_tensor
@@ -668,7 +731,9 @@ class ShardedParam:
                     f"{tuple(global_shape)} or of this rank's shard shape "
                     f"{tuple(self.sharded_size)}, got shape {tuple(value.shape)}"
                 )
-        local = local.to(device=self.sharded_param.device, dtype=dtype)
+        # Loading into a meta-initialized model (assign=True) keeps the value's device.
+        device = local.device if self.sharded_param.is_meta else self.sharded_param.device
+        local = local.to(device=device, dtype=dtype)
         return self.to_sharded_dtensor(local)
 
     def readopt(self) -> None:

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.profiler import record_function
 
 from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META
 from hp_fsdp.collectives import (
@@ -34,6 +35,7 @@ from hp_fsdp.collectives import (
 from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo, PostForwardInfo, _dim_names
 from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.traversal import collect_tensors, map_tensors
 from hp_kernels import AllGather, ReduceScatter, post_reduce
 
 if TYPE_CHECKING:
@@ -57,6 +59,26 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = enum.auto()
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _outside_functorch(method: _Method) -> _Method:
+    """Run ``method`` with functorch transforms (``torch.func.jvp``, ``vmap``) switched off.
+
+    Communication buffers are plain tensors whose storage is freed and refilled; inside a
+    transform they would be wrapped, and wrappers have no storage.
+    """
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch._C._are_functorch_transforms_active():
+            return method(*args, **kwargs)
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return cast(_Method, run)
+
+
 def resolve_reshard_after_forward(value: bool | int, shard_size: int) -> bool | int:
     """Normalize ``reshard_after_forward``: a bool, or an int k with 1 < k < shard size.
 
@@ -77,12 +99,13 @@ def resolve_reshard_after_forward(value: bool | int, shard_size: int) -> bool | 
         return value
     if not isinstance(value, int):
         raise ValueError(
-            "reshard_after_forward must be a bool, None or an int world size to reshard to, got "
-            f"{value!r}"
+            "reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to (bool, None or an int), not {value!r}"
         )
     if value < 1 or value > shard_size or shard_size % value != 0:
         raise ValueError(
-            f"reshard_after_forward={value} must be a divisor of the shard size {shard_size}"
+            "If passing reshard_after_forward as an int, it should be a factor of "
+            f"{shard_size}, not {value} (a divisor of the shard size)"
         )
     if value == 1:
         _log.warning(
@@ -129,17 +152,31 @@ def _replicate_mesh_info(mesh_info: MeshInfo) -> MeshInfo:
 
 
 class _PostBackwardTrigger(torch.autograd.Function):
-    """Identity on a unit's forward inputs; its backward runs the unit's post-backward."""
+    """Identity on a unit's forward inputs; its backward runs the unit's post-backward.
+
+    Written with ``setup_context`` (and a ``jvp`` that passes tangents through) so functorch
+    transforms and forward-mode AD (``torch.func.jvp``) can run through a sharded module.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(group: ParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.group.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, group_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # The group is not differentiable: forward-mode tangents pass straight through.
+        return tangents
 
 
 class PendingReduction:
@@ -252,9 +289,7 @@ class PendingReduction:
             output = post_reduce(output, divide_factor=post_divide, scale=float_scale, inplace=True)
         offset = 0
         for param in self.params:
-            new_grad = torch.as_strided(
-                output, param.sharded_size, param.sharded_stride, storage_offset=offset
-            )
+            new_grad = param.reduced_shard_view(output, offset)
             offset += param.padded_sharded_numel
             sharded = param.sharded_param
             if param.offload_to_cpu and new_grad.device.type != DEVICE_TYPE_CPU:
@@ -369,8 +404,30 @@ class ParamGroup:
         self.sharded_accumulated_grad = False
         self._flat_shard: torch.Tensor | None = None
         self._ag_from_post_forward = False
+        self._ag_bytes = False
         self._post_forward_indices: list[int] = []
         self._initialized = False
+        self._register_state_dict_hooks()
+
+    def _register_state_dict_hooks(self) -> None:
+        """Reshard before a state dict is saved or loaded through any module holding a parameter.
+
+        After a forward under ``no_grad`` (or with ``reshard_after_forward=False``) the
+        unsharded parameters are registered; saving must still see the sharded DTensors, and
+        loading (also through a parent that is not a fully_shard module) must write into them.
+        """
+        holders = dict.fromkeys(
+            m
+            for p in self.params
+            for m in (p.module_info.module, *(shared for shared, _ in p.module_info.shared))
+        )
+
+        def to_sharded_hook(*args: Any, **kwargs: Any) -> None:
+            self.to_sharded()
+
+        for module in holders:
+            module.register_state_dict_pre_hook(to_sharded_hook)  # type: ignore[no-untyped-call]
+            module._register_load_state_dict_pre_hook(to_sharded_hook)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ init
     def lazy_init(self, ctx: RootContext | None) -> None:
@@ -396,9 +453,10 @@ class ParamGroup:
         on_meta = [p.fqn for p in self.params if p.sharded_param.device.type == DEVICE_TYPE_META]
         if on_meta:
             raise RuntimeError(
-                f"fully_shard parameters must be materialized before training, but {on_meta} "
-                "are still on the meta device; call module.to_empty(device=...) and initialize "
-                "them (e.g. hp_dtensor.init_parameters) first"
+                "FSDP parameters should be materialized from meta device before training, but "
+                f"the following were still on meta device: {on_meta}; call "
+                "module.to_empty(device=...) and initialize them (e.g. "
+                "hp_dtensor.init_parameters) first"
             )
         if isinstance(self.offload_policy, CPUOffloadPolicy):
             off_cpu = [p.fqn for p in self.params if p.sharded_param.device.type != DEVICE_TYPE_CPU]
@@ -422,12 +480,6 @@ class ParamGroup:
             )
         self.orig_dtype = next(iter(orig)) if trainable else None
         self.reduce_dtype = next(iter(reduce)) if trainable else None
-        compute = {p.compute_dtype for p in self.params}
-        if len(compute) > 1:
-            raise ValueError(
-                "fully_shard all-gathers a unit in one dtype, but its parameters would be "
-                f"gathered in {compute}; put parameters of other dtypes in their own unit"
-            )
         self._initialized = True
         if self.comm_fusion_zero_copy:
             self._init_flat_shard()
@@ -474,6 +526,7 @@ class ParamGroup:
         """Whether an all-gather was issued and not yet waited for."""
         return self._ag is not None
 
+    @_outside_functorch
     def unshard(self, async_op: bool = False) -> None:
         """Issue this unit's all-gather (a no-op when unsharded or already issued).
 
@@ -488,6 +541,10 @@ class ParamGroup:
         self._local_pending = bool(self._replicated)
         if not self._gathered:
             return
+        with self.profile_range("FSDP::all_gather"):
+            self._issue_all_gather()
+
+    def _issue_all_gather(self) -> None:
         from_post_forward = self.sharded_state == ShardedState.SHARDED_POST_FORWARD
         if from_post_forward:
             assert self.post_forward_info is not None
@@ -498,12 +555,28 @@ class ParamGroup:
             world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         dtype = self._gathered[0].compute_dtype
         inputs = [p.all_gather_input() for p in self._gathered]
+        # Parameters gathered in several dtypes (e.g. frozen low-precision weights beside
+        # trainable ones) travel as raw bytes in one collective, as in PyTorch.
+        self._ag_bytes = len({p.compute_dtype for p in self._gathered}) > 1 and self.comm_fusion
+        if self._ag_bytes:
+            inputs = [
+                inp.to(p.compute_dtype).view(torch.uint8)
+                for p, inp in zip(self._gathered, inputs, strict=True)
+            ]
+            dtype = torch.uint8
         if not self.comm_fusion:  # one collective per parameter (debugging)
             self._ag_parts = [
                 issue_all_gather(
-                    [inp], dtype, group, world_size, rank, self.device, True, self.custom_all_gather
+                    [inp],
+                    p.compute_dtype,
+                    group,
+                    world_size,
+                    rank,
+                    self.device,
+                    True,
+                    self.custom_all_gather,
                 )
-                for inp in inputs
+                for p, inp in zip(self._gathered, inputs, strict=True)
             ]
             self._ag = self._ag_parts[0]
         elif (flat := self._zero_copy_input()) is not None and not from_post_forward:
@@ -517,6 +590,7 @@ class ParamGroup:
             )
         self._ag_from_post_forward = from_post_forward
 
+    @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Wait for the issued all-gather and register the unsharded parameters."""
         result = self._ag
@@ -527,7 +601,8 @@ class ParamGroup:
             self._local_pending = False
             self._copy_replicated()
         if result is not None:
-            self._wait_gathered(result)
+            with self.profile_range("FSDP::all_gather_copy_out"):
+                self._wait_gathered(result)
         for param in self.params:
             param.init_unsharded_param()
             param.to_unsharded()
@@ -551,7 +626,7 @@ class ParamGroup:
                 staging = torch.empty_like(out)
                 regroup.append((param, staging, out))
                 out = staging
-            outs.append(out)
+            outs.append(out.view(torch.uint8) if self._ag_bytes else out)
         if self._ag_parts:
             parts, self._ag_parts = self._ag_parts, []
             for part, out in zip(parts, outs, strict=True):
@@ -565,8 +640,16 @@ class ParamGroup:
             ):
                 for param, staging, target in regroup:
                     blocks = staging.view(world_size, *param.padded_sharded_size).unbind(0)
-                    full = list(param.orig_size)
-                    torch.cat(blocks, dim=param.shard_dim, out=target.view(full))
+                    if any(
+                        param.chunk_length(r) != block.size(param.shard_dim)
+                        for r, block in enumerate(blocks)
+                    ):  # uneven split of an inner dim: drop each chunk's padding
+                        blocks = tuple(
+                            block.narrow(param.shard_dim, 0, param.chunk_length(r))
+                            for r, block in enumerate(blocks)
+                        )
+                    full = param.orig_size
+                    torch.cat(blocks, dim=param.shard_dim, out=target[: full.numel()].view(full))
 
     def drop_pending_all_gather(self) -> None:
         """Wait for a prefetched all-gather that will not be used and discard it."""
@@ -580,6 +663,7 @@ class ParamGroup:
             if part.work is not None:
                 part.work.wait()
 
+    @_outside_functorch
     def reshard(self) -> None:
         """Free the unsharded parameters (after forward: per ``reshard_after_forward``)."""
         if self.training_state == TrainingState.FORWARD:
@@ -594,6 +678,7 @@ class ParamGroup:
                 return
         self.to_sharded()
 
+    @_outside_functorch
     def to_sharded(self) -> None:
         """Register the sharded parameters and free all unsharded storage."""
         if self.sharded_state == ShardedState.SHARDED:
@@ -632,39 +717,36 @@ class ParamGroup:
         Returns:
             The inputs (tensors that need grad wrapped by the post-backward trigger).
         """
-        entering = self.training_state != TrainingState.FORWARD
-        self.training_state = TrainingState.FORWARD
-        self.unshard(self.unshard_async_op)
-        self.wait_for_unshard()
-        if entering and torch.is_grad_enabled():
-            args, kwargs = self._register_post_backward(args, kwargs)
-        return args, kwargs
+        with self.profile_range("FSDP::pre_forward"):
+            entering = self.training_state != TrainingState.FORWARD
+            self.training_state = TrainingState.FORWARD
+            self.unshard(self.unshard_async_op)
+            self.wait_for_unshard()
+            if entering and torch.is_grad_enabled():
+                args, kwargs = self._register_post_backward(args, kwargs)
+            return args, kwargs
 
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        leaves, spec = tree_flatten((args, kwargs))
-        positions = [
-            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        if not positions:
+        inputs = [t for t in collect_tensors((args, kwargs)) if t.requires_grad]
+        if not inputs:
             return args, kwargs
-        outs = _PostBackwardTrigger.apply(  # type: ignore[no-untyped-call]
-            self, *(leaves[i] for i in positions)
+        outs = iter(_PostBackwardTrigger.apply(self, *inputs))  # type: ignore[no-untyped-call]
+        new_args, new_kwargs = map_tensors(
+            lambda t: next(outs) if t.requires_grad else t, (args, kwargs)
         )
-        for i, out in zip(positions, outs, strict=True):
-            leaves[i] = out
-        new_args, new_kwargs = tree_unflatten(leaves, spec)
         return new_args, new_kwargs
 
     def post_forward(self) -> None:
         """Reshard per policy and record the post-forward order (outside backward)."""
         if torch._C._current_graph_task_id() == -1:
-            self.reshard()
-            ctx = self.ctx
-            if ctx is not None and torch.is_grad_enabled():  # no backward follows a no_grad pass
-                self._post_forward_indices.append(len(ctx.post_forward_order))
-                ctx.post_forward_order.append(self)
+            with self.profile_range("FSDP::post_forward"):
+                self.reshard()
+                ctx = self.ctx
+                if ctx is not None and torch.is_grad_enabled():  # no backward after no_grad
+                    self._post_forward_indices.append(len(ctx.post_forward_order))
+                    ctx.post_forward_order.append(self)
         self.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------------ backward
@@ -672,12 +754,14 @@ class ParamGroup:
         """Enter backward (once per backward): issue the all-gather unless told not to."""
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
-            self.unshard()
+            with self.profile_range("FSDP::pre_backward"):
+                self.unshard()
 
     def finish_pre_backward(self) -> None:
         """Wait for the all-gather issued by :meth:`start_pre_backward`."""
         if self.unshard_in_backward:
-            self.wait_for_unshard()
+            with self.profile_range("FSDP::pre_backward"):
+                self.wait_for_unshard()
 
     def pop_post_forward_index(self) -> int | None:
         """This group's latest position in the root's post-forward order (None: not recorded).
@@ -689,17 +773,47 @@ class ParamGroup:
             return None
         return self._post_forward_indices.pop()
 
+    def profile_range(self, label: str) -> record_function:
+        """A profiler range named like PyTorch's (``"FSDP::pre_forward (layers.0)"``).
+
+        Args:
+            label: PyTorch's label, e.g. ``"FSDP::all_gather"``.
+
+        Returns:
+            The ``torch.profiler.record_function`` context.
+        """
+        return record_function(f"{label} ({self.fqn})" if self.fqn else label)
+
     def post_backward(self) -> None:
         """Reshard and reduce this unit's gradients (idempotent within one backward)."""
         self.training_state = TrainingState.POST_BACKWARD
-        for param in self.params:
-            param.accumulate_unsharded_grad_if_needed()
+        with self.profile_range("FSDP::post_backward_accumulate"):
+            for param in self.params:
+                param.accumulate_unsharded_grad_if_needed()
+        with self.profile_range("FSDP::post_backward_reshard"):
+            taken = self._take_grads_and_reshard()
+        if taken is None:
+            return
+        ctx = self.ctx
+        if ctx is not None and ctx.pending_reductions:
+            with record_function(f"FSDP::post_backward_rs_wait ({self.fqn})"):
+                ctx.advance_reductions(self.max_inflight_reductions)
+        with_grad, grads = taken
+        if not grads:
+            return
+        with self.profile_range("FSDP::post_backward_reduce"):
+            self._issue_reductions(with_grad, grads)
+
+    def _take_grads_and_reshard(
+        self,
+    ) -> tuple[list[ShardedParam], list[torch.Tensor]] | None:
+        """Take the unsharded gradients to reduce and reshard (None: no reduction this time)."""
         if not self.reduce_grads and not self.sharded_accumulated_grad:
             if self.reshard_after_backward:
                 self.to_sharded()
             for param in self.params:
                 param.to_accumulated_grad_if_needed()
-            return
+            return None
         with_grad: list[ShardedParam] = []
         grads: list[torch.Tensor] = []
         for param in self.params:
@@ -715,9 +829,11 @@ class ParamGroup:
                 grads.append(grad)
         if self.reshard_after_backward:
             self.to_sharded()
+        return with_grad, grads
+
+    def _issue_reductions(self, with_grad: list[ShardedParam], grads: list[torch.Tensor]) -> None:
+        """Issue the reduce-scatter (and the all-reduce of replicated parameters)."""
         ctx = self.ctx
-        if ctx is not None:
-            ctx.advance_reductions(self.max_inflight_reductions)
         replicated = [
             (p, g) for p, g in zip(with_grad, grads, strict=True) if p in self._replicated
         ]
@@ -727,8 +843,6 @@ class ParamGroup:
             ]
             with_grad = [p for p, _ in kept]
             grads = [g for _, g in kept]
-        if not grads and not replicated:
-            return
         if not grads:
             reductions = []
         elif self.comm_fusion:
@@ -764,9 +878,12 @@ class ParamGroup:
             factor,
             self.force_sum_reduction,
         )
+        layouts = [p.reduce_scatter_layout(g) for p, g in zip(params, grads, strict=True)]
+        grads.clear()
+        grads.extend(t for t, _ in layouts)
         rs_input, rs_output, work = issue_reduce_scatter(
             grads,
-            [p.shard_dim for p in params],
+            [d for _, d in layouts],
             reduce_dtype,
             self.reduce_scatter_group or mesh_info.shard_group,
             mesh_info.shard_size,

@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
+from torch.profiler import record_function
 
 from hp_dtensor.device import is_accelerator
+from hp_fsdp.param import ParamOrigin
 from hp_fsdp.param_group import ParamGroup, TrainingState
 from hp_fsdp.policies import MixedPrecisionPolicy
 from hp_fsdp.root_state import ROOTS, RootContext
+from hp_fsdp.traversal import collect_tensors, map_tensors
 
 __all__ = ["STATE_ATTR", "FSDPState", "get_state"]
 
@@ -76,6 +78,8 @@ class FSDPState:
         self.groups: list[ParamGroup] = []
         self.ctx = RootContext()
         self.is_root: bool | None = None
+        #: The unit's module names under the root (profiler labels; set at lazy init).
+        self.fqn = ""
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
@@ -127,24 +131,27 @@ class FSDPState:
             for group in self.groups:
                 group.reshard_after_forward = False
                 group.post_forward_info = None
-        owners: dict[nn.Parameter, str] = {}
+        owners: dict[ParamOrigin, str] = {}
         fqns = {p: n for n, p in root_module.named_parameters()}
         module_names = {m: n for n, m in root_module.named_modules()}
         for state in ctx.states:
             state.ctx = ctx
             unit_fqn = ", ".join(module_names.get(m, "?") for m in state.modules)
+            state.fqn = unit_fqn
             for group in state.groups:
                 group.fqn = unit_fqn
                 if len(state.groups) > 1:
                     group.fqn += f" [{group.mesh_info.mesh_label}]"
                 for param in group.params:
                     param.fqn = fqns.get(param.sharded_param, param.fqn)
-                    if param.sharded_param in owners:
+                    if param.origin in owners:
                         raise ValueError(
-                            f"parameter {param.fqn!r} is managed by two fully_shard units; put "
-                            "tied parameters in one unit (e.g. fully_shard([module_a, module_b]))"
+                            f"Parameter {param.fqn!r} is shared with a parameter already managed "
+                            f"by another FSDP group ({owners[param.origin]!r}); for tied "
+                            "parameters use fully_shard([module_a, module_b]) to place them in "
+                            "one unit"
                         )
-                    owners[param.sharded_param] = group.fqn
+                    owners[param.origin] = group.fqn
         for state in ctx.states:
             for group in state.groups:
                 group.lazy_init(ctx)
@@ -159,14 +166,16 @@ class FSDPState:
             return args, kwargs
         ctx.iter_forward_root = self
         ctx.current_forward_order = []
-        event = ctx.post_optim_event
-        if event is not None:  # set_post_optim_event (accelerators only)
-            ctx.post_optim_event = None
-            event.wait()
-        if is_accelerator(self.device):
-            device = self.device
-            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
-        return args, kwargs
+        with record_function("FSDP::root_pre_forward"):
+            event = ctx.post_optim_event
+            if event is not None:  # set_post_optim_event (accelerators only)
+                ctx.post_optim_event = None
+                event.wait()
+            if is_accelerator(self.device) and (args or kwargs):
+                device = self.device
+                with record_function("FSDP::inputs_to_device"):
+                    args, kwargs = map_tensors(lambda t: t.to(device), (args, kwargs))
+            return args, kwargs
 
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -175,14 +184,16 @@ class FSDPState:
         if not self.mp_policy.cast_forward_inputs or dtype is None:
             return args, kwargs
         cast = functools.partial(_cast_floating, dtype)
-        new_args, new_kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
+        with record_function("FSDP::cast_forward_inputs"):
+            new_args, new_kwargs = map_tensors(cast, (args, kwargs))
         return new_args, new_kwargs
 
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
         if dtype is None:
             return output
-        return tree_map_only(torch.Tensor, functools.partial(_cast_floating, dtype), output)
+        with record_function("FSDP::cast_forward_outputs"):
+            return map_tensors(functools.partial(_cast_floating, dtype), output)
 
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -215,14 +226,15 @@ class FSDPState:
             ctx.current_forward_order.append(self)
         if self.forward_prefetch is not None:
             for state in self.forward_prefetch:
-                state.prefetch(TrainingState.FORWARD)
+                with record_function(f"FSDP::forward_prefetch for {state.fqn}"):
+                    state.prefetch(TrainingState.FORWARD)
             return
         if not self.groups:
             return
         previous = ctx.forward_order
         if position + 1 < len(previous) and previous[position] is self:
             target = previous[position + 1]
-            if target is not self:
+            if target is not self:  # implicit (no range of its own, as in PyTorch)
                 for group in target.groups:
                     group.unshard(True)
 
@@ -288,12 +300,9 @@ class FSDPState:
         if not torch.is_grad_enabled():
             return output
 
-        def register(tensor: torch.Tensor) -> torch.Tensor:
+        for tensor in collect_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
-            return tensor
-
-        tree_map_only(torch.Tensor, register, output)
         return output
 
     # ------------------------------------------------------------------ backward
@@ -312,7 +321,8 @@ class FSDPState:
             group.finish_pre_backward()
         if self.backward_prefetch is not None:
             for state in self.backward_prefetch:
-                state.prefetch(TrainingState.PRE_BACKWARD)
+                with record_function(f"FSDP::backward_prefetch for {state.fqn}"):
+                    state.prefetch(TrainingState.PRE_BACKWARD)
         elif fresh:
             self._default_backward_prefetch(fresh)
         return grad
@@ -329,11 +339,18 @@ class FSDPState:
         modules = order[index].modules
         while index >= 0 and order[index].modules is modules:
             target = order[index]
-            with target.use_training_state(TrainingState.PRE_BACKWARD):
+            with (
+                record_function(f"FSDP::backward_prefetch for {target.fqn}"),
+                target.use_training_state(TrainingState.PRE_BACKWARD),
+            ):
                 target.unshard(target.unshard_async_op)
             index -= 1
 
     def _final_callback(self) -> None:
+        with record_function("FSDP::root_post_backward_callback"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         ctx = self.ctx
         ctx.iter_forward_root = None
         for state in ctx.states:
