@@ -12,6 +12,14 @@ from hp_pp.generators import (
 )
 from hp_pp.generators import STYLE as SCHEDULE_STYLE
 from hp_pp.generators import generate as generate_schedule
+from hp_pp.simulate import (
+    PipelineCosts,
+    SimulationResult,
+    StageCosts,
+    TimedAction,
+    simulate_schedule,
+)
+from hp_pp.timeline import write_chrome_trace, write_timeline_png
 from hp_pp.validate import ValidationReport, check_schedule, validate_schedule
 
 __all__ = [
@@ -19,7 +27,11 @@ __all__ = [
     "SCHEDULE_STYLE",
     "Action",
     "ActionType",
+    "PipelineCosts",
     "ScheduleTable",
+    "SimulationResult",
+    "StageCosts",
+    "TimedAction",
     "ValidationReport",
     "add_communication",
     "add_reduce_grad",
@@ -29,7 +41,10 @@ __all__ = [
     "generate_schedule",
     "rank_to_stages",
     "read_schedule_csv",
+    "simulate_schedule",
     "stage_to_rank",
     "validate_schedule",
+    "write_chrome_trace",
     "write_schedule_csv",
+    "write_timeline_png",
 ]
