@@ -9,6 +9,26 @@ See Also:
 """
 
 from hp_cp_ep.cp.attention import CP_MODES, ContextParallelAttention
+from hp_cp_ep.cp.functional import (
+    context_parallel,
+    context_parallel_unshard,
+    get_rotate_method,
+    set_rotate_method,
+)
 from hp_cp_ep.cp.load_balance import shard_sequence, unshard_sequence
+from hp_cp_ep.cp.style import AsyncContextParallel, ContextParallel
+from hp_cp_ep.cp.trainer import create_context_parallel_ctx
 
-__all__ = ["CP_MODES", "ContextParallelAttention", "shard_sequence", "unshard_sequence"]
+__all__ = [
+    "CP_MODES",
+    "AsyncContextParallel",
+    "ContextParallel",
+    "ContextParallelAttention",
+    "context_parallel",
+    "context_parallel_unshard",
+    "create_context_parallel_ctx",
+    "get_rotate_method",
+    "set_rotate_method",
+    "shard_sequence",
+    "unshard_sequence",
+]

@@ -167,6 +167,9 @@ class ContextParallelAttention:
             meshes: Ulysses over dim 1, ring over dim 0; ``"ring"``/``"allgather"`` on a 2-D mesh
             pick the exchange over dim 0).
         load_balance: The inputs are head-tail (zigzag) sharded (2 chunks per rank).
+        concurrent: Issue the Q/K/V exchanges (Ulysses all-to-alls, all-gathers of K and V) all
+            before waiting for any, instead of one after the other (more messages in flight,
+            more buffers alive at once). The ring overlaps its hops with compute either way.
 
     Raises:
         ValueError: Unknown mode, or a mode that does not fit the mesh's dimensions.
@@ -181,7 +184,14 @@ class ContextParallelAttention:
         (CUDA kernels only), which this engine serves through :func:`context_parallel`.
     """
 
-    def __init__(self, mesh: DeviceMesh, *, mode: str = "ring", load_balance: bool = False):
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        *,
+        mode: str = "ring",
+        load_balance: bool = False,
+        concurrent: bool = False,
+    ) -> None:
         if mode not in CP_MODES:
             raise ValueError(f"mode must be one of {CP_MODES}, got {mode!r}")
         if mesh.ndim not in (1, 2):
@@ -191,6 +201,7 @@ class ContextParallelAttention:
         if mesh.ndim == 2 and mode == "ulysses":
             raise ValueError("mode 'ulysses' takes a 1-D mesh; use 'hybrid' on a 2-D mesh")
         self.mesh, self.mode, self.load_balance = mesh, mode, load_balance
+        self.concurrent = concurrent
         self.exchange = "allgather" if mode == "allgather" else "ring"
         if mesh.ndim == 2:
             self.outer_size, self.ulysses_size = mesh.size(0), mesh.size(1)
@@ -261,7 +272,7 @@ class ContextParallelAttention:
             if k.shape[1] % self.ulysses_size:  # too few K/V heads to split: share them out
                 k = k.repeat_interleave(heads // k.shape[1], dim=1)
                 v = v.repeat_interleave(heads // v.shape[1], dim=1)
-            q, k, v = (seq_to_heads(t, self._ulysses_group) for t in (q, k, v))
+            q, k, v = seq_to_heads((q, k, v), self._ulysses_group, concurrent=self.concurrent)
             if document_ids is not None:
                 document_ids = _gather_ids(document_ids, self._ulysses_group)
             ids = self._ids_after_ulysses(self.outer_rank)
@@ -303,7 +314,7 @@ class ContextParallelAttention:
             out: torch.Tensor = _RingAttention.apply(q, k, v, spec)  # type: ignore[no-untyped-call]
             return out
         else:
-            k, v = gather_seq(k, group), gather_seq(v, group)
+            k, v = gather_seq((k, v), group, concurrent=self.concurrent)
             gathered = [
                 c for r in range(self.outer_size) for c in sorted(self._ids_after_ulysses(r))
             ]

@@ -1,0 +1,186 @@
+"""PyTorch's functional context-parallel API, on the hyper-parallel engine (CPU included).
+
+``context_parallel`` shards the given buffers along their sequence dimension in place and, while
+active, makes ``F.scaled_dot_product_attention`` context-parallel; on exit it restores the
+buffers. ``set_rotate_method`` picks how K/V reach the queries, as in PyTorch: ``"allgather"``
+(the default) or ``"alltoall"`` (PyTorch's name for passing K/V shards around: our ring); the
+hyper-parallel names ``"ring"``, ``"allgather"`` and ``"ulysses"`` are accepted too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_cp_ep.cp._sdpa_redirect import SdpaRedirect
+from hp_cp_ep.cp.attention import ContextParallelAttention
+from hp_cp_ep.cp.load_balance import shard_sequence, unshard_sequence
+
+__all__ = ["context_parallel", "context_parallel_unshard", "get_rotate_method", "set_rotate_method"]
+
+_ROTATE_ALIASES = {
+    "alltoall": "ring",
+    "ring": "ring",
+    "allgather": "allgather",
+    "ulysses": "ulysses",
+}
+
+
+class _RotateDefault:
+    """The process-wide rotate method (PyTorch's ``set_rotate_method`` is process-wide too)."""
+
+    mode = "allgather"
+
+
+_DEFAULT = _RotateDefault()
+
+
+def set_rotate_method(rotate_method: str) -> None:
+    """Choose how :func:`context_parallel` moves K/V between ranks (process-wide default).
+
+    Args:
+        rotate_method: ``"allgather"`` (PyTorch's default: gather K/V, keep Q local) or
+            ``"alltoall"`` (PyTorch's name for rotating K/V shards: our ring attention), or one
+            of hyper-parallel's mode names ``"ring"``, ``"allgather"``, ``"ulysses"``.
+
+    Raises:
+        ValueError: Any other name.
+
+    See Also:
+        ``torch.distributed.tensor.experimental._attention.set_rotate_method``
+    """
+    if rotate_method not in _ROTATE_ALIASES:
+        raise ValueError(
+            f"rotate_method must be one of {sorted(_ROTATE_ALIASES)}; got {rotate_method!r}"
+        )
+    _DEFAULT.mode = _ROTATE_ALIASES[rotate_method]
+
+
+def get_rotate_method() -> str:
+    """The context-parallel mode :func:`context_parallel` uses when none is given.
+
+    See Also:
+        ``torch.distributed.tensor.experimental._attention.set_rotate_method``
+    """
+    return _DEFAULT.mode
+
+
+@contextlib.contextmanager
+def context_parallel(
+    mesh: DeviceMesh,
+    *,
+    buffers: list[torch.Tensor] | None = None,
+    buffer_seq_dims: list[int] | None = None,
+    no_restore_buffers: set[torch.Tensor] | None = None,
+    mode: str | None = None,
+    load_balance: bool = True,
+) -> Iterator[None]:
+    """Run ``F.scaled_dot_product_attention`` context-parallel over ``mesh`` inside the block.
+
+    On entry every buffer is sharded in place along its sequence dimension (head-tail "zigzag"
+    sharding when ``load_balance``, as PyTorch does by default); inside the block SDPA calls on
+    the local shards compute attention over the whole sequence; on exit the buffers not in
+    ``no_restore_buffers`` get their full contents back. On a mesh of size 1 nothing happens.
+
+    Args:
+        mesh: The context-parallel mesh (1-D; 2-D ``(outer, ulysses)`` for the hybrids).
+        buffers: Tensors with a sequence dimension (inputs, labels, positions, RoPE tables).
+            Not parameters.
+        buffer_seq_dims: The sequence dimension of each buffer.
+        no_restore_buffers: Buffers (a subset of ``buffers``) left sharded on exit.
+        mode: Keyword-only extension: ``"ring"``, ``"allgather"``, ``"ulysses"`` or
+            ``"hybrid"``; default :func:`get_rotate_method`.
+        load_balance: Keyword-only extension: head-tail sharding (default, as PyTorch's).
+
+    Yields:
+        Nothing; SDPA is redirected while the block runs.
+
+    Raises:
+        ValueError: Buffers and dims of different lengths, ``no_restore_buffers`` not a subset
+            of ``buffers``, a sequence length not divisible, or (inside) an unsupported SDPA
+            call: a dense ``attn_mask`` or dropout.
+
+    Example:
+        >>> # with context_parallel(cp_mesh, buffers=[tokens, labels], buffer_seq_dims=[1, 1]):
+        >>> #     loss = loss_fn(model(tokens), labels)
+        >>> #     loss.backward()
+
+    See Also:
+        ``torch.distributed.tensor.experimental.context_parallel``: PyTorch's version (CUDA
+        attention kernels only; same signature).
+    """
+    bufs = list(buffers or [])
+    dims = list(buffer_seq_dims or [])
+    if len(bufs) != len(dims):
+        raise ValueError(
+            f"buffers and buffer_seq_dims must have the same length; got {len(bufs)} buffers "
+            f"and {len(dims)} dims"
+        )
+    keep = list(no_restore_buffers or ())
+    if any(not any(k is b for b in bufs) for k in keep):
+        raise ValueError("no_restore_buffers must be a subset of buffers")
+    if mesh.size() == 1:
+        yield
+        return
+    engine = ContextParallelAttention(mesh, mode=mode or _DEFAULT.mode, load_balance=load_balance)
+    shards = [
+        shard_sequence(b, mesh, d, load_balance=load_balance)
+        for b, d in zip(bufs, dims, strict=True)
+    ]
+    originals = [None if any(k is b for k in keep) else b.clone() for b in bufs]
+    for buffer, shard in zip(bufs, shards, strict=True):
+        buffer.resize_(shard.shape).copy_(shard)
+    try:
+        with SdpaRedirect(engine):
+            yield
+    finally:
+        for buffer, original in zip(bufs, originals, strict=True):
+            if original is not None:
+                buffer.resize_(original.shape).copy_(original)
+
+
+def context_parallel_unshard(
+    mesh: DeviceMesh,
+    buffers: list[torch.Tensor],
+    seq_dims: list[int],
+    load_balancer: None = None,
+    *,
+    load_balance: bool = True,
+) -> list[torch.Tensor]:
+    """Gather sequence-sharded tensors (e.g. outputs inside :func:`context_parallel`) whole.
+
+    Args:
+        mesh: The context-parallel mesh.
+        buffers: Local shards.
+        seq_dims: Their sequence dimensions.
+        load_balancer: PyTorch's private load-balancer object is not supported; must be None.
+        load_balance: Keyword-only extension: the shards are head-tail shards (default, as
+            :func:`context_parallel` shards by default).
+
+    Returns:
+        The full tensors, in sequence order, on every rank (not differentiable).
+
+    Raises:
+        ValueError: Lengths of ``buffers`` and ``seq_dims`` differ.
+        TypeError: ``load_balancer`` is not None.
+
+    See Also:
+        ``torch.distributed.tensor.experimental.context_parallel_unshard``
+    """
+    if load_balancer is not None:
+        raise TypeError(
+            "load_balancer objects are PyTorch-private; pass load_balance=True/False instead, "
+            f"got {type(load_balancer).__name__}"
+        )
+    if len(buffers) != len(seq_dims):
+        raise ValueError(
+            f"buffers and seq_dims must have the same length; got {len(buffers)} and "
+            f"{len(seq_dims)}"
+        )
+    return [
+        unshard_sequence(b, mesh, d, load_balance=load_balance)
+        for b, d in zip(buffers, seq_dims, strict=True)
+    ]
