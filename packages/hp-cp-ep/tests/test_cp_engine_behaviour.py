@@ -186,3 +186,56 @@ def test_shard_unshard_round_trip_and_bad_inputs() -> None:
         ContextParallelAttention(mesh, mode="hybrid")
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         ContextParallelAttention(mesh)(x, x[:, :3], x[:, :3])
+
+
+@contextmanager
+def _collective_log() -> Iterator[list[str]]:
+    """Log issue and wait of every all-to-all / all-gather the engine makes."""
+    import torch.distributed as dist
+
+    log: list[str] = []
+    originals = {
+        "all_to_all_single": dist.all_to_all_single,
+        "all_gather_single": dist.all_gather_single,
+    }
+
+    class _Work:
+        def __init__(self, work: Any, label: str) -> None:
+            self._work, self._label = work, label
+
+        def wait(self) -> Any:
+            log.append(f"wait {self._label}")
+            return self._work.wait()
+
+    def wrap(name: str) -> Any:
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            log.append(f"issue {name}")
+            work = originals[name](*args, **kwargs)
+            return _Work(work, name) if kwargs.get("async_op") else work
+
+        return logged
+
+    try:
+        for name in originals:
+            setattr(dist, name, wrap(name))
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "allgather"])
+@distributed(world_size=2)
+def test_concurrent_engine_issues_qkv_exchanges_before_waiting(mode: str) -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(1, 2, 4, 4)
+    logs = {}
+    for concurrent in (False, True):
+        with _collective_log() as log:
+            ContextParallelAttention(mesh, mode=mode, concurrent=concurrent)(x, x, x)
+        logs[concurrent] = log
+    op = "all_to_all_single" if mode == "ulysses" else "all_gather_single"
+    n = 3 if mode == "ulysses" else 2  # q, k, v all-to-alls; or k, v all-gathers
+    one = [f"issue {op}", f"wait {op}"]
+    assert logs[False][: 2 * n] == one * n
+    assert logs[True][: 2 * n] == [f"issue {op}"] * n + [f"wait {op}"] * n
