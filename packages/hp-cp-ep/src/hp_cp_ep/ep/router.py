@@ -31,11 +31,10 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 class Routing(NamedTuple):
     """The routing of a batch of ``T`` tokens over ``E`` experts, top ``k`` per token.
 
-    Attributes:
-        scores: ``[T, E]`` fp32 probabilities (before any bias, normalisation or scaling).
-        top_scores: ``[T, k]`` combine weights of the chosen experts (normalised and scaled).
-        selected_experts: ``[T, k]`` int64 expert index per choice.
-        num_tokens_per_expert: ``[E]`` int64 number of choices per expert.
+    Fields: ``scores`` (``[T, E]`` fp32 probabilities, before any bias, normalisation or
+    scaling), ``top_scores`` (``[T, k]`` combine weights of the chosen experts, normalised and
+    scaled), ``selected_experts`` (``[T, k]`` int64 expert index per choice) and
+    ``num_tokens_per_expert`` (``[E]`` int64 number of choices per expert).
     """
 
     scores: torch.Tensor
