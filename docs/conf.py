@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 project = "hyper-parallel"
 author = "hyper-parallel developers"
@@ -23,6 +24,10 @@ extensions = [
     "sphinx.ext.extlinks",
     "sphinx.ext.viewcode",
 ]
+
+# hp-pp's schedule gallery: pictures its simulator draws at build time (docs/_ext).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ext"))
+extensions.append("hp_pp_gallery")
 
 OFFLINE = os.environ.get("HP_DOCS_OFFLINE", "0") == "1"
 TORCHTITAN_REF = "v0.2.0"

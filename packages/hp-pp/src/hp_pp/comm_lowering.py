@@ -101,7 +101,7 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
             ``OVERLAP_F_B``) and ranks ``0 .. len(table) - 1``.
         num_stages: Total number of stages.
         style: ``"loop"`` or ``"v"``: the stage-to-rank placement
-            (:func:`hp_pp.generators.stage_to_rank`).
+            (:func:`hp_pp.stage_to_rank`).
 
     Raises:
         ValueError: a non-compute action, a stage on the wrong rank, or a table whose compute

@@ -42,7 +42,7 @@ def _write_rows(table: ScheduleTable, handle: IO[str]) -> None:
 
 
 def read_csv(path_or_file: str | Path | IO[str]) -> ScheduleTable:
-    """Read a table written by :func:`write_csv` (or by PyTorch's ``_dump_csv``).
+    """Read a table written by :func:`hp_pp.write_schedule_csv` (or by PyTorch's ``_dump_csv``).
 
     Raises:
         ValueError: a cell is not an action in the compact notation; the message names the

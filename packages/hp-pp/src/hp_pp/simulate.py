@@ -242,7 +242,7 @@ def simulate_schedule(table: ScheduleTable, costs: PipelineCosts | None = None) 
 
     Args:
         table: ``{rank: [Action | None]}``, compute-only or with sends and receives (validate
-            it first with :func:`hp_pp.validate.check_schedule` for clear messages).
+            it first with :func:`hp_pp.check_schedule` for clear messages).
         costs: Stage and transfer costs; unit costs (``F = I = W = 1``, no transfer time)
             when ``None``.
 

@@ -74,7 +74,7 @@ def generate(name: str, *, pp_size: int, num_stages: int, n_microbatches: int) -
     """The compute-only action table of the built-in schedule ``name``.
 
     Args:
-        name: A schedule name (see :data:`SCHEDULE_NAMES`; case-insensitive, torch class names
+        name: A schedule name (see ``SCHEDULE_NAMES``; case-insensitive, torch class names
             accepted).
         pp_size: Number of pipeline ranks.
         num_stages: Total number of stages (``pp_size`` for single-stage schedules, a multiple
