@@ -16,6 +16,12 @@ from hp_pp.schedules import (
     ScheduleZBVZeroBubble,
     get_schedule_class,
 )
+from hp_pp.split import (
+    generate_llm_fqn_per_model_part,
+    pipeline_llm,
+    pipeline_module_split,
+    split_module_by_fqns,
+)
 from hp_pp.stage import PipelineStage
 
 __all__ = [
@@ -33,7 +39,11 @@ __all__ = [
     "ScheduleMPipe",
     "ScheduleZBVZeroBubble",
     "TensorChunkSpec",
+    "generate_llm_fqn_per_model_part",
     "get_schedule_class",
     "merge_chunks",
+    "pipeline_llm",
+    "pipeline_module_split",
     "split_args_kwargs_into_chunks",
+    "split_module_by_fqns",
 ]
