@@ -101,9 +101,11 @@ def _ep_parity(num_experts: int, **overrides: Any) -> None:
     assert w1.placements == (Shard(0),)
     assert w1.to_local().shape[0] == num_experts // world
     x, target = _batch(rank)
+    copied = copy.deepcopy(moe)  # shares the process groups
     out = moe(x)
     (out * target).sum().backward()
     torch.testing.assert_close(moe.tokens_per_expert, reference.router(x)[2].float())
+    torch.testing.assert_close(copied(x), out, rtol=0, atol=0)
     _check_against_oracle(moe, reference, list(range(world)), rank, out.detach())
 
 

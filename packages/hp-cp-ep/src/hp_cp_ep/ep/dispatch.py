@@ -26,6 +26,7 @@ See Also:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,6 +257,13 @@ class TokenDispatcher:
         self.tp_group = tp_group
         self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         self._checked_peers = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TokenDispatcher:
+        # Process groups cannot be copied: a deep copy of a parallelized model (EMA weights,
+        # a reference copy) communicates over the same groups.
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        return clone
 
     def _check_peers(self, hidden: int) -> None:
         """Once: every EP rank must hold as many experts and the same hidden size."""
