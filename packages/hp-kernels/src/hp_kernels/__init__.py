@@ -36,6 +36,7 @@ from hp_kernels.device_kernels import (
     has_device_kernel,
     reference_kernel,
     register_device_kernel,
+    register_shipped_kernels,
     shipped_device_kernels,
 )
 from hp_kernels.moe import permute_tokens, unpermute_tokens
@@ -45,6 +46,9 @@ from hp_kernels.reduce_scatter import (
     reduce_scatter_copy_in,
     reduce_scatter_numel,
 )
+
+register_shipped_kernels()
+del register_shipped_kernels
 
 __all__ = [
     "OP_NAMES",

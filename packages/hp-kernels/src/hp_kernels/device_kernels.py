@@ -52,6 +52,14 @@ OP_NAMES: tuple[str, ...] = (
 )
 
 
+def register_shipped_kernels() -> None:
+    """Register this package's device kernels whose runtime is installed (called at import)."""
+    from hp_kernels import npu_kernels, triton_kernels
+
+    triton_kernels.register(SHIPPED)
+    npu_kernels.register(SHIPPED)
+
+
 def _check_op(op_name: str) -> str:
     if op_name not in OP_NAMES:
         raise ValueError(f"unknown hp_kernels op {op_name!r}; expected one of {list(OP_NAMES)}")
