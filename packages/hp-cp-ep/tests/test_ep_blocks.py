@@ -283,3 +283,18 @@ def test_expert_bias_update_and_load_stats() -> None:
     stats = expert_load(torch.tensor([6.0, 2.0, 0.0, 0.0]))
     assert (stats.min, stats.max, stats.mean, stats.imbalance) == (0.0, 6.0, 2.0, 3.0)
     assert expert_load(torch.zeros(3)).imbalance == 0.0
+
+
+def test_activation_checkpoint_recompute_counts_tokens_once() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(8)
+    moe = MoE(MoEArgs(num_experts=4, top_k=2, aux_loss_coeff=0.1), DIM, HIDDEN)
+    plain = copy.deepcopy(moe)
+    x = torch.randn(6, DIM)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    plain(x).sum().backward()
+    assert torch.equal(moe.tokens_per_expert, plain.tokens_per_expert)
+    assert moe.tokens_per_expert.sum() == 12
+    for p, r in zip(moe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad)

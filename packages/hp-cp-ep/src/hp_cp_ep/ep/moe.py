@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_cp_ep.ep._compat import in_backward
 from hp_cp_ep.ep.experts import GroupedExperts
 from hp_cp_ep.ep.router import TokenChoiceTopKRouter, load_balancing_loss
 from hp_cp_ep.ep.stats import ExpertLoad
@@ -128,7 +129,8 @@ class MoE(nn.Module):
     Takes ``[..., dim]`` tokens (any leading shape) and returns the same shape. Dropless by
     default; see :class:`MoEArgs` for the options. Buffers: ``expert_bias`` (``[E]`` fp32, when
     ``load_balance_coeff`` is set; persistent) and ``tokens_per_expert`` (``[E]`` fp32, this
-    rank's routed choices accumulated since the last :func:`hp_cp_ep.update_expert_bias`).
+    rank's routed choices accumulated since the last :func:`hp_cp_ep.update_expert_bias`;
+    forwards recomputed by activation checkpointing are not counted again).
     After each forward ``aux_loss`` holds the (detached) auxiliary loss when it is enabled.
 
     Under :class:`hp_cp_ep.ExpertParallel` the dispatch all-to-all is issued before the shared
@@ -231,8 +233,9 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router.route(tokens, self.expert_bias)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(routing.num_tokens_per_expert.to(torch.float32))
+        if not in_backward():  # an activation checkpoint's recompute must not count twice
+            with torch.no_grad():
+                self.tokens_per_expert.add_(routing.num_tokens_per_expert.to(torch.float32))
         selected = routing.selected_experts
         num_bins = self.num_experts
         if self.moe_args.capacity_factor is not None:
