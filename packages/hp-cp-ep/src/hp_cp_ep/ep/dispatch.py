@@ -209,6 +209,9 @@ class DispatchedTokens:
 
     Attributes:
         num_tokens_per_expert: ``[E_local]`` int64 rows per local expert (known at issue time).
+
+    See Also:
+        ``torch.distributed.Work``: the handle of the asynchronous all-to-all waited on here.
     """
 
     def __init__(

@@ -41,6 +41,10 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     Returns:
         ``True`` when torch has the kernel, the dtype is fp32/bf16 on CPU or bf16 on an
         accelerator, and every inner dimension times the element size is a multiple of 16 bytes.
+
+    See Also:
+        ``torch._grouped_mm``: the kernel; TorchTitan's ``GroupedExperts`` makes the same choice
+        with its ``use_grouped_mm`` flag.
     """
     if grouped_mm_op() is None:
         return False

@@ -27,7 +27,11 @@ __all__ = ["moe_layers", "register_expert_bias_update", "update_expert_bias"]
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
-    """Every :class:`~hp_cp_ep.MoE` in ``model`` by fully qualified name."""
+    """Every :class:`~hp_cp_ep.MoE` in ``model`` by fully qualified name.
+
+    See Also:
+        ``torch.nn.Module.named_modules``.
+    """
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
@@ -86,6 +90,10 @@ def register_expert_bias_update(
 
     Returns:
         The hook handle (``.remove()`` to stop).
+
+    See Also:
+        ``torch.optim.Optimizer.register_step_post_hook``; TorchTitan registers its bias update
+        as an optimizer step pre-hook (``build_optimizers_with_moe_load_balancing``).
     """
 
     def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:

@@ -59,6 +59,9 @@ class MoEArgs:
         aux_loss_coeff: Extension: weight of the auxiliary load-balancing loss added to the
             backward (0: off).
         _debug_force_load_balance: Route round-robin (debugging, benchmarks).
+
+    See Also:
+        ``torchtitan.models.moe.MoEArgs``: TorchTitan's options.
     """
 
     num_experts: int = 8

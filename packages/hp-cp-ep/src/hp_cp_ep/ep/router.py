@@ -35,6 +35,9 @@ class Routing(NamedTuple):
     scaling), ``top_scores`` (``[T, k]`` combine weights of the chosen experts, normalised and
     scaled), ``selected_experts`` (``[T, k]`` int64 expert index per choice) and
     ``num_tokens_per_expert`` (``[E]`` int64 number of choices per expert).
+
+    See Also:
+        ``torchtitan.models.moe.TokenChoiceTopKRouter.forward``, which returns the last three.
     """
 
     scores: torch.Tensor

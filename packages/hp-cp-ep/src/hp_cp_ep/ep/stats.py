@@ -24,6 +24,9 @@ class ExpertLoad:
         max: Most choices of an expert.
         mean: Mean choices per expert.
         imbalance: ``max / mean`` (1.0 is perfect balance; 0.0 when nothing was routed).
+
+    See Also:
+        TorchTitan's MoE ``tokens_per_expert`` buffer, which its metrics read.
     """
 
     tokens_per_expert: torch.Tensor
@@ -41,6 +44,9 @@ def expert_load(tokens_per_expert: torch.Tensor) -> ExpertLoad:
         >>> from hp_cp_ep import expert_load
         >>> expert_load(torch.tensor([6.0, 2.0, 0.0, 0.0])).imbalance
         3.0
+
+    See Also:
+        :class:`ExpertLoad`.
     """
     counts = tokens_per_expert.detach().to("cpu", torch.float32)
     mean = float(counts.mean()) if counts.numel() else 0.0
