@@ -357,3 +357,20 @@ def test_two_models_in_one_process_do_not_interfere() -> None:
     for name, grad in _grads(second).items():
         assert torch.equal(grad, alone_b[name]), name
     assert get_state(first).ctx is not get_state(second).ctx  # type: ignore[union-attr]
+
+
+@distributed(world_size=2)
+def test_first_iteration_prefetches_in_module_order() -> None:
+    """No previous order yet: the next unit (registration order) is gathered ahead anyway."""
+    h = _helpers()
+    model, _ = _build((2,))
+    tokens, _ = h.make_batch(rank_seed(2))
+    with _comm_log() as log:
+        for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
+            layer.down.register_forward_hook(lambda *_, i=i: log.append(("compute_end", i)))
+        model(tokens)
+    fwd_ags = [e for e in log if e[0] == "issue" and e[1] == "ag"]
+    assert len(fwd_ags) == 3, log  # root, block 0, block 1: none wasted
+    third = fwd_ags[2]
+    assert _index(log, third) < _index(log, ("compute_end", 0)), log
+    assert _index(log, ("wait", "ag", third[2], third[3])) > _index(log, ("compute_end", 0)), log

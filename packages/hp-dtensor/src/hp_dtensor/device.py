@@ -45,7 +45,10 @@ __all__ = [
     "DISPATCH_KEY_CUDA",
     "DISPATCH_KEY_NPU",
     "Event",
+    "RecordingEvent",
+    "RecordingStream",
     "Stream",
+    "StreamLog",
     "current_stream",
     "destroy_process_group",
     "device_count",
@@ -448,6 +451,21 @@ class Event:
         """The wrapped ``torch.Event``, or None on the CPU."""
         return self._event
 
+    @classmethod
+    def from_native(cls, event: torch.Event) -> Event:
+        """Wrap an existing ``torch.Event`` (e.g. one a user recorded after the optimizer).
+
+        Args:
+            event: the event.
+
+        Returns:
+            The wrapper.
+        """
+        wrapper = cls(DEVICE_TYPE_CPU)
+        wrapper.device_type = event.device.type
+        wrapper._event = event
+        return wrapper
+
     def record(self, stream: Stream | None = None) -> None:
         """Record the event on a stream (the current stream by default).
 
@@ -596,6 +614,39 @@ class Stream:
         if self._stream is not None:
             self._stream.synchronize()
 
+    def record_tensor(self, tensor: torch.Tensor) -> None:
+        """Tell the caching allocator that ``tensor`` is used on this stream.
+
+        Its memory is then not reused before the work queued here so far completes (a no-op
+        on the CPU and for tensors of another device).
+
+        Args:
+            tensor: a tensor allocated on another stream.
+
+        See Also:
+            ``torch.Tensor.record_stream``: the wrapped call.
+        """
+        if self._stream is not None and tensor.device.type == self.device_type:
+            tensor.record_stream(self._stream)
+
+    @classmethod
+    def from_native(cls, native: torch.Stream) -> Stream:
+        """Wrap an existing ``torch.Stream`` (e.g. one a user passes to a hook setter).
+
+        Args:
+            native: the stream.
+
+        Returns:
+            The wrapper.
+        """
+        return cls(native.device.type, _native=native)
+
+    def _entered(self) -> None:
+        """Called when :func:`stream` makes this stream current (a hook for test doubles)."""
+
+    def _left(self) -> None:
+        """Called when :func:`stream` restores the previous stream (a hook for test doubles)."""
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Stream):
             return NotImplemented
@@ -605,6 +656,159 @@ class Stream:
 
     def __hash__(self) -> int:
         return hash((self.device_type, self._stream))
+
+
+class StreamLog:
+    """What :class:`RecordingStream` and :class:`RecordingEvent` did, in order (a test double).
+
+    Each entry is a tuple: ``("enter", stream)``, ``("leave", stream)``,
+    ``("wait_stream", waiter, waited)``, ``("record", event, stream)``,
+    ``("wait_event", stream, event)`` or ``("synchronize", what)``; streams and events appear
+    by name. ``ran_on`` maps labels given to :meth:`mark` to the stream current at that point.
+
+    See Also:
+        ``torch.Stream`` / ``torch.Event``: the calls being recorded.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, ...]] = []
+        self._current: list[str] = ["compute"]
+        self.ran_on: dict[str, list[str]] = {}
+
+    @property
+    def current(self) -> str:
+        """The name of the stream current now (``"compute"`` outside any recorded stream)."""
+        return self._current[-1]
+
+    def mark(self, label: str) -> None:
+        """Note that the work called ``label`` runs now, on the current stream.
+
+        Args:
+            label: a name for the work (e.g. ``"all_gather"``).
+        """
+        self.ran_on.setdefault(label, []).append(self.current)
+
+    def count(self, kind: str) -> int:
+        """How many entries of a kind were recorded (e.g. ``"synchronize"``).
+
+        Args:
+            kind: the first element of the entries to count.
+
+        Returns:
+            The count.
+        """
+        return sum(1 for entry in self.entries if entry[0] == kind)
+
+
+class RecordingStream(Stream):
+    """A CPU stream double that records how it is used into a :class:`StreamLog`.
+
+    Args:
+        name: the stream's name in the log.
+        log: the shared log.
+
+    See Also:
+        ``torch.Stream``: the stream it stands in for.
+    """
+
+    def __init__(self, name: str, log: StreamLog) -> None:
+        super().__init__(DEVICE_TYPE_CPU)
+        self.name = name
+        self.log = log
+
+    def wait_stream(self, other: Stream) -> None:
+        """Record that this stream waits for ``other``.
+
+        Args:
+            other: the stream waited for.
+        """
+        self.log.entries.append(("wait_stream", self.name, getattr(other, "name", "compute")))
+
+    def wait_event(self, event: Event) -> None:
+        """Record that this stream waits for ``event``.
+
+        Args:
+            event: the event waited for.
+        """
+        self.log.entries.append(("wait_event", self.name, getattr(event, "name", "external")))
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record a (new) event on this stream.
+
+        Args:
+            event: the event to record; a new :class:`RecordingEvent` by default.
+
+        Returns:
+            The event.
+        """
+        if event is None:
+            event = RecordingEvent(f"{self.name}_event", self.log)
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """Record a host synchronization on this stream."""
+        self.log.entries.append(("synchronize", self.name))
+
+    def record_tensor(self, tensor: torch.Tensor) -> None:
+        """Record that a tensor's lifetime now extends to this stream.
+
+        Args:
+            tensor: the tensor.
+        """
+        self.log.entries.append(("record_tensor", self.name))
+
+    def _entered(self) -> None:
+        self.log.entries.append(("enter", self.name))
+        self.log._current.append(self.name)
+
+    def _left(self) -> None:
+        self.log._current.pop()
+        self.log.entries.append(("leave", self.name))
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+
+class RecordingEvent(Event):
+    """A CPU event double that records into a :class:`StreamLog`.
+
+    Args:
+        name: the event's name in the log.
+        log: the shared log.
+
+    See Also:
+        ``torch.Event``: the event it stands in for.
+    """
+
+    def __init__(self, name: str, log: StreamLog) -> None:
+        super().__init__(DEVICE_TYPE_CPU)
+        self.name = name
+        self.log = log
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Record the event on ``stream`` (the current one by default).
+
+        Args:
+            stream: the stream.
+        """
+        where = getattr(stream, "name", None) or self.log.current
+        self.log.entries.append(("record", self.name, where))
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make ``stream`` (the current one by default) wait for this event.
+
+        Args:
+            stream: the stream.
+        """
+        where = getattr(stream, "name", None) or self.log.current
+        self.log.entries.append(("wait_event", where, self.name))
+
+    def synchronize(self) -> None:
+        """Record a host synchronization on this event."""
+        self.log.entries.append(("synchronize", self.name))
 
 
 def current_stream(device_type: str | None = None) -> Stream:
@@ -638,8 +842,14 @@ def stream(s: Stream | None) -> Iterator[None]:
     See Also:
         ``torch.cuda.stream``-style contexts; ``torch.accelerator.set_stream``.
     """
+    if s is not None:
+        s._entered()
     if s is None or s.native is None:
-        yield
+        try:
+            yield
+        finally:
+            if s is not None:
+                s._left()
         return
     previous = torch.accelerator.current_stream()
     torch.accelerator.set_stream(s.native)
@@ -647,6 +857,7 @@ def stream(s: Stream | None) -> Iterator[None]:
         yield
     finally:
         torch.accelerator.set_stream(previous)
+        s._left()
 
 
 def _read_status_kib(field: str) -> int | None:

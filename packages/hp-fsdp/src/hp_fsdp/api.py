@@ -26,6 +26,9 @@ from hp_dtensor.device import (
     BACKEND_NCCL,
     DEVICE_TYPE_CPU,
     DEVICE_TYPE_CUDA,
+    Event,
+    Stream,
+    current_stream,
     get_device,
     get_device_type,
     is_accelerator,
@@ -366,14 +369,14 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_post_optim_event``: PyTorch's method.
         """
         state = self._get_fsdp_state()
-        if is_accelerator(state.device):
+        if is_accelerator(state.device) or isinstance(event, Event):
             state.ctx.post_optim_event = event
-            return
-        _log_hint_once(
-            state.ctx,
-            "set_post_optim_event",
-            "set_post_optim_event: no streams on the CPU; all-gathers follow program order",
-        )
+        if not is_accelerator(state.device):
+            _log_hint_once(
+                state.ctx,
+                "set_post_optim_event",
+                "set_post_optim_event: no streams on the CPU; all-gathers follow program order",
+            )
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size.
@@ -516,11 +519,16 @@ class FSDPModule:
             )
         chosen = hook
         if stream is not None:
-            accelerator_stream = stream
+            hook_stream = stream if isinstance(stream, Stream) else Stream.from_native(stream)
 
             def on_stream(tensor: torch.Tensor) -> None:
-                with device_stream(accelerator_stream):
+                # The hook stream waits for the reduction, and the caller's stream for the hook.
+                caller = current_stream(hook_stream.device_type)
+                hook_stream.wait_stream(caller)
+                hook_stream.record_tensor(tensor)
+                with device_stream(hook_stream):
                     hook(tensor)
+                caller.wait_stream(hook_stream)
 
             chosen = on_stream
         for group in state.groups:

@@ -21,6 +21,9 @@ import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 
+from hp_dtensor.device import Event, current_stream
+from hp_dtensor.device import stream as device_stream
+from hp_fsdp.streams import CommStreams
 from hp_kernels import (
     AllGather,
     ReduceScatter,
@@ -52,6 +55,8 @@ class AllGatherResult:
     split_sizes: list[int]
     world_size: int
     work: dist.Work | None
+    #: Recorded on the all-gather stream after the collective was issued (None: no streams).
+    event: Event | None = None
 
 
 @torch.no_grad()
@@ -64,6 +69,8 @@ def issue_all_gather(
     device: torch.device,
     async_op: bool,
     comm: AllGather | None = None,
+    *,
+    streams: CommStreams | None = None,
 ) -> AllGatherResult:
     """Pack ``inputs`` (cast to ``dtype``) and issue one all-gather over ``group``.
 
@@ -77,6 +84,8 @@ def issue_all_gather(
         async_op: return before the collective completes.
         comm: a custom all-gather (``set_custom_all_gather``); its ``allocate`` provides the
             output buffer. None uses ``torch.distributed.all_gather_single``.
+        streams: copy in on the copy-in stream (after the compute stream), issue on the
+            all-gather stream after the copy-in event; None: the current stream.
 
     Returns:
         The pending :class:`AllGatherResult`.
@@ -85,19 +94,42 @@ def issue_all_gather(
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather``.
     """
     splits = [t.numel() for t in inputs]
-    if world_size == 1:  # nothing to gather (replicate-only mesh): pack, no collective
-        _, ag_output = all_gather_copy_in(inputs, splits, 1, 0, dtype, device)
-        return AllGatherResult(ag_output, splits, 1, None)
-    if comm is None:
-        ag_input, ag_output = all_gather_copy_in(inputs, splits, world_size, rank, dtype, device)
-        work = dist.all_gather_single(ag_output, ag_input, group=group, async_op=async_op)
+    copy_in_stream = streams.copy_in if streams is not None else None
+    with device_stream(copy_in_stream):
+        if streams is not None:
+            streams.mark("all_gather_copy_in")
+            for tensor in inputs:  # shards written on the compute stream, read here
+                streams.copy_in.record_tensor(tensor)
+        if world_size == 1:  # nothing to gather (replicate-only mesh): pack, no collective
+            _, ag_output = all_gather_copy_in(inputs, splits, 1, 0, dtype, device)
+        elif comm is None:
+            ag_input, ag_output = all_gather_copy_in(
+                inputs, splits, world_size, rank, dtype, device
+            )
+        else:
+            buffer = comm.allocate((world_size * sum(splits),), dtype=dtype, device=device)
+            ag_input, ag_output = all_gather_copy_in(
+                inputs, splits, world_size, rank, dtype, device, out=buffer
+            )
+    if streams is None:
+        event = None
     else:
-        buffer = comm.allocate((world_size * sum(splits),), dtype=dtype, device=device)
-        ag_input, ag_output = all_gather_copy_in(
-            inputs, splits, world_size, rank, dtype, device, out=buffer
-        )
-        work = comm(ag_output, ag_input, group, async_op)
-    return AllGatherResult(ag_output, splits, world_size, work if async_op else None)
+        event = streams.copy_in.record_event(streams.new_event("all_gather_copy_in"))
+    if world_size == 1:
+        return AllGatherResult(ag_output, splits, 1, None, event)
+    ag_stream = streams.all_gather if streams is not None else None
+    with device_stream(ag_stream):
+        if streams is not None:
+            assert event is not None
+            streams.all_gather.wait_event(event)
+            streams.mark("all_gather")
+        if comm is None:
+            work = dist.all_gather_single(ag_output, ag_input, group=group, async_op=async_op)
+        else:
+            work = comm(ag_output, ag_input, group, async_op)
+    if streams is not None:
+        event = streams.all_gather.record_event(streams.new_event("all_gather"))
+    return AllGatherResult(ag_output, splits, world_size, work if async_op else None, event)
 
 
 @torch.no_grad()
@@ -118,6 +150,10 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
     if result.work is not None:
         result.work.wait()
         result.work = None
+    if result.event is not None:  # the current (compute) stream waits for the all-gather only
+        result.event.wait()
+        current_stream(result.output.device.type).record_tensor(result.output)
+        result.event = None
     with _unsafe_preserve_version_counter(tuple(outs)):
         all_gather_copy_out(result.output, result.split_sizes, result.world_size, outs)
 

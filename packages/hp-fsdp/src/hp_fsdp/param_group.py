@@ -23,7 +23,8 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META
+from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, Event
+from hp_dtensor.device import stream as device_stream
 from hp_fsdp.collectives import (
     AllGatherResult,
     apply_gradient_scaling_factor,
@@ -35,6 +36,7 @@ from hp_fsdp.collectives import (
 from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo, PostForwardInfo, _dim_names
 from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.streams import CommStreams
 from hp_fsdp.traversal import collect_tensors, map_tensors
 from hp_kernels import AllGather, ReduceScatter, post_reduce
 
@@ -202,8 +204,16 @@ class PendingReduction:
         do_all_reduce: bool,
         *,
         mesh_info: MeshInfo | None = None,
+        streams: CommStreams | None = None,
+        event: Event | None = None,
     ) -> None:
         self.group = group
+        self._streams = streams or CommStreams.for_device(rs_output.device)
+        #: Recorded after the collective in flight was issued (on its stream).
+        self._event = event
+        #: Recorded after the gradients were written, when they were copied to the host
+        #: without blocking (CPU offload from an accelerator): wait for it before reading them.
+        self.host_copy_event: Event | None = None
         self._mesh_info = mesh_info or group.mesh_info
         self.params = params
         self._rs_input: torch.Tensor | None = rs_input
@@ -240,9 +250,19 @@ class PendingReduction:
                     self._stage = 2
                     return
                 assert mesh_info.replicate_group is not None
-                self._work = dist.all_reduce(
-                    output, op=self._all_reduce_op, group=mesh_info.replicate_group, async_op=True
-                )
+                streams = self._streams
+                if self._event is not None:  # the all-reduce waits for the reduce-scatter only
+                    streams.all_reduce.wait_event(self._event)
+                with device_stream(streams.all_reduce):
+                    streams.mark("all_reduce")
+                    streams.all_reduce.record_tensor(output)
+                    self._work = dist.all_reduce(
+                        output,
+                        op=self._all_reduce_op,
+                        group=mesh_info.replicate_group,
+                        async_op=True,
+                    )
+                self._event = streams.all_reduce.record_event(streams.new_event("all_reduce"))
                 self._stage = 1
                 return
         self._write_grads()
@@ -263,6 +283,18 @@ class PendingReduction:
 
     @torch.no_grad()
     def _write_grads(self) -> None:
+        """Divide, cast and write the reduced gradients off the compute stream."""
+        streams = self._streams
+        post = streams.all_reduce if self._stage == 1 else streams.reduce_scatter
+        with device_stream(post):
+            streams.mark("post_reduce")
+            self._write_grads_on_current_stream()
+        done = post.record_event(streams.new_event("post_reduce"))
+        done.wait()  # the compute stream (optimizer) waits for these gradients only
+        if any(p.offload_to_cpu for p in self.params) and post.native is not None:
+            self.host_copy_event = done
+
+    def _write_grads_on_current_stream(self) -> None:
         output = self._output
         group = self.group
         if group.all_reduce_hook is not None:
@@ -293,7 +325,8 @@ class PendingReduction:
             offset += param.padded_sharded_numel
             sharded = param.sharded_param
             if param.offload_to_cpu and new_grad.device.type != DEVICE_TYPE_CPU:
-                new_grad = new_grad.to(DEVICE_TYPE_CPU, non_blocking=False)
+                # no host sync here: the root waits once for the post-reduce event
+                new_grad = new_grad.to(DEVICE_TYPE_CPU, non_blocking=True)
             if main_grad:
                 param.accumulate_main_grad(new_grad)
             elif sharded.grad is not None:
@@ -405,6 +438,7 @@ class ParamGroup:
         self._flat_shard: torch.Tensor | None = None
         self._ag_from_post_forward = False
         self._ag_bytes = False
+        self._own_streams: CommStreams | None = None
         self._post_forward_indices: list[int] = []
         self._initialized = False
         self._register_state_dict_hooks()
@@ -554,16 +588,18 @@ class ParamGroup:
             group = self.mesh_info.shard_group
             world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         dtype = self._gathered[0].compute_dtype
-        inputs = [p.all_gather_input() for p in self._gathered]
+        streams = self.comm_streams()
         # Parameters gathered in several dtypes (e.g. frozen low-precision weights beside
         # trainable ones) travel as raw bytes in one collective, as in PyTorch.
         self._ag_bytes = len({p.compute_dtype for p in self._gathered}) > 1 and self.comm_fusion
-        if self._ag_bytes:
-            inputs = [
-                inp.to(p.compute_dtype).view(torch.uint8)
-                for p, inp in zip(self._gathered, inputs, strict=True)
-            ]
-            dtype = torch.uint8
+        with device_stream(streams.copy_in):  # host-to-device copies and casts off compute
+            inputs = [p.all_gather_input() for p in self._gathered]
+            if self._ag_bytes:
+                inputs = [
+                    inp.to(p.compute_dtype).view(torch.uint8)
+                    for p, inp in zip(self._gathered, inputs, strict=True)
+                ]
+                dtype = torch.uint8
         if not self.comm_fusion:  # one collective per parameter (debugging)
             self._ag_parts = [
                 issue_all_gather(
@@ -575,18 +611,32 @@ class ParamGroup:
                     self.device,
                     True,
                     self.custom_all_gather,
+                    streams=streams,
                 )
                 for p, inp in zip(self._gathered, inputs, strict=True)
             ]
             self._ag = self._ag_parts[0]
         elif (flat := self._zero_copy_input()) is not None and not from_post_forward:
-            output = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-            work = dist.all_gather_single(output, flat, group=group, async_op=True)
+            with device_stream(streams.all_gather):  # no copy-in: gather the shards as they are
+                streams.mark("all_gather")
+                output = torch.empty(
+                    world_size * flat.numel(), dtype=flat.dtype, device=flat.device
+                )
+                work = dist.all_gather_single(output, flat, group=group, async_op=True)
+            event = streams.all_gather.record_event(streams.new_event("all_gather"))
             splits = [p.padded_sharded_numel for p in self._gathered]
-            self._ag = AllGatherResult(output, splits, world_size, work)
+            self._ag = AllGatherResult(output, splits, world_size, work, event)
         else:
             self._ag = issue_all_gather(
-                inputs, dtype, group, world_size, rank, self.device, True, self.custom_all_gather
+                inputs,
+                dtype,
+                group,
+                world_size,
+                rank,
+                self.device,
+                True,
+                self.custom_all_gather,
+                streams=streams,
             )
         self._ag_from_post_forward = from_post_forward
 
@@ -773,6 +823,18 @@ class ParamGroup:
             return None
         return self._post_forward_indices.pop()
 
+    def comm_streams(self) -> CommStreams:
+        """The root's communication streams (own no-op/new streams before lazy init).
+
+        Returns:
+            The streams.
+        """
+        if self.ctx is not None:
+            return self.ctx.comm.streams_for(self.device)
+        if self._own_streams is None:
+            self._own_streams = CommStreams.for_device(self.device)
+        return self._own_streams
+
     def profile_range(self, label: str) -> record_function:
         """A profiler range named like PyTorch's (``"FSDP::pre_forward (layers.0)"``).
 
@@ -870,6 +932,9 @@ class ParamGroup:
             raise RuntimeError(f"fully_shard expects one gradient dtype per unit, got {dtypes}")
         reduce_dtype = self.reduce_dtype or grads[0].dtype
         mesh_info = self.mesh_info
+        streams = self.comm_streams()
+        rs_stream = streams.reduce_scatter
+        rs_stream.wait_stream(streams.current())  # the gradients come from the compute stream
         factor = 1.0 if self.reduce_op_type == "sum" else self.gradient_divide_factor
         pre, post, rs_op, ar_op = divide_factors(
             reduce_dtype,
@@ -878,23 +943,39 @@ class ParamGroup:
             factor,
             self.force_sum_reduction,
         )
-        layouts = [p.reduce_scatter_layout(g) for p, g in zip(params, grads, strict=True)]
-        grads.clear()
-        grads.extend(t for t, _ in layouts)
-        rs_input, rs_output, work = issue_reduce_scatter(
-            grads,
-            [d for _, d in layouts],
-            reduce_dtype,
-            self.reduce_scatter_group or mesh_info.shard_group,
-            mesh_info.shard_size,
-            rs_op,
-            pre,
-            self.custom_reduce_scatter,
-        )
+        with device_stream(rs_stream):
+            streams.mark("reduce_scatter")
+            for grad in grads:  # produced on the compute stream, read here
+                rs_stream.record_tensor(grad)
+            layouts = [p.reduce_scatter_layout(g) for p, g in zip(params, grads, strict=True)]
+            grads.clear()
+            grads.extend(t for t, _ in layouts)
+            rs_input, rs_output, work = issue_reduce_scatter(
+                grads,
+                [d for _, d in layouts],
+                reduce_dtype,
+                self.reduce_scatter_group or mesh_info.shard_group,
+                mesh_info.shard_size,
+                rs_op,
+                pre,
+                self.custom_reduce_scatter,
+            )
+        event = rs_stream.record_event(streams.new_event("reduce_scatter"))
         # Sharded accumulation: a no-sync micro-batch reduce-scatters and keeps the shard
         # (HSDP: without the replicate-axis all-reduce, done on the synced micro-batch).
         do_all_reduce = self.all_reduce_grads and self.reduce_grads
-        return PendingReduction(self, params, rs_input, rs_output, work, post, ar_op, do_all_reduce)
+        return PendingReduction(
+            self,
+            params,
+            rs_input,
+            rs_output,
+            work,
+            post,
+            ar_op,
+            do_all_reduce,
+            streams=streams,
+            event=event,
+        )
 
     def reset_iter_state(self) -> None:
         """Drop in-flight all-gathers, gradients and accumulations; reshard (after a failure)."""

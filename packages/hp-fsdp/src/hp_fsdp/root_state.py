@@ -17,9 +17,11 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
+from hp_fsdp.streams import CommStreams
 
 if TYPE_CHECKING:
     from hp_fsdp.param_group import ParamGroup, PendingReduction
@@ -45,6 +47,21 @@ class CommResources:
         self.post_forward_groups: dict[tuple[tuple[int, ...], int], PostForwardInfo] = {}
         self.separate_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.logged_hints: set[str] = set()
+        #: The communication streams (created on first use for the root's device).
+        self.streams: CommStreams | None = None
+
+    def streams_for(self, device: torch.device) -> CommStreams:
+        """The communication streams of this context, created on first use.
+
+        Args:
+            device: the compute device.
+
+        Returns:
+            The streams.
+        """
+        if self.streams is None:
+            self.streams = CommStreams.for_device(device)
+        return self.streams
 
     def separate_group(self, shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
         """A second process group over the ranks of ``shard_group`` (created once, collective).

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from hp_dtensor.device import is_accelerator
+from hp_dtensor.device import Event, is_accelerator
 from hp_fsdp.param import ParamOrigin
 from hp_fsdp.param_group import ParamGroup, TrainingState
 from hp_fsdp.policies import MixedPrecisionPolicy
@@ -167,10 +167,18 @@ class FSDPState:
         ctx.iter_forward_root = self
         ctx.current_forward_order = []
         with record_function("FSDP::root_pre_forward"):
+            streams = ctx.comm.streams_for(self.device)
             event = ctx.post_optim_event
-            if event is not None:  # set_post_optim_event (accelerators only)
+            if event is not None:  # set_post_optim_event: wait for that event only
                 ctx.post_optim_event = None
-                event.wait()
+                if not isinstance(event, Event):
+                    event = Event.from_native(event)
+                streams.copy_in.wait_event(event)
+                streams.all_gather.wait_event(event)
+            else:  # the optimizer step ran on the compute stream
+                compute = streams.current()
+                streams.copy_in.wait_stream(compute)
+                streams.all_gather.wait_stream(compute)
             if is_accelerator(self.device) and (args or kwargs):
                 device = self.device
                 with record_function("FSDP::inputs_to_device"):
@@ -231,12 +239,29 @@ class FSDPState:
             return
         if not self.groups:
             return
+        target = self._next_unit(position)
+        if target is not None and target is not self:  # implicit: no range of its own
+            for group in target.groups:
+                group.unshard(True)
+
+    def _next_unit(self, position: int) -> FSDPState | None:
+        """The unit to prefetch after this one's pre-forward.
+
+        From the second iteration on: the unit that followed this one in the previous
+        iteration's forward order (when that order still holds). In the first iteration there
+        is no order yet, so the next unit with parameters in module registration order is
+        prefetched, so that the first iteration overlaps too.
+        """
+        ctx = self.ctx
         previous = ctx.forward_order
-        if position + 1 < len(previous) and previous[position] is self:
-            target = previous[position + 1]
-            if target is not self:  # implicit (no range of its own, as in PyTorch)
-                for group in target.groups:
-                    group.unshard(True)
+        if previous:
+            if position + 1 < len(previous) and previous[position] is self:
+                return previous[position + 1]
+            return None
+        if self not in ctx.states:
+            return None  # a unit run on its own
+        later = ctx.states[ctx.states.index(self) + 1 :]
+        return next((state for state in later if state.groups), None)
 
     def prefetch(self, training_state: TrainingState) -> None:
         """Issue the all-gathers of every group of this unit (explicit prefetching).

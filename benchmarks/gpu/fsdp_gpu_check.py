@@ -1,0 +1,247 @@
+"""hp-fsdp on a GPU: parity with PyTorch's FSDP2, peak memory, step time and overlap.
+
+One script for a machine with at least one GPU (about 2 minutes on one H100/H200 class GPU).
+It runs with 1 process, and with 2 processes when two GPUs are visible (NCCL), and for each
+world size and for fp32 and bf16 mixed precision:
+
+- **parity**: hp-fsdp and ``torch.distributed.fsdp.fully_shard`` train copies of one model on
+  the same data (different per rank) for a few AdamW steps; the sharded parameters must be
+  bitwise equal after every step;
+- **peak memory**: ``torch.cuda.max_memory_allocated`` over one step of each (ratio ours/torch);
+- **step time**: median of CUDA-event timed steps of each (ratio ours/torch);
+- **overlap**: from a profiler trace of two steps, the share of NCCL kernel time that overlaps
+  compute kernels on another stream, for each implementation.
+
+Without a GPU it prints a line saying so and exits with status 0 (nothing is checked).
+
+Usage::
+
+    python benchmarks/gpu/fsdp_gpu_check.py [--steps 6] [--out fsdp_gpu_check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+
+import hp_fsdp
+from hp_dtensor.device import (
+    device_count,
+    get_device_type,
+    init_process_group,
+    is_accelerator,
+    peak_memory_bytes,
+    reset_peak_memory_stats,
+    synchronize,
+)
+
+VOCAB, DIM, HEADS, SEQ, BATCH, BLOCKS = 4096, 1024, 16, 512, 4, 6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, d // HEADS).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _shard(model: Model, api: Any, mesh: Any, precision: str) -> None:
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if precision == "bf16":
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for layer in model.layers:
+        api.fully_shard(layer, **kwargs)
+    api.fully_shard(model, **kwargs)
+
+
+def _batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> None:
+    tokens, targets = batch
+    logits = model(tokens)
+    F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _overlap(prof: Any) -> float:
+    """Share of NCCL kernel time overlapped by non-NCCL kernels on other streams."""
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
+    ]
+    comm = [e for e in kernels if "nccl" in e.name.lower()]
+    compute = [e for e in kernels if "nccl" not in e.name.lower()]
+    total = sum(e.time_range.elapsed_us() for e in comm)
+    if total == 0:
+        return 0.0
+    covered = 0.0
+    for c in comm:
+        start, end = c.time_range.start, c.time_range.end
+        spans = sorted(
+            (max(start, k.time_range.start), min(end, k.time_range.end))
+            for k in compute
+            if k.time_range.end > start and k.time_range.start < end
+        )
+        reach = start
+        for a, b in spans:
+            a = max(a, reach)
+            if b > a:
+                covered += b - a
+                reach = b
+    return covered / total
+
+
+def _run_one(rank: int, world: int, precision: str, steps: int) -> dict[str, Any]:
+    device = torch.device(get_device_type(), rank)
+    mesh = init_device_mesh(device.type, (world,))
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = Model()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    _shard(ours, hp_fsdp, mesh, precision)
+    _shard(theirs, torch_fsdp, mesh, precision)
+    opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=True)
+    opt_t = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=True)
+    bitwise = True
+    for step in range(steps):
+        batch = _batch(step, rank, device)
+        _step(ours, opt_o, batch)
+        _step(theirs, opt_t, batch)
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            bitwise &= bool(torch.equal(p.to_local(), q.to_local()))
+    result: dict[str, Any] = {"world": world, "precision": precision, "bitwise": bitwise}
+    for name, model, opt in (("ours", ours, opt_o), ("torch", theirs, opt_t)):
+        synchronize(device)
+        reset_peak_memory_stats(device)
+        _step(model, opt, _batch(99, rank, device))
+        synchronize(device)
+        result[f"peak_bytes_{name}"] = peak_memory_bytes(device)
+        times = []
+        for step in range(steps):
+            start, end = (
+                torch.Event(device.type, enable_timing=True),
+                torch.Event(device.type, enable_timing=True),
+            )
+            start.record()
+            _step(model, opt, _batch(200 + step, rank, device))
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        result[f"step_ms_{name}"] = statistics.median(times)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in range(2):
+                _step(model, opt, _batch(300 + step, rank, device))
+            synchronize(device)
+        result[f"overlap_{name}"] = _overlap(prof)
+    result["peak_ratio"] = result["peak_bytes_ours"] / max(result["peak_bytes_torch"], 1)
+    result["step_ratio"] = result["step_ms_ours"] / result["step_ms_torch"]
+    return result
+
+
+def _worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_process_group(world_size=world, rank=rank, device_id=rank)
+    results = [_run_one(rank, world, precision, steps) for precision in ("fp32", "bf16")]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        merged = []
+        for i, row in enumerate(results):
+            per_rank = [g[i] for g in gathered]
+            row = dict(row)
+            row["bitwise"] = all(r["bitwise"] for r in per_rank)
+            row["step_ratio"] = max(r["step_ratio"] for r in per_rank)
+            row["peak_ratio"] = max(r["peak_ratio"] for r in per_rank)
+            merged.append(row)
+        with open(out, "a", encoding="utf-8") as handle:
+            for row in merged:
+                handle.write(json.dumps(row) + "\n")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default="fsdp_gpu_check.json")
+    args = parser.parse_args()
+    if not is_accelerator():
+        print("fsdp_gpu_check: no GPU on this machine; nothing was checked")
+        return 0
+    out = Path(args.out)
+    out.unlink(missing_ok=True)
+    worlds = [1] + ([2] if device_count() >= 2 else [])
+    for world in worlds:
+        mp.spawn(_worker, args=(world, _free_port(), args.steps, str(out)), nprocs=world)
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    failed = False
+    for row in rows:
+        print(
+            f"world={row['world']} {row['precision']}: bitwise={row['bitwise']} "
+            f"step ours/torch={row['step_ratio']:.3f} peak ours/torch={row['peak_ratio']:.3f} "
+            f"overlap ours={row['overlap_ours']:.2f} torch={row['overlap_torch']:.2f}"
+        )
+        failed |= not row["bitwise"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

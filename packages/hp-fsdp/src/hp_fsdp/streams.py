@@ -1,0 +1,125 @@
+"""The communication streams of a root and the events that order them.
+
+Four streams besides the compute stream, as in PyTorch's FSDP2::
+
+    compute  ──wait──▶ copy-in ──event──▶ all-gather ──event──▶ compute (copy-out)
+    compute  ──wait──▶ reduce-scatter ──event──▶ all-reduce (HSDP) ──event──▶ compute
+
+- *copy-in*: packs (and casts) the local shards into the all-gather input, off the compute
+  stream, after the compute stream (or the post-optimizer event) says the shards are final;
+- *all-gather*: issues the all-gather once the copy-in event completed;
+- *reduce-scatter*: packs the gradients and reduce-scatters them once the compute stream
+  produced them; the post-reduce division/cast runs there too;
+- *all-reduce*: HSDP's replicate-axis all-reduce, after the reduce-scatter event.
+
+On the CPU every stream is the device layer's no-op stream, so the same code runs with
+program order; tests substitute :meth:`CommStreams.recording` to observe the order.
+
+See Also:
+    ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext``: PyTorch's
+    streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hp_dtensor.device import (
+    Event,
+    RecordingEvent,
+    RecordingStream,
+    Stream,
+    StreamLog,
+    current_stream,
+    is_accelerator,
+)
+
+__all__ = ["CommStreams"]
+
+
+@dataclass(frozen=True)
+class CommStreams:
+    """The streams of one root's communication and a factory for the events between them.
+
+    Attributes:
+        compute: the stream forward and backward run on.
+        copy_in: packs all-gather inputs.
+        all_gather: issues all-gathers.
+        reduce_scatter: packs, reduce-scatters and post-processes gradients.
+        all_reduce: issues HSDP all-reduces.
+        new_event: makes an event (its argument names it for logs).
+        log: the recording log, when the streams are the recording double.
+    """
+
+    compute: Stream
+    copy_in: Stream
+    all_gather: Stream
+    reduce_scatter: Stream
+    all_reduce: Stream
+    new_event: Callable[[str], Event]
+    log: StreamLog | None = None
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> CommStreams:
+        """Streams for a device: new high-priority streams on accelerators, no-ops on the CPU.
+
+        Args:
+            device: the compute device.
+
+        Returns:
+            The streams.
+        """
+        kind = device.type
+        if not is_accelerator(kind):
+            noop = Stream(kind)
+            return cls(noop, noop, noop, noop, noop, lambda name: Event(kind))
+        return cls(
+            current_stream(kind),
+            Stream(kind, priority=-1),
+            Stream(kind, priority=-1),
+            Stream(kind, priority=-1),
+            Stream(kind, priority=-1),
+            lambda name: Event(kind),
+        )
+
+    @classmethod
+    def recording(cls, log: StreamLog) -> CommStreams:
+        """The recording double: CPU streams that log every wait, record and entry into ``log``.
+
+        Args:
+            log: the log to fill.
+
+        Returns:
+            The streams.
+        """
+        return cls(
+            RecordingStream("compute", log),
+            RecordingStream("copy_in", log),
+            RecordingStream("all_gather", log),
+            RecordingStream("reduce_scatter", log),
+            RecordingStream("all_reduce", log),
+            lambda name: RecordingEvent(name, log),
+            log,
+        )
+
+    def current(self) -> Stream:
+        """The stream current now (the compute stream of the recording double).
+
+        Returns:
+            The stream.
+        """
+        if self.log is not None or self.compute.native is None:
+            return self.compute
+        return current_stream(self.compute.device_type)
+
+    def mark(self, label: str) -> None:
+        """Note for the recording double which stream the work ``label`` runs on.
+
+        Args:
+            label: the work's name.
+        """
+        if self.log is not None:
+            self.log.mark(label)
