@@ -1,0 +1,423 @@
+"""Time a pipeline-parallel training step with hp-pp against torch.distributed.pipelining.
+
+A small decoder (embedding, blocks, norm, head) is split into stages with
+``hp_pp.generate_llm_fqn_per_model_part`` / ``hp_pp.split_module_by_fqns``; the same stage
+modules (deep copies) run under hp-pp's schedule class and torch's class of the same name on
+2 pipeline ranks (1 stage per rank for GPipe/1F1B, 2 for the others) with 8 micro-batches. Both
+live in the same processes (gloo, one intra-op thread per rank) and are stepped alternately
+(schedule step, SGD) after a discarded warm-up; the median per implementation is taken on every
+rank (the slowest rank counts); the run is repeated with the build and call order swapped, and
+the figure is the geometric mean of the two ``ours / torch`` ratios (below 1: ours is faster).
+A ``torch vs torch`` row shows the noise floor.
+
+Peak tensor memory per rank (bytes of tensors allocated during one step and alive at once,
+tracked at the dispatcher) is measured over one step of each. The
+simulator (``hp_pp.simulate_schedule``) predicts ours from costs profiled on the real stages
+(forward, backward-input, backward-weight and full backward of one micro-batch, and one
+activation transfer), and the prediction error against the measured median is reported.
+
+Usage::
+
+    python benchmarks/pp_vs_torch.py [--steps 6] [--warmup 2] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as tpp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import hp_pp
+from hp_pp import generators
+
+VOCAB, DIM, HEADS, SEQ, MB_ROWS, BLOCKS, N_MB = 512, 96, 4, 32, 2, 4, 8
+
+ROWS: dict[str, dict[str, Any]] = {
+    name: {"schedule": name}
+    for name in (
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    )
+}
+ROWS["torch vs torch 1F1B (noise floor)"] = {"schedule": "1F1B", "control": True}
+
+_TORCH_CLASS = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "LoopedBFS": "ScheduleLoopedBFS",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, d // HEADS).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(BLOCKS)})
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (MB_ROWS * N_MB, SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _layout(name: str) -> tuple[int, str, list[int], list[list[str]]]:
+    ws = dist.get_world_size()
+    per_rank = 1 if name in ("GPipe", "1F1B") else 2
+    num_stages = ws * per_rank
+    style = generators.STYLE[name]
+    fqns = hp_pp.generate_llm_fqn_per_model_part(num_stages, BLOCKS)
+    indices = generators.rank_to_stages(dist.get_rank(), ws, num_stages, style)
+    return num_stages, style, indices, fqns
+
+
+def _build(
+    impl: str, name: str, base: Decoder
+) -> tuple[list[nn.Module], Callable[[int], None], Any]:
+    num_stages, _, indices, fqns = _layout(name)
+    mods = [hp_pp.split_module_by_fqns(base, fqns[s]) for s in indices]
+    cpu = torch.device("cpu")
+    if impl == "torch":
+        stages: list[Any] = [
+            tpp.PipelineStage(m, s, num_stages, cpu) for m, s in zip(mods, indices, strict=True)
+        ]
+        cls: Any = getattr(tpp, _TORCH_CLASS[name])
+    else:
+        stages = [
+            hp_pp.PipelineStage(m, s, num_stages, cpu) for m, s in zip(mods, indices, strict=True)
+        ]
+        cls = hp_pp.get_schedule_class(name)
+    single = name in ("GPipe", "1F1B")
+    sched = cls(stages[0] if single else stages, N_MB, loss_fn=loss_fn)
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    first, last = 0 in indices, num_stages - 1 in indices
+
+    def step(i: int) -> None:
+        tokens, target = _batch(i)
+        args = (tokens,) if first else ()
+        sched.step(*args, target=target if last else None)
+        opt.step()
+        opt.zero_grad()
+
+    return mods, step, sched
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Tensor-level memory: bytes of storages created under the mode and still alive, and
+    their peak (MemTracker refuses modules called once per micro-batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            nbytes = storage.nbytes()
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+
+def _peak_bytes(step: Callable[[int], None], i: int) -> int:
+    with LiveTensorBytes() as tracker:
+        step(i)
+    return tracker.peak
+
+
+def _timed(fn: Callable[[], Any], repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _profile_costs(name: str, base: Decoder) -> dict[str, Any]:
+    """Per-stage F/I/W/B times of one micro-batch (ms) on this rank, and one transfer."""
+    num_stages, _, indices, fqns = _layout(name)
+    tokens, target = _batch(0)
+    tokens, target = tokens[:MB_ROWS], target[:MB_ROWS]
+    hidden = torch.randn(MB_ROWS, SEQ, DIM)
+    costs: dict[int, dict[str, float]] = {}
+    for s in indices:
+        mod = hp_pp.split_module_by_fqns(base, fqns[s])
+        params = list(mod.parameters())
+
+        def forward(mod: nn.Module = mod, s: int = s) -> tuple[torch.Tensor, torch.Tensor]:
+            x = tokens if s == 0 else hidden.clone().requires_grad_()
+            out = mod(x)
+            root = loss_fn(out, target) if s == num_stages - 1 else out.sum()
+            return root, x
+
+        def full(forward: Any = forward) -> None:
+            root, _ = forward()
+            root.backward()
+
+        def input_only(forward: Any = forward, s: int = s) -> None:
+            root, x = forward()
+            if s > 0:
+                torch.autograd.grad(root, [x])
+
+        def input_then_weight(forward: Any = forward, s: int = s, params: Any = params) -> None:
+            root, x = forward()
+            if s > 0:
+                torch.autograd.grad(root, [x], retain_graph=True)
+            torch.autograd.backward(root, inputs=params)
+
+        f = _timed(forward)
+        b = _timed(full) - f
+        i = _timed(input_only) - f
+        iw = _timed(input_then_weight) - f
+        costs[s] = {
+            "forward": 1e3 * f,
+            "full_backward": 1e3 * b,
+            "backward_input": 1e3 * max(i, 0.0),
+            "backward_weight": 1e3 * max(iw - i, 0.0),
+        }
+        mod.zero_grad()
+    # One activation transfer (rank 0 -> 1 and back): half a round trip.
+    buf = torch.randn(MB_ROWS, SEQ, DIM)
+    peer = 1 - dist.get_rank() if dist.get_world_size() == 2 else None
+
+    def round_trip() -> None:
+        if peer is None:
+            return
+        if dist.get_rank() == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+
+    dist.barrier()
+    transfer = _timed(round_trip) / 2
+    return {"stages": costs, "transfer_ms": 1e3 * transfer}
+
+
+def _predict(name: str, profiles: list[dict[str, Any]]) -> float:
+    """The simulator's step time (s) from the profiled costs of every rank."""
+    per_stage: dict[int, hp_pp.StageCosts] = {}
+    for prof in profiles:
+        for s, c in prof["stages"].items():
+            per_stage[int(s)] = hp_pp.StageCosts(
+                forward=c["forward"],
+                backward_input=c["backward_input"],
+                backward_weight=c["backward_weight"],
+                full_backward=c["full_backward"],
+            )
+    transfer = max(p["transfer_ms"] for p in profiles)
+    ws = len(profiles)
+    per_rank = 1 if name in ("GPipe", "1F1B") else 2
+    table = generators.generate(name, pp_size=ws, num_stages=ws * per_rank, n_microbatches=N_MB)
+    costs = hp_pp.PipelineCosts(per_stage=per_stage, transfer=transfer)
+    return hp_pp.simulate_schedule(table, costs).step_time / 1e3
+
+
+def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
+    """One order of one row, on every rank; returns this rank's medians and peaks."""
+    torch.manual_seed(0)
+    base = Decoder()
+    name = row["schedule"]
+    control = bool(row.get("control"))
+    order = ["ours", "torch"] if ours_first else ["torch", "ours"]
+    built = {
+        key: _build("torch" if (key == "torch" or control) else "ours", name, copy.deepcopy(base))
+        for key in order
+    }
+    times: dict[str, list[float]] = {key: [] for key in order}
+    for i in range(warmup + steps):
+        for key in order:
+            dist.barrier()
+            start = time.perf_counter()
+            built[key][1](i)
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                times[key].append(elapsed)
+    result: dict[str, Any] = {key: statistics.median(ts) for key, ts in times.items()}
+    for key in order:
+        step = built[key][1]
+        result[f"{key}_peak"] = _peak_bytes(step, warmup + steps)
+    if ours_first and not control:
+        result["profile"] = _profile_costs(name, base)
+    return result
+
+
+def main() -> None:
+    from hp_dtensor.testing import run_distributed, shutdown_pool
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rows", nargs="*", default=list(ROWS))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    report: dict[str, Any] = {
+        "model": {
+            "vocab": VOCAB,
+            "dim": DIM,
+            "blocks": BLOCKS,
+            "seq": SEQ,
+            "microbatch_rows": MB_ROWS,
+            "n_microbatches": N_MB,
+            "pp": 2,
+        },
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": {},
+    }
+    previous = args.out / "pp_vs_torch.json"
+    if set(args.rows) != set(ROWS) and previous.exists():  # a partial rerun updates its rows
+        report["rows"] = json.loads(previous.read_text()).get("rows", {})
+    for name in args.rows:
+        row = ROWS[name]
+        orders = []
+        profiles: list[dict[str, Any]] = []
+        for ours_first in (True, False):
+            per_rank = run_distributed(
+                run_row, 2, row, args.steps, args.warmup, ours_first, timeout=600
+            )
+            orders.append(
+                {
+                    "ours": max(r["ours"] for r in per_rank),
+                    "torch": max(r["torch"] for r in per_rank),
+                    "ours_peak": max(r["ours_peak"] for r in per_rank),
+                    "torch_peak": max(r["torch_peak"] for r in per_rank),
+                }
+            )
+            if ours_first and not row.get("control"):
+                profiles = [r["profile"] for r in per_rank]
+        time_ratios = [o["ours"] / o["torch"] for o in orders]
+        mem_ratios = [o["ours_peak"] / o["torch_peak"] for o in orders]
+        entry: dict[str, Any] = {
+            "step_time_ratio": math.sqrt(time_ratios[0] * time_ratios[1]),
+            "peak_memory_ratio": math.sqrt(mem_ratios[0] * mem_ratios[1]),
+            "ours_median_s": [o["ours"] for o in orders],
+            "torch_median_s": [o["torch"] for o in orders],
+            "ours_peak_bytes": orders[0]["ours_peak"],
+            "torch_peak_bytes": orders[0]["torch_peak"],
+        }
+        if profiles:
+            predicted = _predict(row["schedule"], profiles)
+            measured = statistics.median(o["ours"] for o in orders)
+            entry["simulated_step_s"] = predicted
+            entry["simulation_error"] = predicted / measured - 1
+        report["rows"][name] = entry
+        sim = entry.get("simulation_error")
+        print(
+            f"{name}: time {entry['step_time_ratio']:.3f}, memory {entry['peak_memory_ratio']:.3f}"
+            + ("" if sim is None else f", simulator error {100 * sim:+.0f}%"),
+            flush=True,
+        )
+    shutdown_pool()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pp_vs_torch.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# hp-pp vs torch.distributed.pipelining (CPU, gloo, one thread per rank)",
+        "",
+        f"Decoder: vocab {VOCAB}, dim {DIM}, {BLOCKS} blocks, seq {SEQ}; 2 pipeline ranks, "
+        f"{N_MB} micro-batches of {MB_ROWS} rows; {args.steps} timed steps after "
+        f"{args.warmup} warm-up, both build orders. Simulator: step time predicted from costs "
+        "profiled on the real stages (error = predicted / measured - 1).",
+        "",
+        "| schedule | step time ours/torch | peak tensor memory ours/torch | ours median (s) | "
+        "simulated (s) | simulator error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in ROWS:
+        entry = report["rows"].get(name)
+        if entry is None:
+            continue
+        sim = entry.get("simulated_step_s")
+        err = entry.get("simulation_error")
+        lines.append(
+            f"| {name} | {entry['step_time_ratio']:.3f} | {entry['peak_memory_ratio']:.3f} | "
+            f"{statistics.median(entry['ours_median_s']):.4f} | "
+            + ("-" if sim is None else f"{sim:.4f}")
+            + " | "
+            + ("-" if err is None else f"{100 * err:+.0f}%")
+            + " |"
+        )
+    lines.append("")
+    (args.out / "pp_vs_torch.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
