@@ -19,6 +19,7 @@ import torch.distributed as dist
 import hp_dcp
 from hp_dtensor.testing import run_distributed
 from hp_trainer import ConfigManager, JobConfig, Trainer, load_documents
+from hp_trainer.cli import EXIT_STOPPED_SAVED
 
 STEPS = 8
 STOP = 4
@@ -249,12 +250,13 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
     term = _hp_train(tmp_path, "term", 2, ckpt)
     dies = _hp_train(tmp_path, "dies", 1, ["--metrics.enable_plot", "false"])
     try:
-        # SIGTERM to every rank (what a scheduler does): a full checkpoint, exit status 0
+        # SIGTERM to every rank (what a scheduler does): a full checkpoint, exit status 75
         _wait_for_step(tmp_path / "term" / "metrics.jsonl", 3, term)
         for pid in _workers(term.pid).values():
             os.kill(pid, signal.SIGTERM)
         out, _ = term.communicate(timeout=60)
-        assert term.returncode == 0, out[-4000:]
+        assert term.returncode == EXIT_STOPPED_SAVED == 75, out[-4000:]
+        assert json.loads((tmp_path / "term" / "stopped.json").read_text())["status"] == "saved"
         assert "starting 2 local ranks" in out
         assert "SIGTERM received" in out
         # the outputs of a run: metrics per step, loss curve, resolved config
@@ -288,5 +290,7 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
     finally:
         for proc in (term, dies):
             if proc.poll() is None:
+                for pid in _workers(proc.pid).values():  # else they outlive it, holding the pipe
+                    os.kill(pid, signal.SIGKILL)
                 proc.kill()
                 proc.communicate()

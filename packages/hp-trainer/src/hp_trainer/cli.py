@@ -2,21 +2,52 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hp_trainer.config import ConfigManager, JobConfig
 from hp_trainer.preflight import preflight
 
-__all__ = ["main", "needs_launcher", "nproc_for"]
+__all__ = [
+    "EXIT_STOPPED_SAVED",
+    "EXIT_STOPPED_UNSAVED",
+    "main",
+    "needs_launcher",
+    "nproc_for",
+]
 
 # Variables torch's launchers (torchrun / elastic agent) and Slurm-style setups export.
 _LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+EXIT_STOPPED_SAVED = 75
+"""Exit status of ``hp-train`` when SIGTERM stopped the run after a checkpoint of its last
+completed step was saved: run the same command again to resume (``EX_TEMPFAIL``; 0 is a
+finished run, 1 a failed rank, 2 a bad configuration)."""
+
+EXIT_STOPPED_UNSAVED = 143
+"""Exit status of ``hp-train`` when SIGTERM stopped the run with checkpointing off
+(128 + SIGTERM): the steps done are lost."""
+
+_STOP_STATUS = {"saved": EXIT_STOPPED_SAVED, "unsaved": EXIT_STOPPED_UNSAVED}
+
+
+def _stop_status(run_folder: Path, since: float) -> int | None:
+    """The exit status a ``stopped.json`` written after ``since`` (a time stamp) asks for."""
+    record = run_folder / "stopped.json"
+    try:
+        if record.stat().st_mtime < since:
+            return None
+        status = json.loads(record.read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+    return _STOP_STATUS.get(status)
 
 
 def nproc_for(config: JobConfig) -> int:
@@ -63,7 +94,7 @@ def needs_launcher(config: JobConfig) -> bool:
     return not under_launcher and nproc_for(config) > 1
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
+def _launch(nproc: int, argv: list[str], run_folder: Path) -> int:
     from torch.distributed.run import get_args_parser, run
 
     launcher_args = get_args_parser().parse_args(
@@ -78,12 +109,18 @@ def _launch(nproc: int, argv: list[str]) -> int:
     )
     # one intra-op thread per rank unless the user chose otherwise (torchrun's own default)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    started = time.time()
     try:
         run(launcher_args)  # type: ignore[no-untyped-call]
     except Exception as exc:  # torch's ChildFailedError already printed its failure report
+        # SIGTERM to this launcher too (a scheduler stopping the job): the agent passed it on,
+        # waited for the ranks, then raised; the ranks' own record says whether they saved
+        stopped = _stop_status(run_folder, started)
+        if stopped is not None and type(exc).__name__ == "SignalException":
+            return stopped
         print(f"hp-train: {_describe_failure(exc)}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return _stop_status(run_folder, started) or 0
 
 
 def _describe_failure(exc: Exception) -> str:
@@ -109,7 +146,7 @@ def _quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def _train(config: JobConfig) -> None:
+def _train(config: JobConfig) -> int:
     from hp_trainer.trainer import Trainer
 
     trainer = Trainer(config)
@@ -117,6 +154,11 @@ def _train(config: JobConfig) -> None:
         trainer.train()
     finally:
         trainer.close()
+    if trainer.stop_status is None or "TORCHELASTIC_RUN_ID" in os.environ:
+        # under torchrun a rank's non-zero status makes the agent kill its peers while they
+        # finish; the launcher reads the ranks' stopped.json instead
+        return 0
+    return _STOP_STATUS[trainer.stop_status]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The process exit status.
+        The process exit status: 0 when the run finished, 1 when a rank failed, 2 for a bad
+        configuration (nothing started), :data:`EXIT_STOPPED_SAVED` (75) when SIGTERM stopped
+        it after a checkpoint of the last completed step was saved (run the same command again
+        to resume), :data:`EXIT_STOPPED_UNSAVED` (143) when SIGTERM stopped it with
+        checkpointing off. Ranks under an external ``torchrun`` exit 0 after a clean stop (a
+        non-zero status would make the agent kill their peers); rank 0 writes
+        ``<run folder>/stopped.json`` with the step and whether it was saved.
 
     See Also:
         ``torchtitan.train.main``: TorchTitan's entry point (run via ``run_train.sh``).
@@ -157,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         nproc = nproc_for(config)
         print(f"hp-train: starting {nproc} local ranks with torch.distributed.run", flush=True)
         start = time.perf_counter()
-        status = _launch(nproc, args)
+        status = _launch(nproc, args, config.run_folder)
         print(f"hp-train: finished in {time.perf_counter() - start:.1f} s", flush=True)
         return status
     if report.overrides:
@@ -169,12 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     _quiet_known_warnings()
     if config.job.print_config and rank == 0:
-        import json
-
         print(json.dumps(config.to_dict(), indent=2))
     # under a launcher, record() writes the failing rank's traceback to the agent's error file
-    record(_train)(config)
-    return 0
+    return record(_train)(config) or 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import torch
 
@@ -60,6 +60,33 @@ def _device_name() -> str:
     module = getattr(torch, kind, None)
     get_name = getattr(module, "get_device_name", None)
     return str(get_name()) if get_name is not None else kind
+
+
+def _parse_loss_line(line: str) -> tuple[int, float]:
+    step, loss = line.split("\t")
+    return int(step), float(loss)
+
+
+def _history_until(path: Path, last_step: int, parse: Any) -> list[str]:
+    """Keep the lines of ``path`` whose step (first item of ``parse(line)``) <= ``last_step``.
+
+    The file is rewritten atomically; the kept lines are returned (none when it is missing).
+    A torn last line (the earlier part of the run was killed mid-write) is dropped.
+    """
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            step = int(parse(line)[0])
+        except (ValueError, KeyError, IndexError):
+            continue
+        if step <= last_step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+    return kept
 
 
 def _bar(fraction: float, width: int = 24) -> str:
@@ -123,19 +150,65 @@ class MetricsProcessor:
         self._tokens_since_log = 0
         self._time_last_log = time.perf_counter()
         self._start = self._time_last_log
-        if rank == 0:
-            run_folder.mkdir(parents=True, exist_ok=True)
-            if config.enable_jsonl:
-                self._jsonl = open(run_folder / "metrics.jsonl", "w")  # noqa: SIM115
-            if config.enable_tensorboard:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
-                except ImportError as exc:
-                    raise ImportError(
-                        "metrics.enable_tensorboard needs TensorBoard: "
-                        "pip install 'hp-trainer[tensorboard]'"
-                    ) from exc
-                self._tb = SummaryWriter(log_dir=str(run_folder / "tb"))
+        self._loss_file: TextIO | None = None
+        self._started = False
+        if rank == 0 and config.enable_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            except ImportError as exc:
+                raise ImportError(
+                    "metrics.enable_tensorboard needs TensorBoard: "
+                    "pip install 'hp-trainer[tensorboard]'"
+                ) from exc
+
+    @property
+    def jsonl_path(self) -> Path:
+        """``metrics.jsonl``: one JSON object per logged step, over every part of the run."""
+        return self.run_folder / "metrics.jsonl"
+
+    @property
+    def loss_curve_path(self) -> Path:
+        """``loss_curve.tsv``: ``step<TAB>loss`` of every step, over every part of the run."""
+        return self.run_folder / "loss_curve.tsv"
+
+    def start(self, resume_step: int = 0) -> None:
+        """Open the outputs, continuing the history of a run resumed at ``resume_step``.
+
+        A fresh run (``resume_step`` 0) starts new files. A resumed one keeps what the earlier
+        part of the run wrote up to and including ``resume_step`` (the checkpoint's step), drops
+        the entries after it (they will be computed again, so nothing is duplicated), and
+        appends; TensorBoard continues in the same folder with the events after
+        ``resume_step`` purged. Called by the first :meth:`log` when not called before.
+
+        Args:
+            resume_step: The step the run resumes after (0: a fresh run).
+
+        Raises:
+            RuntimeError: If called after logging started.
+
+        See Also:
+            ``torchtitan.components.metrics.MetricsProcessor``: TorchTitan's writers.
+        """
+        if self._started:
+            raise RuntimeError("MetricsProcessor.start() called after logging started")
+        self._started = True
+        if self.rank != 0:
+            return
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        if resume_step > 0:
+            kept = _history_until(self.loss_curve_path, resume_step, _parse_loss_line)
+            self.loss_curve = [_parse_loss_line(line) for line in kept] + self.loss_curve
+            _history_until(self.jsonl_path, resume_step, lambda line: (json.loads(line)["step"],))
+        mode: Literal["a", "w"] = "a" if resume_step > 0 else "w"
+        if self.config.enable_jsonl:
+            self._jsonl = open(self.jsonl_path, mode)  # noqa: SIM115
+        if self.config.enable_plot:
+            self._loss_file = open(self.loss_curve_path, mode)  # noqa: SIM115
+        if self.config.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = {"purge_step": resume_step + 1} if resume_step > 0 else {}
+            self._tb = SummaryWriter(log_dir=str(self.run_folder / "tb"), **purge)
 
     def should_log(self, step: int) -> bool:
         """Whether ``step`` (1-based) is logged.
@@ -161,7 +234,12 @@ class MetricsProcessor:
         See Also:
             ``torchtitan.components.metrics.MetricsProcessor.log``.
         """
+        if not self._started:
+            self.start()
         self.loss_curve.append((step, loss))
+        if self._loss_file is not None:
+            self._loss_file.write(f"{step}\t{loss!r}\n")
+            self._loss_file.flush()
 
     def add_tokens(self, num_tokens: int) -> None:
         """Count tokens this rank processed since the last log.
@@ -197,6 +275,8 @@ class MetricsProcessor:
         See Also:
             ``torchtitan.components.metrics.MetricsProcessor.log``.
         """
+        if not self._started:
+            self.start()
         now = time.perf_counter()
         elapsed = max(now - self._time_last_log, 1e-9)
         tps = self._tokens_since_log / elapsed / self.non_data_parallel_size
@@ -252,9 +332,10 @@ class MetricsProcessor:
         if self._closed:
             return None
         self._closed = True
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        for handle in (self._jsonl, self._loss_file):
+            if handle is not None:
+                handle.close()
+        self._jsonl = self._loss_file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -234,6 +235,10 @@ class Trainer:
         self.grad_norms: list[float] = []
         self._stop_requested = False
         self._last_saved_step = -1
+        self.stop_status: str | None = None
+        """None when the run reached ``training.steps``; after a SIGTERM, ``"saved"`` when a
+        checkpoint of the last completed step exists (resume by running again), else
+        ``"unsaved"`` (checkpointing is off)."""
         self._log_startup()
 
     # -- checkpointed state ----------------------------------------------------------------------
@@ -375,6 +380,8 @@ class Trainer:
             raise RuntimeError(
                 f"non-finite training state at step {self.step}: loss {loss}, grad_norm {norm}"
             )
+        # a background checkpoint stager may still be copying the weights of the previous step
+        self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
         return loss, norm
@@ -383,6 +390,27 @@ class Trainer:
         it = iter(self.dataloader)
         while True:
             yield [next(it) for _ in range(self.gradient_accumulation_steps)]
+
+    @property
+    def stop_record_path(self) -> Path:
+        """``stopped.json`` in the run folder: written by rank 0 when SIGTERM stopped the run.
+
+        It holds ``{"step", "status", "checkpoint"}`` (``status`` as :attr:`stop_status`);
+        ``hp-train`` turns it into its exit status, and a run that starts again removes it.
+        """
+        return self.run_folder / "stopped.json"
+
+    def _write_stop_record(self) -> None:
+        if self.rank != 0:
+            return
+        saved = self.stop_status == "saved" and self.step > 0
+        record = {
+            "step": self.step,
+            "status": self.stop_status,
+            "checkpoint": str(self.checkpointer.step_dir(self.step)) if saved else None,
+        }
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        self.stop_record_path.write_text(json.dumps(record) + "\n")
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._stop_requested = True
@@ -416,6 +444,9 @@ class Trainer:
                 self.checkpointer.folder,
                 self.step,
             )
+        self.metrics.start(self.step)
+        if self.rank == 0:  # from an earlier, stopped part of this run
+            self.stop_record_path.unlink(missing_ok=True)
         previous = None
         with contextlib.suppress(ValueError):  # not the main thread: no handler
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -431,12 +462,12 @@ class Trainer:
                     if self.rank == 0:
                         logger.warning("SIGTERM received: stopping after step %d", self.step)
                     saved = self._last_saved_step == self.step or self.step == 0
-                    if (
-                        not saved
-                        and self.checkpointer.save(self.step, force=True)
-                        and self.rank == 0
-                    ):
-                        logger.info("saved %s", self.checkpointer.step_dir(self.step))
+                    if not saved and self.checkpointer.save(self.step, force=True):
+                        saved = True
+                        if self.rank == 0:
+                            logger.info("saved %s", self.checkpointer.step_dir(self.step))
+                    self.stop_status = "saved" if saved else "unsaved"
+                    self._write_stop_record()
                     break
                 self.step += 1
                 if cfg.gc_freq > 0 and self.step % cfg.gc_freq == 0:
