@@ -44,6 +44,7 @@ def test_simulate_compares_schedules_and_writes_pictures(
         "LoopedBFS",
         "InterleavedZeroBubble",
         "DualPipeV",
+        "MPipe",
     }
     # Same 2 ranks and the same model: 1F1B's bubble is (p-1)/(m+p-1) = 1/9.
     assert rows["1F1B"].split()[1:5] == ["2", "2", "54.000", "11.1%"]

@@ -77,7 +77,7 @@ def _strings(table: dict, *, drop_idle: bool) -> dict[int, list[str]]:
     return {r: [a for a in acts if a] for r, acts in out.items()} if drop_idle else out
 
 
-@pytest.mark.parametrize("name", [n for n in SCHEDULE_NAMES if n != "1F1B"])
+@pytest.mark.parametrize("name", [n for n in SCHEDULE_NAMES if n not in ("1F1B", "MPipe")])
 def test_order_equals_torch(name: str) -> None:
     checked = 0
     for p, n, m in _shapes(name):
@@ -136,6 +136,8 @@ def test_every_forward_and_backward_once_on_its_rank(name: str) -> None:
                 if action is None:
                     continue
                 for leaf in action.sub_actions or (action,):
+                    if leaf.type.is_preprocess:
+                        continue
                     assert stage_to_rank(leaf.stage_index, p, STYLE[name]) == rank
                     kind = (
                         "B"
@@ -237,3 +239,41 @@ def test_invalid_sizes_name_values_and_rule(
     p, n, m = sizes
     with pytest.raises(ValueError, match=message):
         generate(name, pp_size=p, num_stages=n, n_microbatches=m)
+
+
+def test_mpipe_is_interleaved_1f1b_with_a_transposed_preprocess() -> None:
+    for p, n, m in [(2, 4, 4), (3, 6, 6), (4, 8, 8), (4, 8, 2), (3, 3, 3)]:
+        body = generate("Interleaved1F1B", pp_size=p, num_stages=n, n_microbatches=m)
+        table = generate("MPipe", pp_size=p, num_stages=n, n_microbatches=m)
+        transposed = min(p, m)
+        for rank in range(p):
+            pre = [a for a in table[rank] if a is not None and a.type.is_preprocess]
+            rest = [a for a in table[rank] if a is None or not a.type.is_preprocess]
+            assert rest == body[rank]
+            expected_pre = [f"0PRE_F{rank}"] if rank < transposed else []
+            if rank == 0:
+                expected_pre += [f"0PRE_B{mb}" for mb in range(transposed)]
+            assert [str(a) for a in pre] == expected_pre
+        # The preprocess forward of micro-batch r is rank r's first action (warm-up idle time),
+        # and stage 0's rank runs each PRE_B right after stage 0's backward of that batch.
+        assert [str(table[r][0]) for r in range(transposed)] == [
+            f"0PRE_F{r}" for r in range(transposed)
+        ]
+        rank0 = [str(a) for a in table[0] if a is not None]
+        for mb in range(transposed):
+            assert rank0[rank0.index(f"0B{mb}") + 1] == f"0PRE_B{mb}"
+    with pytest.raises(ValueError, match="MPipe places stage s on rank s % pp_size"):
+        generate("MPipe", pp_size=2, num_stages=3, n_microbatches=4)
+
+
+def test_mpipe_lowering_ships_the_preprocess_to_stage_zero() -> None:
+    table = generate("ScheduleMPipeTranspose", pp_size=3, num_stages=6, n_microbatches=6)
+    lowered = add_communication(table, num_stages=6, style=STYLE["MPipe"])
+    for rank in (1, 2):
+        cells = [str(a) for a in lowered[rank]]
+        assert cells[:2] == [f"0PRE_F{rank}", f"0SEND_PRE{rank}"]
+    rank0 = [str(a) for a in lowered[0]]
+    assert "0SEND_PRE0" not in rank0
+    # Stage 0's forward of a transposed micro-batch comes after its preprocess output arrived.
+    for mb in (1, 2):
+        assert rank0.index(f"0RECV_PRE{mb}") < rank0.index(f"0F{mb}")

@@ -143,3 +143,50 @@ def test_every_builtin_simulates() -> None:
         table = generate(name, pp_size=2, num_stages=stages, n_microbatches=4)
         result = simulate_schedule(add_communication(table, num_stages=stages, style=STYLE[name]))
         assert 0.0 <= result.bubble_fraction < 0.5
+
+
+def test_mpipe_moves_the_preprocess_off_stage_zero() -> None:
+    from hp_pp.generators.mpipe import mpipe
+
+    p, n, m, pre = 4, 8, 8, 0.5
+    # Stage 0 = preprocess (0.5) + its share of the body (0.5); all other stages 0.5.
+    costs = PipelineCosts(
+        default=StageCosts(0.5, 0.25, 0.25),
+        per_stage={0: StageCosts(0.5 + pre, 0.25 + pre / 2, 0.25 + pre / 2)},
+        preprocess_forward=pre,
+        preprocess_backward=pre,
+    )
+    interleaved = simulate_schedule(
+        generate("Interleaved1F1B", pp_size=p, num_stages=n, n_microbatches=m), costs
+    )
+    frozen_costs = PipelineCosts(
+        default=costs.default,
+        per_stage={0: StageCosts(0.5 + pre, 0.25, 0.25)},
+        preprocess_forward=pre,
+    )
+    frozen_body = simulate_schedule(
+        generate("Interleaved1F1B", pp_size=p, num_stages=n, n_microbatches=m), frozen_costs
+    )
+    frozen = simulate_schedule(
+        mpipe(pp_size=p, num_stages=n, n_microbatches=m, trainable_preprocess=False), frozen_costs
+    )
+    # A frozen preprocess leaves stage 0's rank for the first p micro-batches: a shorter step.
+    assert frozen.step_time < frozen_body.step_time
+    timed = {str(t.action): t for t in frozen.timeline}
+    for rank in range(1, p):
+        assert timed[f"0PRE_F{rank}"].rank == rank
+        assert timed[f"0PRE_F{rank}"].start == 0.0
+    assert timed["0F1"].end - timed["0F1"].start == pytest.approx(0.5)  # body part only
+    assert timed["0F5"].end - timed["0F5"].start == pytest.approx(1.0)  # preprocess inline
+    # A trainable one recomputes on stage 0's rank: PRE_B costs forward + backward of the block.
+    trainable = simulate_schedule(
+        generate("MPipe", pp_size=p, num_stages=n, n_microbatches=m), costs
+    )
+    timed = {str(t.action): t for t in trainable.timeline}
+    assert timed["0PRE_B2"].end - timed["0PRE_B2"].start == pytest.approx(2 * pre)
+    assert timed["0PRE_B2"].rank == 0
+    # Rank 0 recomputes p preprocess forwards and hands p - 1 to other ranks: one more.
+    assert trainable.busy_time[0] == pytest.approx(interleaved.busy_time[0] + pre)
+    too_big = PipelineCosts(preprocess_forward=5.0)
+    with pytest.raises(ValueError, match="preprocess part of stage 0"):
+        simulate_schedule(generate("MPipe", pp_size=2, num_stages=4, n_microbatches=4), too_big)

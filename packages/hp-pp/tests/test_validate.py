@@ -149,3 +149,36 @@ def test_bad_input_types() -> None:
         validate_schedule({0: ["0F0"]})  # type: ignore[list-item]
     with pytest.raises(TypeError, match="table must be a dict"):
         validate_schedule([[Action.parse("0F0")]])  # type: ignore[arg-type]
+
+
+def test_mpipe_preprocess_checks() -> None:
+    # Trainable preprocess: a PRE_B for every transposed micro-batch, after stage 0's backward.
+    good = _table(
+        {
+            0: "0PRE_F0 0RECV_PRE1 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0PRE_B0 0RECV_B1 0B1 "
+            "0PRE_B1",
+            1: "0PRE_F1 0SEND_PRE1 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+        }
+    )
+    assert validate_schedule(good).ok
+    frozen = {
+        r: [a for a in acts if a is None or a.type.name != "PREPROCESS_B"]
+        for r, acts in good.items()
+    }
+    assert validate_schedule(frozen).ok
+    one_missing = {0: [a for a in good[0] if str(a) != "0PRE_B1"], 1: good[1]}
+    assert any("0PRE_F1 has no 0PRE_B1" in p for p in validate_schedule(one_missing).problems)
+    early = _table({0: "0PRE_F0 0PRE_B0 0F0 0B0"})
+    report = validate_schedule(early)
+    assert report.deadlocked
+    assert any(
+        "0PRE_B0 runs before stage 0's backward of micro-batch 0" in p for p in report.problems
+    )
+    no_recv = {0: [a for a in good[0] if str(a) != "0RECV_PRE1"], 1: good[1]}
+    report = validate_schedule(no_recv)
+    assert any("0F1) waits for 0RECV_PRE1" in p for p in report.problems)
+    assert any("0SEND_PRE1 is never received by rank 0" in p for p in report.problems)
+    wrong_rank = _table({0: "0F0 0B0", 1: "0PRE_F0 0PRE_B0"})
+    assert any(
+        "0PRE_B0 must run on stage 0's rank 0" in p for p in validate_schedule(wrong_rank).problems
+    )

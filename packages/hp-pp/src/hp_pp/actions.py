@@ -7,7 +7,10 @@ input), ``2W3`` (backward for the weights), ``0SEND_F1`` / ``1RECV_F1`` / ``1SEN
 ``0RECV_B0`` (point-to-point transfers of activations and gradients), ``0UNSHARD`` /
 ``0RESHARD`` / ``0REDUCE_GRAD`` (per-stage data-parallel work), and
 ``(0F1;1B0)OVERLAP_F_B`` (a forward and a backward run together so one's communication hides
-behind the other's compute).
+behind the other's compute). HyperParallel's MPipe adds ``0PRE_F2`` (rank 2 runs the forward
+of stage 0's preprocess block for micro-batch 2), ``0SEND_PRE2`` / ``0RECV_PRE2`` (its output
+and input shipped to stage 0's rank) and ``0PRE_B2`` (stage 0's rank recomputes that
+preprocess forward and runs its backward).
 
 See Also:
     ``torch.distributed.pipelining.schedules._Action``: the same notation.
@@ -37,6 +40,10 @@ class ActionType(str, Enum):
     RESHARD = "RESHARD"
     REDUCE_GRAD = "REDUCE_GRAD"
     OVERLAP_F_B = "OVERLAP_F_B"
+    PREPROCESS_F = "PRE_F"
+    PREPROCESS_B = "PRE_B"
+    SEND_PRE = "SEND_PRE"
+    RECV_PRE = "RECV_PRE"
 
     @property
     def is_compute(self) -> bool:
@@ -47,6 +54,11 @@ class ActionType(str, Enum):
     def is_communication(self) -> bool:
         """A point-to-point send or receive between stages."""
         return self in _COMMUNICATION
+
+    @property
+    def is_preprocess(self) -> bool:
+        """MPipe's transposed preprocess work (``PRE_F`` on any rank, ``PRE_B`` on stage 0's)."""
+        return self in (ActionType.PREPROCESS_F, ActionType.PREPROCESS_B)
 
     @property
     def needs_microbatch(self) -> bool:
@@ -63,7 +75,14 @@ _COMPUTE = frozenset(
     }
 )
 _COMMUNICATION = frozenset(
-    {ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B}
+    {
+        ActionType.SEND_F,
+        ActionType.RECV_F,
+        ActionType.SEND_B,
+        ActionType.RECV_B,
+        ActionType.SEND_PRE,
+        ActionType.RECV_PRE,
+    }
 )
 _PER_STAGE = frozenset(
     {ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD, ActionType.OVERLAP_F_B}

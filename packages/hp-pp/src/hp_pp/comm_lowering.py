@@ -31,6 +31,8 @@ _F = ActionType.FORWARD
 _B = ActionType.FULL_BACKWARD
 _I = ActionType.BACKWARD_INPUT
 _W = ActionType.BACKWARD_WEIGHT
+_PRE_F = ActionType.PREPROCESS_F
+_PRE_B = ActionType.PREPROCESS_B
 _GRAD_INPUT_KINDS = (_B, _I)
 
 
@@ -42,9 +44,13 @@ def leaf_actions(action: Action) -> tuple[Action, ...]:
 class _Lowering:
     """State of one lowering: what each rank has done and the table being built."""
 
-    def __init__(self, num_stages: int, rank_of: Callable[[int], int]) -> None:
+    def __init__(
+        self, num_stages: int, rank_of: Callable[[int], int], preprocess_rank: dict[int, int]
+    ) -> None:
         self.num_stages = num_stages
         self.rank_of = rank_of
+        # MPipe: micro-batch -> the rank that runs its transposed preprocess forward.
+        self.preprocess_rank = preprocess_rank
         self.done: dict[int, set[tuple[int, ActionType, int]]] = defaultdict(set)
         self.received: dict[int, set[tuple[int, ActionType, int]]] = defaultdict(set)
 
@@ -64,6 +70,12 @@ class _Lowering:
     def ready(self, rank: int, action: Action) -> bool:
         mb = action.microbatch_index
         assert mb is not None
+        if action.type is _PRE_B:
+            return any((0, kind, mb) in self.done[rank] for kind in _GRAD_INPUT_KINDS)
+        if action.type is _F and action.stage_index == 0 and mb in self.preprocess_rank:
+            if self.preprocess_rank[mb] == rank:
+                return (0, _PRE_F, mb) in self.done[rank]
+            return (0, ActionType.RECV_PRE, mb) in self.received[rank]
         producer = self._producer(action)
         if producer is None:
             return True
@@ -73,9 +85,14 @@ class _Lowering:
         recv = ActionType.RECV_F if action.type is _F else ActionType.RECV_B
         return (action.stage_index, recv, mb) in self.received[rank]
 
-    def transfer(self, action: Action) -> tuple[Action, int, Action] | None:
+    def transfer(self, rank: int, action: Action) -> tuple[Action, int, Action] | None:
         """(send on this rank, receiving rank, recv there) if ``action``'s output crosses ranks."""
         stage, mb = action.stage_index, action.microbatch_index
+        if action.type is _PRE_F:
+            to_rank = self.rank_of(0)
+            if to_rank == rank:
+                return None
+            return Action(0, ActionType.SEND_PRE, mb), to_rank, Action(0, ActionType.RECV_PRE, mb)
         if action.type is _F and stage < self.num_stages - 1:
             to_stage, send, recv = stage + 1, ActionType.SEND_F, ActionType.RECV_F
         elif action.type in _GRAD_INPUT_KINDS and stage > 0:
@@ -91,6 +108,9 @@ class _Lowering:
 def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> ScheduleTable:
     """Insert ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` into a compute-only table.
 
+    MPipe's transposed preprocess forwards (``0PRE_F<mb>`` off stage 0's rank) get a
+    ``0SEND_PRE<mb>`` after them and a ``0RECV_PRE<mb>`` on stage 0's rank.
+
     The compute order of every rank is kept. An idle slot (``None``) takes one lock-step round
     (it delays the rank, like in the picture) and is then dropped. The result runs without
     deadlock when sends do not block and a receive (or the compute that consumes it) waits for
@@ -98,7 +118,7 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
 
     Args:
         table: ``{rank: [Action | None]}`` with compute actions only (``F``, ``B``, ``I``, ``W``,
-            ``OVERLAP_F_B``) and ranks ``0 .. len(table) - 1``.
+            ``OVERLAP_F_B``, MPipe's ``PRE_F`` / ``PRE_B``) and ranks ``0 .. len(table) - 1``.
         num_stages: Total number of stages.
         style: ``"loop"`` or ``"v"``: the stage-to-rank placement
             (:func:`hp_pp.stage_to_rank`).
@@ -118,12 +138,17 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
         return stage_to_rank(stage, pp_size, style)
 
     pending: dict[int, list[Action | None]] = {}
+    preprocess_rank: dict[int, int] = {}
     for rank, actions in table.items():
         pending[rank] = list(actions)
         for position, action in enumerate(actions):
             if action is None:
                 continue
-            if not (action.type.is_compute or action.type is ActionType.OVERLAP_F_B):
+            if not (
+                action.type.is_compute
+                or action.type.is_preprocess
+                or action.type is ActionType.OVERLAP_F_B
+            ):
                 raise ValueError(
                     f"rank {rank}, position {position}: {action} is not a compute action; "
                     "add_communication takes a compute-only table"
@@ -134,13 +159,15 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
                         f"rank {rank}: {leaf} names stage {leaf.stage_index}, but there are "
                         f"{num_stages} stages"
                     )
-                if rank_of(leaf.stage_index) != rank:
+                if leaf.type is _PRE_F:
+                    preprocess_rank.setdefault(leaf.microbatch_index or 0, rank)
+                elif rank_of(leaf.stage_index) != rank:
                     raise ValueError(
                         f"rank {rank}: {leaf} belongs to rank {rank_of(leaf.stage_index)} under "
                         f"the {style!r} placement of {num_stages} stages on {pp_size} ranks"
                     )
 
-    state = _Lowering(num_stages, rank_of)
+    state = _Lowering(num_stages, rank_of, preprocess_rank)
     lowered: ScheduleTable = {rank: [] for rank in range(pp_size)}
     cursor = dict.fromkeys(range(pp_size), 0)
     while any(cursor[rank] < len(pending[rank]) for rank in cursor):
@@ -160,7 +187,7 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
             for leaf in leaves:
                 assert leaf.microbatch_index is not None
                 state.done[rank].add((leaf.stage_index, leaf.type, leaf.microbatch_index))
-                crossing = state.transfer(leaf)
+                crossing = state.transfer(rank, leaf)
                 if crossing is not None:
                     send, to_rank, recv = crossing
                     lowered[rank].append(send)
@@ -184,14 +211,20 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
 def add_reduce_grad(table: ScheduleTable, *, n_microbatches: int) -> ScheduleTable:
     """Append ``REDUCE_GRAD`` for a stage right after its last weight-gradient action.
 
-    A stage's gradients are complete once ``n_microbatches`` of its ``B``/``W`` actions ran;
-    the data-parallel reduction of that stage can start there. Idle slots are dropped.
+    A stage's gradients are complete once ``n_microbatches`` of its ``B``/``W`` actions (and
+    all of its MPipe ``PRE_B``) ran; the data-parallel reduction of that stage can start there.
+    Idle slots are dropped.
 
     See Also:
         ``torch.distributed.pipelining.schedules._add_reduce_grad``
     """
     result: ScheduleTable = {}
     for rank, actions in table.items():
+        # MPipe: stage 0's preprocess gradients come from its PRE_B actions, so they count too.
+        needed: dict[int, int] = defaultdict(lambda: n_microbatches)
+        for action in actions:
+            if action is not None and action.type is _PRE_B:
+                needed[action.stage_index] += 1
         counts: dict[int, int] = defaultdict(int)
         out: list[Action | None] = []
         for action in actions:
@@ -199,9 +232,9 @@ def add_reduce_grad(table: ScheduleTable, *, n_microbatches: int) -> ScheduleTab
                 continue
             out.append(action)
             for leaf in leaf_actions(action):
-                if leaf.type in (_B, _W):
+                if leaf.type in (_B, _W, _PRE_B):
                     counts[leaf.stage_index] += 1
-                    if counts[leaf.stage_index] == n_microbatches:
+                    if counts[leaf.stage_index] == needed[leaf.stage_index]:
                         out.append(Action(leaf.stage_index, ActionType.REDUCE_GRAD))
         result[rank] = out
     return result

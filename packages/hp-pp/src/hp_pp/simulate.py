@@ -37,8 +37,10 @@ _F = ActionType.FORWARD
 _B = ActionType.FULL_BACKWARD
 _I = ActionType.BACKWARD_INPUT
 _W = ActionType.BACKWARD_WEIGHT
-_SEND = (ActionType.SEND_F, ActionType.SEND_B)
-_RECV = (ActionType.RECV_F, ActionType.RECV_B)
+_PRE_F = ActionType.PREPROCESS_F
+_PRE_B = ActionType.PREPROCESS_B
+_SEND = (ActionType.SEND_F, ActionType.SEND_B, ActionType.SEND_PRE)
+_RECV = (ActionType.RECV_F, ActionType.RECV_B, ActionType.RECV_PRE)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,10 @@ class PipelineCosts:
         unshard: Rank time of ``UNSHARD``.
         reshard: Rank time of ``RESHARD``.
         reduce_grad: Rank time of ``REDUCE_GRAD``.
+        preprocess_forward: The part of stage 0's forward spent in its preprocess block. MPipe
+            moves it to ``PRE_F`` for the transposed micro-batches.
+        preprocess_backward: The part of stage 0's backward spent in the preprocess block.
+            MPipe's ``PRE_B`` costs ``preprocess_forward + preprocess_backward`` (recompute).
     """
 
     default: StageCosts = field(default_factory=StageCosts)
@@ -116,9 +122,18 @@ class PipelineCosts:
     unshard: float = 0.0
     reshard: float = 0.0
     reduce_grad: float = 0.0
+    preprocess_forward: float = 0.0
+    preprocess_backward: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("transfer", "unshard", "reshard", "reduce_grad"):
+        for name in (
+            "transfer",
+            "unshard",
+            "reshard",
+            "reduce_grad",
+            "preprocess_forward",
+            "preprocess_backward",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"PipelineCosts.{name} must be a number >= 0, got {value!r}")
@@ -149,7 +164,8 @@ class PipelineCosts:
 
         Top-level keys ``forward``, ``backward_input``, ``backward_weight``, ``full_backward``,
         ``activation_memory`` set every stage; ``transfer``, ``unshard``, ``reshard``,
-        ``reduce_grad`` the rest; a table ``[stage.N]`` overrides stage ``N``::
+        ``reduce_grad``, ``preprocess_forward``, ``preprocess_backward`` the rest; a table
+        ``[stage.N]`` overrides stage ``N``::
 
             forward = 1.0
             backward_input = 1.0
@@ -187,7 +203,14 @@ class PipelineCosts:
             "full_backward",
             "activation_memory",
         }
-        rank_keys = {"transfer", "unshard", "reshard", "reduce_grad"}
+        rank_keys = {
+            "transfer",
+            "unshard",
+            "reshard",
+            "reduce_grad",
+            "preprocess_forward",
+            "preprocess_backward",
+        }
         unknown = set(data) - stage_keys - rank_keys - {"stage"}
         if unknown:
             raise ValueError(
@@ -257,7 +280,8 @@ def simulate_schedule(table: ScheduleTable, costs: PipelineCosts | None = None) 
     step = max((t.end for t in run.timeline), default=0.0)
     busy = {rank: 0.0 for rank in table}
     for timed in run.timeline:
-        if timed.action.type.is_compute or timed.action.type is ActionType.OVERLAP_F_B:
+        kind = timed.action.type
+        if kind.is_compute or kind.is_preprocess or kind is ActionType.OVERLAP_F_B:
             busy[timed.rank] += timed.end - timed.start
     bubble = 0.0 if step == 0 else 1.0 - sum(busy.values()) / (len(table) * step)
     return SimulationResult(
@@ -281,11 +305,17 @@ class _TimedRun:
             for a in acts
         )
         self.rank_of: dict[int, int] = {}
+        # MPipe: micro-batch -> the rank running its transposed preprocess forward.
+        self.preprocess_rank: dict[int, int] = {}
         for rank, actions in table.items():
             for action in actions:
-                if action is not None:
-                    for leaf in leaf_actions(action):
+                if action is None:
+                    continue
+                for leaf in leaf_actions(action):
+                    if leaf.type.is_compute:
                         self.rank_of.setdefault(leaf.stage_index, rank)
+                    elif leaf.type is _PRE_F and leaf.microbatch_index is not None:
+                        self.preprocess_rank.setdefault(leaf.microbatch_index, rank)
         self.num_stages = max(self.rank_of, default=-1) + 1
         self.clock = dict.fromkeys(table, 0.0)
         self.cursor = dict.fromkeys(table, 0)
@@ -301,6 +331,17 @@ class _TimedRun:
         stage, mb = leaf.stage_index, leaf.microbatch_index
         assert mb is not None
         kinds: tuple[ActionType, ...]
+        if leaf.type is _PRE_F:
+            return 0.0
+        if leaf.type is _PRE_B:
+            return self.finished.get((0, _B, mb), self.finished.get((0, _I, mb)))
+        if leaf.type is _F and stage == 0 and mb in self.preprocess_rank:
+            produced = self.finished.get((0, _PRE_F, mb))
+            if self.preprocess_rank[mb] == rank:
+                return produced
+            if self.explicit:
+                return self.arrived.get((0, ActionType.RECV_PRE, mb))
+            return None if produced is None else produced + self.costs.transfer
         if leaf.type is _F:
             if stage == 0:
                 return 0.0
@@ -327,6 +368,11 @@ class _TimedRun:
         return None if produced is None else produced + self.costs.transfer
 
     def _peer(self, action: Action) -> int | None:
+        if action.type is ActionType.SEND_PRE:
+            return self.rank_of.get(0)
+        if action.type is ActionType.RECV_PRE:
+            assert action.microbatch_index is not None
+            return self.preprocess_rank.get(action.microbatch_index)
         if action.type is ActionType.SEND_F or action.type is ActionType.RECV_B:
             return self.rank_of.get(action.stage_index + 1)
         return self.rank_of.get(action.stage_index - 1)
@@ -348,7 +394,11 @@ class _TimedRun:
             _, arrival = queue.pop(0)
             assert action.microbatch_index is not None
             self.arrived[(action.stage_index, action.type, action.microbatch_index)] = arrival
-        elif action.type.is_compute or action.type is ActionType.OVERLAP_F_B:
+        elif (
+            action.type.is_compute
+            or action.type.is_preprocess
+            or action.type is ActionType.OVERLAP_F_B
+        ):
             leaves = leaf_actions(action)
             ready = [self._input_time(rank, leaf) for leaf in leaves]
             if any(t is None for t in ready):
@@ -356,7 +406,7 @@ class _TimedRun:
             start = max([self.clock[rank], *(t for t in ready if t is not None)])
             end = start
             for leaf in leaves:
-                end += self.costs.stage(leaf.stage_index).cost(leaf.type)
+                end += self._cost(leaf)
                 self._account(rank, leaf, end)
             self.timeline.append(TimedAction(rank, action, start, end))
             self.clock[rank] = end
@@ -373,9 +423,29 @@ class _TimedRun:
         self.cursor[rank] += 1
         return True
 
+    def _cost(self, leaf: Action) -> float:
+        """A compute action's cost; MPipe moves the preprocess part of stage 0 to PRE_F/PRE_B."""
+        pre_f, pre_b = self.costs.preprocess_forward, self.costs.preprocess_backward
+        if leaf.type is _PRE_F:
+            return pre_f
+        if leaf.type is _PRE_B:
+            return pre_f + pre_b
+        cost = self.costs.stage(leaf.stage_index).cost(leaf.type)
+        if leaf.stage_index == 0 and leaf.microbatch_index in self.preprocess_rank:
+            part = pre_f if leaf.type is _F else pre_b if leaf.type in (_B, _I) else 0.0
+            if part > cost:
+                raise ValueError(
+                    f"{leaf}: the preprocess part of stage 0 ({part:g}) exceeds the stage's "
+                    f"{leaf.type.name} cost ({cost:g})"
+                )
+            cost -= part
+        return cost
+
     def _account(self, rank: int, leaf: Action, end: float) -> None:
         assert leaf.microbatch_index is not None
         self.finished[(leaf.stage_index, leaf.type, leaf.microbatch_index)] = end
+        if leaf.type.is_preprocess:
+            return
         memory = self.costs.stage(leaf.stage_index).activation_memory
         if leaf.type is _F:
             self.live_memory[rank] += memory

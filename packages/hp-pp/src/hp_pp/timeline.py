@@ -32,6 +32,8 @@ ACTION_COLORS: dict[ActionType, str] = {
     ActionType.UNSHARD: "#937860",
     ActionType.RESHARD: "#c0a080",
     ActionType.REDUCE_GRAD: "#da8bc3",
+    ActionType.PREPROCESS_F: "#64b5cd",
+    ActionType.PREPROCESS_B: "#c44e52",
 }
 """The colour of each action kind in the timeline picture."""
 
@@ -44,6 +46,8 @@ _LABELS = {
     ActionType.UNSHARD: "unshard",
     ActionType.RESHARD: "reshard",
     ActionType.REDUCE_GRAD: "reduce grad",
+    ActionType.PREPROCESS_F: "preprocess forward (MPipe)",
+    ActionType.PREPROCESS_B: "preprocess backward (MPipe)",
 }
 
 

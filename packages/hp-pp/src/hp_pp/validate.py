@@ -32,8 +32,10 @@ _F = ActionType.FORWARD
 _B = ActionType.FULL_BACKWARD
 _I = ActionType.BACKWARD_INPUT
 _W = ActionType.BACKWARD_WEIGHT
-_SEND = (ActionType.SEND_F, ActionType.SEND_B)
-_RECV = (ActionType.RECV_F, ActionType.RECV_B)
+_PRE_F = ActionType.PREPROCESS_F
+_PRE_B = ActionType.PREPROCESS_B
+_SEND = (ActionType.SEND_F, ActionType.SEND_B, ActionType.SEND_PRE)
+_RECV = (ActionType.RECV_F, ActionType.RECV_B, ActionType.RECV_PRE)
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,10 @@ def _placement(
 ) -> dict[int, int]:
     placement: dict[int, int] = {}
     for rank, pos, leaf in leaves:
+        if leaf.type.is_preprocess and leaf.stage_index != 0:
+            problems.append(
+                f"rank {rank}, position {pos}: {leaf}: MPipe's preprocess belongs to stage 0"
+            )
         if not leaf.type.is_compute:
             continue
         stage = leaf.stage_index
@@ -189,6 +195,12 @@ def _placement(
                     f"rank {rank}, position {pos}: {leaf} belongs to rank {expected} "
                     f"under the {style!r} placement"
                 )
+    first_rank = placement.get(0)
+    for rank, pos, leaf in leaves:
+        if leaf.type is _PRE_B and first_rank is not None and first_rank != rank:
+            problems.append(
+                f"rank {rank}, position {pos}: {leaf} must run on stage 0's rank {first_rank}"
+            )
     return placement
 
 
@@ -205,7 +217,7 @@ def _check_work(table: ScheduleTable, n_stages: int, n_mbs: int, problems: list[
             if action is None:
                 continue
             for leaf in leaf_actions(action):
-                if not leaf.type.is_compute:
+                if not (leaf.type.is_compute or leaf.type.is_preprocess):
                     continue
                 key = _work_key(leaf)
                 if key[2] >= n_mbs:
@@ -222,6 +234,7 @@ def _check_work(table: ScheduleTable, n_stages: int, n_mbs: int, problems: list[
                     )
                     continue
                 where[key] = (rank, pos)
+    _check_preprocess(where, problems)
     for stage in range(n_stages):
         for mb in range(n_mbs):
             fwd = where.get((stage, "F", mb))
@@ -258,6 +271,31 @@ def _check_work(table: ScheduleTable, n_stages: int, n_mbs: int, problems: list[
                 )
 
 
+def _check_preprocess(
+    where: dict[tuple[int, str, int], tuple[int, int]], problems: list[str]
+) -> None:
+    """MPipe: transposed preprocess forwards have backwards (all, or none when frozen) after B."""
+    forwards = {mb for (_, kind, mb) in where if kind == "PRE_F"}
+    backwards = {mb for (_, kind, mb) in where if kind == "PRE_B"}
+    # A frozen preprocess has no PRE_B at all; a trainable one has one per transposed batch.
+    for mb in sorted(forwards - backwards) if backwards else []:
+        problems.append(
+            f"rank {where[(0, 'PRE_F', mb)][0]}: 0PRE_F{mb} has no 0PRE_B{mb} "
+            "(stage 0's rank must recompute and backward every transposed preprocess, or none "
+            "when the preprocess is frozen)"
+        )
+    for mb in sorted(backwards - forwards):
+        problems.append(f"rank {where[(0, 'PRE_B', mb)][0]}: 0PRE_B{mb} has no 0PRE_F{mb}")
+    for mb in sorted(backwards):
+        rank, pos = where[(0, "PRE_B", mb)]
+        body = where.get((0, "B", mb)) or where.get((0, "I", mb))
+        if body is not None and body[0] == rank and body[1] > pos:
+            problems.append(
+                f"rank {rank}, position {pos}: 0PRE_B{mb} runs before stage 0's backward of "
+                f"micro-batch {mb}"
+            )
+
+
 class _Run:
     """A simulated execution of all ranks: pointers, posted messages, finished work."""
 
@@ -270,6 +308,13 @@ class _Run:
             for acts in table.values()
             for a in acts
         )
+        # MPipe: micro-batch -> the rank running its transposed preprocess forward.
+        self.preprocess_rank: dict[int, int] = {}
+        for rank, actions in table.items():
+            for action in actions:
+                if action is not None and action.type is _PRE_F:
+                    assert action.microbatch_index is not None
+                    self.preprocess_rank.setdefault(action.microbatch_index, rank)
         self.cursor = dict.fromkeys(table, 0)
         self.done: set[tuple[int, str, int]] = set()
         self.received: dict[int, set[tuple[int, str, int]]] = defaultdict(set)
@@ -285,6 +330,18 @@ class _Run:
         stage, mb = leaf.stage_index, leaf.microbatch_index
         assert mb is not None
         kinds: tuple[str, ...]
+        if leaf.type is _PRE_B:
+            if (0, "B", mb) in self.done or (0, "I", mb) in self.done:
+                return None
+            return f"stage 0's backward of micro-batch {mb}"
+        if leaf.type is _F and stage == 0 and mb in self.preprocess_rank:
+            if self.preprocess_rank[mb] == rank or not self.explicit:
+                if (0, "PRE_F", mb) in self.done:
+                    return None
+                return f"the transposed preprocess 0PRE_F{mb}"
+            if (0, "RECV_PRE", mb) in self.received[rank]:
+                return None
+            return f"0RECV_PRE{mb} (no receive for it ran before)"
         if leaf.type is _F:
             if stage == 0:
                 return None
@@ -304,10 +361,26 @@ class _Run:
         return f"{stage}{recv}{mb} (no receive for it ran before)"
 
     def _expected_peer(self, action: Action) -> int | None:
-        to_stage = action.stage_index + (1 if action.type is ActionType.SEND_F else -1)
-        if action.type in _RECV:
-            to_stage = action.stage_index + (-1 if action.type is ActionType.RECV_F else 1)
-        return self.placement.get(to_stage)
+        """The rank a send goes to, or the rank a receive comes from."""
+        kind, stage = action.type, action.stage_index
+        if kind is ActionType.SEND_PRE:
+            return self.placement.get(0)
+        if kind is ActionType.RECV_PRE:
+            assert action.microbatch_index is not None
+            return self.preprocess_rank.get(action.microbatch_index)
+        if kind in (ActionType.SEND_F, ActionType.RECV_B):
+            return self.placement.get(stage + 1)
+        return self.placement.get(stage - 1)
+
+    @staticmethod
+    def _matching_send(action: Action) -> Action:
+        """The send a receive must get."""
+        stage, mb = action.stage_index, action.microbatch_index
+        if action.type is ActionType.RECV_F:
+            return Action(stage - 1, ActionType.SEND_F, mb)
+        if action.type is ActionType.RECV_B:
+            return Action(stage + 1, ActionType.SEND_B, mb)
+        return Action(stage, ActionType.SEND_PRE, mb)
 
     def _step(self, rank: int) -> bool:
         """Run ``rank``'s next action if it can run now; False when it must wait."""
@@ -320,7 +393,11 @@ class _Run:
             return self._send(rank, pos, action)
         if action.type in _RECV:
             return self._recv(rank, pos, action)
-        if not action.type.is_compute and action.type is not ActionType.OVERLAP_F_B:
+        if not (
+            action.type.is_compute
+            or action.type.is_preprocess
+            or action.type is ActionType.OVERLAP_F_B
+        ):
             self.cursor[rank] += 1  # UNSHARD / RESHARD / REDUCE_GRAD: local, never wait.
             return True
         leaves = leaf_actions(action)
@@ -344,14 +421,13 @@ class _Run:
     def _send(self, rank: int, pos: int, action: Action) -> bool:
         mb = action.microbatch_index
         assert mb is not None
-        kind = "F" if action.type is ActionType.SEND_F else None
-        produced = (
-            (action.stage_index, "F", mb) in self.done
-            if kind
-            else any((action.stage_index, k, mb) in self.done for k in ("B", "I"))
-        )
-        if not produced:
-            what = "forward" if kind else "backward"
+        producers = {
+            ActionType.SEND_F: ("F",),
+            ActionType.SEND_B: ("B", "I"),
+            ActionType.SEND_PRE: ("PRE_F",),
+        }[action.type]
+        if not any((action.stage_index, k, mb) in self.done for k in producers):
+            what = {"F": "forward", "B": "backward", "PRE_F": "preprocess forward"}[producers[0]]
             self.problems.append(
                 f"rank {rank}, position {pos}: {action} sends before "
                 f"the {what} that produces it ran"
@@ -379,21 +455,13 @@ class _Run:
         if not queue:
             return False
         send, send_pos = queue.popleft()
-        matches = (
-            send.microbatch_index == action.microbatch_index
-            and (send.type, action.type)
-            in ((ActionType.SEND_F, ActionType.RECV_F), (ActionType.SEND_B, ActionType.RECV_B))
-            and send.stage_index
-            == action.stage_index + (-1 if action.type is ActionType.RECV_F else 1)
-        )
-        if not matches:
+        if send != self._matching_send(action):
             self.problems.append(
                 f"rank {rank}, position {pos}: {action} would receive {send} (rank {peer}, "
                 f"position {send_pos}): messages between two ranks match in posting order"
             )
         assert action.microbatch_index is not None
-        kind = "RECV_F" if action.type is ActionType.RECV_F else "RECV_B"
-        self.received[rank].add((action.stage_index, kind, action.microbatch_index))
+        self.received[rank].add((action.stage_index, action.type.value, action.microbatch_index))
         self.cursor[rank] += 1
         return True
 

@@ -1,9 +1,10 @@
 """Schedule generators: every built-in pipeline schedule as a compute-only action table.
 
 ``generate(name, pp_size=..., num_stages=..., n_microbatches=...)`` returns, for each pipeline
-rank, its compute actions in order (``F``, ``B``, ``I``, ``W`` and ``OVERLAP_F_B``; ``None`` is
-an idle slot of the lock-step picture). :func:`hp_pp.comm_lowering.add_communication` adds the
-sends and receives; one executor runs the result. Names are case-insensitive and PyTorch's
+rank, its compute actions in order (``F``, ``B``, ``I``, ``W`` and ``OVERLAP_F_B``; MPipe adds
+its preprocess ``PRE_F`` / ``PRE_B``; ``None`` is an idle slot of the lock-step picture).
+:func:`hp_pp.comm_lowering.add_communication` adds the sends and receives; one executor runs
+the result. Names are case-insensitive and PyTorch's
 class names (``"ScheduleGPipe"``, ...) are accepted.
 
 See Also:
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from hp_pp.actions import ScheduleTable
 from hp_pp.generators.looped import interleaved_1f1b, interleaved_zero_bubble, looped_bfs
 from hp_pp.generators.mapping import StageStyle, rank_to_stages, stage_to_rank
+from hp_pp.generators.mpipe import mpipe
 from hp_pp.generators.single import gpipe, one_f_one_b
 from hp_pp.generators.v_shape import dualpipe_v, zbv_zero_bubble
 
@@ -38,12 +40,14 @@ _GENERATORS: dict[str, Callable[..., ScheduleTable]] = {
     "InterleavedZeroBubble": interleaved_zero_bubble,
     "ZBVZeroBubble": zbv_zero_bubble,
     "DualPipeV": dualpipe_v,
+    "MPipe": mpipe,
 }
 
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_GENERATORS)
 """The canonical names of the built-in schedules, in the order tables and pictures list them."""
 
 _ALIASES = {
+    "mpipetranspose": "MPipe",
     "zbv": "ZBVZeroBubble",
     "zb1p": "InterleavedZeroBubble",
     "interleavedzb": "InterleavedZeroBubble",

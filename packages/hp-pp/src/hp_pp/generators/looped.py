@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from hp_pp.actions import Action, ActionType, ScheduleTable
 from hp_pp.generators._checks import check_sizes, require_looped_stages
 
-__all__ = ["interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs"]
+__all__ = [
+    "interleaved_1f1b",
+    "interleaved_1f1b_named",
+    "interleaved_zero_bubble",
+    "looped_bfs",
+]
 
 _F = ActionType.FORWARD
 _B = ActionType.FULL_BACKWARD
@@ -78,7 +83,15 @@ def interleaved_1f1b(*, pp_size: int, num_stages: int, n_microbatches: int) -> S
         ValueError: ``num_stages`` not a multiple of ``pp_size``, or ``n_microbatches`` not a
             multiple of the number of rounds ``max(1, n_microbatches // pp_size)``.
     """
-    name = "Interleaved1F1B"
+    return interleaved_1f1b_named(
+        "Interleaved1F1B", pp_size=pp_size, num_stages=num_stages, n_microbatches=n_microbatches
+    )
+
+
+def interleaved_1f1b_named(
+    name: str, *, pp_size: int, num_stages: int, n_microbatches: int
+) -> ScheduleTable:
+    """:func:`interleaved_1f1b` whose errors name ``name`` (for schedules built on it)."""
     check_sizes(name, pp_size, num_stages, n_microbatches)
     local = require_looped_stages(name, pp_size, num_stages)
     rounds = _Rounds.of(name, pp_size, n_microbatches)
