@@ -298,3 +298,18 @@ def test_activation_checkpoint_recompute_counts_tokens_once() -> None:
     assert moe.tokens_per_expert.sum() == 12
     for p, r in zip(moe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+@pytest.mark.parametrize("dim", [16, 12])  # 16: bf16 grouped GEMM; 12 * 2 bytes: the loop
+def test_bf16_moe_tracks_fp32(dim: int) -> None:
+    torch.manual_seed(9)
+    moe = MoE(MoEArgs(num_experts=4, top_k=2), dim, 2 * dim)
+    low = copy.deepcopy(moe).to(torch.bfloat16)
+    x = torch.randn(10, dim)
+    assert grouped_mm_supported(x.bfloat16(), low.experts.w1, low.experts.w2) == (dim == 16)
+    out = low(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), moe(x), rtol=5e-2, atol=2e-2)
+    out.float().square().sum().backward()
+    assert low.experts.w1.grad is not None
+    assert low.experts.w1.grad.dtype == torch.bfloat16
