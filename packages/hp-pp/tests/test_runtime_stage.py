@@ -196,3 +196,115 @@ def test_eval_runs_forward_only() -> None:
                 ]
             ),
         )
+
+
+class TiedEnds(nn.Module):
+    """Embedding on the first stage, output head on the last, sharing one weight in the model."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__()
+        self.part = part
+        self.weight = nn.Parameter(torch.empty(16, DIM))
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.part == "first":
+            return torch.tanh(self.lin(nn.functional.embedding(x, self.weight)))
+        return torch.tanh(self.lin(x)) @ self.weight.t()
+
+
+def _tied_models() -> tuple[TiedEnds, TiedEnds]:
+    torch.manual_seed(0)
+    first, last = TiedEnds("first"), TiedEnds("last")
+    nn.init.normal_(first.weight)
+    last.weight.data.copy_(first.weight.data)
+    return first, last
+
+
+@pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])
+@distributed(world_size=2)
+def test_tied_parameters_get_the_summed_gradient(name: str) -> None:
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 16, (4, 6), generator=g)
+    target = torch.randint(0, 16, (4, 6), generator=g)
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    # One process: the tied model (one weight used twice), plus middle layers for ZBV.
+    first, last = _tied_models()
+    torch.manual_seed(1)
+    middles = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2)]
+    ref_first, ref_last = _tied_models()
+    ref_last.weight = ref_first.weight
+    ref_mid = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2)]
+    for a, b in zip(ref_mid, middles, strict=True):
+        b.load_state_dict(a.state_dict())
+    v_shape = name == "ZBVZeroBubble"
+    chain = [ref_first, *ref_mid, ref_last] if v_shape else [ref_first, ref_last]
+    for xm, ym in zip(tokens.chunk(2), target.chunk(2), strict=True):
+        h = xm
+        for m in chain:
+            h = m(h)
+        (loss_fn(h, ym) / 2).backward()
+    modules = [first, *middles, last] if v_shape else [first, last]
+    num_stages = len(modules)
+    indices = generators.rank_to_stages(rank, 2, num_stages, generators.STYLE[name])
+    ties = {0: {"weight": "embedding"}, num_stages - 1: {"weight": "embedding"}}
+    stages = [
+        hp_pp.PipelineStage(
+            modules[s], s, num_stages, torch.device("cpu"), tied_parameters=ties.get(s)
+        )
+        for s in indices
+    ]
+    sched = hp_pp.get_schedule_class(name)
+    schedule = sched(stages if v_shape else stages[0], 2, loss_fn=loss_fn)
+    schedule.step(
+        *((tokens,) if 0 in indices else ()),
+        target=target if num_stages - 1 in indices else None,
+    )
+    for s in indices:
+        if s in ties:
+            torch.testing.assert_close(modules[s].weight.grad, ref_first.weight.grad)
+        torch.testing.assert_close(
+            modules[s].lin.weight.grad if s in ties else modules[s][0].weight.grad,
+            chain[s].lin.weight.grad if s in ties else chain[s][0].weight.grad,
+        )
+
+
+class FailsAtMicrobatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("stage 1 broke on micro-batch 1")
+        return self.lin(x)
+
+
+def _failing_pipeline() -> None:
+    import datetime
+
+    rank = dist.get_rank()
+    module = nn.Linear(DIM, DIM) if rank == 0 else FailsAtMicrobatch()
+    stage = hp_pp.PipelineStage(
+        module, rank, 2, torch.device("cpu"), timeout=datetime.timedelta(seconds=2)
+    )
+    sched = hp_pp.Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss)
+    x, y = _data(0)
+    sched.step(x) if rank == 0 else sched.step(target=y)
+
+
+def test_a_failing_rank_makes_the_other_fail_naming_it() -> None:
+    from hp_dtensor.testing import DistributedTestError, run_distributed
+
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_failing_pipeline, 2, timeout=30)
+    text = str(info.value)
+    assert "stage 1 broke on micro-batch 1" in text
+    assert "rank 0, stage 0" in text
+    assert "with rank 1 did not complete" in text
