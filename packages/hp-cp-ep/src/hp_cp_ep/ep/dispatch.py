@@ -123,9 +123,9 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-def _agree(ok: bool, group: dist.ProcessGroup) -> list[bool]:
+def _agree(ok: bool, group: dist.ProcessGroup, device: torch.device) -> list[bool]:
     """Every rank's ``ok`` flag, gathered on every rank (so all ranks raise together)."""
-    flags = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    flags = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, flags, group=group)
     return [bool(f.item()) for f in gathered]
@@ -170,14 +170,16 @@ def all_to_all_tokens(
         local_problem = f"split lists must have {world} entries (one per rank of the group)"
     elif sum(input_splits) != tokens.shape[0]:
         local_problem = f"input_splits sum to {sum(input_splits)} but tokens has {tokens.shape[0]}"
-    sent = torch.zeros(world, dtype=torch.int64)
+    # the backend's device (nccl needs accelerator tensors even for split sizes)
+    device = tokens.device
+    sent = torch.zeros(world, dtype=torch.int64, device=device)
     if not local_problem:
-        sent = torch.tensor(input_splits, dtype=torch.int64)
+        sent = torch.tensor(input_splits, dtype=torch.int64, device=device)
     expected = torch.empty_like(sent)
     dist.all_to_all_single(expected, sent, group=pg)
     received = [int(v) for v in expected.tolist()]
     if output_splits is None:
-        oks = _agree(not local_problem, pg)
+        oks = _agree(not local_problem, pg, device)
         output_splits = received
     else:
         if not local_problem and list(output_splits) != received:
@@ -185,7 +187,7 @@ def all_to_all_tokens(
                 f"output_splits {list(output_splits)} disagree with the sizes the peers send "
                 f"{received}"
             )
-        oks = _agree(not local_problem, pg)
+        oks = _agree(not local_problem, pg, device)
     if not all(oks):
         bad = [r for r, ok in enumerate(oks) if not ok]
         detail = f" (this rank {rank}: {local_problem})" if local_problem else ""
@@ -268,10 +270,10 @@ class TokenDispatcher:
         memo[id(self)] = clone
         return clone
 
-    def _check_peers(self, hidden: int) -> None:
+    def _check_peers(self, hidden: int, device: torch.device) -> None:
         """Once: every EP rank must hold as many experts and the same hidden size."""
         assert self.ep_group is not None
-        mine = torch.tensor([self.num_local_experts, hidden], dtype=torch.int64)
+        mine = torch.tensor([self.num_local_experts, hidden], dtype=torch.int64, device=device)
         everyone = [torch.zeros_like(mine) for _ in range(self.ep_size)]
         dist.all_gather(everyone, mine, group=self.ep_group)
         if any(not torch.equal(other, mine) for other in everyone):
@@ -306,7 +308,7 @@ class TokenDispatcher:
         if self.ep_group is None:
             return DispatchedTokens(tokens, num_tokens_per_expert, None)
         if not self._checked_peers:
-            self._check_peers(tokens.shape[-1])
+            self._check_peers(tokens.shape[-1], tokens.device)
         counts = num_tokens_per_expert.to(torch.int64).view(self.ep_size, self.num_local_experts)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts.contiguous(), group=self.ep_group)
