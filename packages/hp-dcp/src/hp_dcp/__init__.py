@@ -19,8 +19,10 @@ from hp_dcp.convert import (
 )
 from hp_dcp.errors import (
     CheckpointCorruptionError,
+    ConcurrentSaveError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
 )
 from hp_dcp.huggingface import HF_INDEX_FILE, load_hf_safetensors, save_hf_safetensors
 from hp_dcp.save_load import async_save, load, save
@@ -39,6 +41,7 @@ __all__ = [
     "HF_INDEX_FILE",
     "CheckpointCorruptionError",
     "CheckpointEntry",
+    "ConcurrentSaveError",
     "FileSystemReader",
     "FileSystemWriter",
     "HuggingFaceStorageReader",
@@ -46,6 +49,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "StateDictOptions",
     "UnsafeCheckpointError",
+    "UnverifiedCheckpointWarning",
     "__version__",
     "async_save",
     "dcp_to_hf",

@@ -4,7 +4,8 @@ DCP stores every tensor chunk as a ``torch.save`` zip archive: ``data.pkl`` (a t
 calls ``torch._utils._rebuild_tensor_v2`` on a persistent storage id) plus the raw storage bytes
 as an uncompressed record. Decoding it here views the storage bytes in place (no copy), so a
 load copies each byte once, from the page cache into the destination tensor. The pickle is read
-with a three-name allow-list (the rebuild function, the typed-storage classes, ``OrderedDict``);
+with hp-dcp's safe unpickler and a three-name allow-list (the rebuild function, the
+typed-storage classes, ``OrderedDict``);
 anything else, a big-endian archive, or a misaligned record returns ``None`` and the caller
 falls back to ``torch.load(weights_only=True)``.
 """
@@ -24,6 +25,9 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+
+from hp_dcp._safe_pickle import AllowList, SafeUnpickler
+from hp_dcp.errors import CheckpointCorruptionError, UnsafeCheckpointError
 
 _LOCAL_HEADER = b"PK\x03\x04"
 
@@ -82,36 +86,47 @@ def _rebuild(
     return torch.empty(0, dtype=dtype).set_(untyped, storage_offset, size, stride)
 
 
-class _TensorPickle(pickle.Unpickler):
-    def __init__(self, data: bytes, records: dict[str, memoryview]) -> None:
-        super().__init__(io.BytesIO(data))
+def _storage_kinds() -> dict[str, _StorageKind]:
+    kinds = {"torch.UntypedStorage": _StorageKind(torch.uint8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage classes warn on attribute access
+        for name in dir(torch):
+            dtype = (
+                getattr(getattr(torch, name, None), "dtype", None)
+                if name.endswith("Storage")
+                else None
+            )
+            if isinstance(dtype, torch.dtype):
+                kinds[f"torch.{name}"] = _StorageKind(dtype)
+    return kinds
+
+
+_TENSOR_ALLOW_LIST = AllowList(
+    globals={
+        "torch._utils._rebuild_tensor_v2": _rebuild,
+        "collections.OrderedDict": OrderedDict,
+        **_storage_kinds(),
+    },
+    constructors=frozenset({_rebuild, OrderedDict}),
+    classes=frozenset(),
+)
+
+
+class _StorageRecords:
+    """Resolves the pickle's persistent storage ids to records of the archive, in place."""
+
+    def __init__(self, records: dict[str, memoryview]) -> None:
         self._records = records
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild
-        if module == "collections" and name == "OrderedDict":
-            return OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            cls = getattr(torch, name, None)
-            if cls is torch.UntypedStorage:
-                return _StorageKind(torch.uint8)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # TypedStorage classes warn on attribute access
-                dtype = getattr(cls, "dtype", None)
-            if isinstance(dtype, torch.dtype):
-                return _StorageKind(dtype)
-        raise _UnsupportedBlobError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
+    def __call__(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise _UnsupportedBlobError("unexpected persistent id")
         kind, key, _location, numel = pid[1], pid[2], pid[3], pid[4]
-        if not isinstance(kind, _StorageKind):
+        if not isinstance(kind, _StorageKind) or not isinstance(numel, int):
             raise _UnsupportedBlobError("unexpected storage type")
         record = self._records.get(f"data/{key}")
         itemsize = torch.empty((), dtype=kind.dtype).element_size()
-        if record is None or len(record) != int(numel) * itemsize:
+        if record is None or len(record) != numel * itemsize:
             raise _UnsupportedBlobError("storage record missing or of the wrong size")
         if len(record) == 0:
             return torch.empty(0, dtype=torch.uint8).untyped_storage(), kind.dtype
@@ -147,9 +162,13 @@ def decode_tensor(blob: memoryview) -> torch.Tensor | None:
         pkl = records.get("data.pkl")
         if pkl is None:
             raise _UnsupportedBlobError("no data.pkl")
-        obj = _TensorPickle(bytes(pkl), records).load()
+        obj = SafeUnpickler(
+            bytes(pkl), "tensor pickle", _TENSOR_ALLOW_LIST, _StorageRecords(records)
+        ).load()
     except (
         _UnsupportedBlobError,
+        UnsafeCheckpointError,
+        CheckpointCorruptionError,
         zipfile.BadZipFile,
         pickle.UnpicklingError,
         struct.error,

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointCorruptionError", "IncompleteCheckpointError", "UnsafeCheckpointError"]
+__all__ = [
+    "CheckpointCorruptionError",
+    "ConcurrentSaveError",
+    "IncompleteCheckpointError",
+    "UnsafeCheckpointError",
+    "UnverifiedCheckpointWarning",
+]
 
 
 class CheckpointCorruptionError(RuntimeError):
@@ -29,13 +35,35 @@ class IncompleteCheckpointError(RuntimeError):
 
 
 class UnsafeCheckpointError(RuntimeError):
-    """A checkpoint would need to run arbitrary Python code to be loaded.
+    """A checkpoint holds something hp-dcp refuses to read: code to run, or a path outside it.
 
-    hp-dcp reads ``.metadata`` and every byte item with an allow-list unpickler. A checkpoint
-    that pickled other Python objects is rejected with this error; load it knowingly with
-    ``allow_unsafe_pickle=True`` (only for checkpoints you trust) or allow the specific classes
-    with ``torch.serialization.safe_globals``.
+    Raised when ``.metadata`` or an item would need a pickle opcode or global off hp-dcp's
+    allow-list (the message names the opcode or the global), or when a file name recorded in
+    the checkpoint leaves its directory or is not a regular file. hp-dcp never falls back to
+    the full unpickler; allow specific classes with ``torch.serialization.safe_globals``.
 
     See Also:
         ``torch.serialization.safe_globals``: PyTorch's allow-list for ``weights_only`` loads.
+    """
+
+
+class ConcurrentSaveError(RuntimeError):
+    """Another save into the same checkpoint path is in progress.
+
+    Saves into one path take a lock file (``.<name>.hp-dcp-lock`` next to it) recording the
+    owner's host and pid; the message names them. A lock left by a dead process is taken over.
+
+    See Also:
+        ``torch.distributed.checkpoint.FileSystemWriter``: PyTorch does not lock.
+    """
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint without checksums (written by PyTorch or another tool) was read unverified.
+
+    Issued once per load. A checkpoint written by hp-dcp records in its metadata that it has
+    checksums, so deleting its checksum file makes loading fail instead of warn.
+
+    See Also:
+        ``torch.distributed.checkpoint.FileSystemReader``: reads without verifying.
     """

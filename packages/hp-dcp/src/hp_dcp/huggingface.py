@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from hp_dcp._checksum import crc32
+from hp_dcp._files import check_member_name, fsync_dir, open_member, parse_json, read_member
+from hp_dcp.errors import CheckpointCorruptionError, UnverifiedCheckpointWarning
 
 __all__ = [
     "HF_INDEX_FILE",
@@ -23,6 +30,11 @@ __all__ = [
 
 HF_INDEX_FILE = "model.safetensors.index.json"
 """Name of the index json mapping each tensor to its shard file."""
+
+_CHECKSUMS_KEY = "hp_dcp_checksums"
+# Also in every file's safetensors header: deleting the index cannot turn verification off.
+_HEADER_MARKER = {_CHECKSUMS_KEY: "crc32 in " + HF_INDEX_FILE}
+_MAX_INDEX_BYTES = 1 << 28
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -91,9 +103,11 @@ def save_hf_safetensors(
     """Write a full state dict as sharded safetensors files plus ``model.safetensors.index.json``.
 
     Tensors are written in key order into shards of at most ``max_shard_size`` bytes (a larger
-    tensor gets a shard of its own). Each file is written under a temporary name and renamed, the
-    index last, so readers never see a half-written file. Other files in ``path`` (``config.json``
-    and the like) are left alone.
+    tensor gets a shard of its own). Each file is written under a temporary name, fsynced and
+    renamed, the index last, so readers never see a half-written file. The index records the
+    size and CRC-32 of every file (``metadata.hp_dcp_checksums``) and every file's header says
+    so, so :func:`load_hf_safetensors` verifies them and refuses the files if the index is
+    lost. Other files in ``path`` (``config.json`` and the like) are left alone.
 
     Args:
         state_dict: tensor name -> tensor (non-contiguous and non-CPU tensors are copied).
@@ -119,25 +133,156 @@ def save_hf_safetensors(
     shards = _plan_shards(((k, state_dict[k].nbytes) for k in keys), limit)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt", **(metadata or {})}
+    meta = {"format": "pt", **(metadata or {}), **_HEADER_MARKER}
     names: list[str] = []
     weight_map: dict[str, str] = {}
+    sums: dict[str, dict[str, int]] = {}
     for i, shard in enumerate(shards):
         name = _shard_name(i, len(shards))
         tensors = {k: state_dict[k].detach().cpu().contiguous() for k in shard}
         tmp = out / f".{name}.tmp"
         save_file(tensors, str(tmp), metadata=meta)
+        sums[name] = _sync_and_sum(tmp)
         os.replace(tmp, out / name)
         names.append(name)
         weight_map.update(dict.fromkeys(shard, name))
     index = {
-        "metadata": {"total_size": sum(state_dict[k].nbytes for k in keys)},
+        "metadata": {
+            "total_size": sum(state_dict[k].nbytes for k in keys),
+            _CHECKSUMS_KEY: {"algorithm": "crc32", "files": sums},
+        },
         "weight_map": weight_map,
     }
     tmp_index = out / f".{HF_INDEX_FILE}.tmp"
-    tmp_index.write_text(json.dumps(index, indent=2, sort_keys=True))
+    with tmp_index.open("w") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp_index, out / HF_INDEX_FILE)
+    fsync_dir(out)
     return names
+
+
+def _sync_and_sum(path: Path) -> dict[str, int]:
+    """fsync a written file and return its size and CRC-32."""
+    with path.open("rb+") as f:
+        os.fsync(f.fileno())
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return {"size": 0, "crc32": crc32(b"")}
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                return {"size": size, "crc32": crc32(view)}
+            finally:
+                view.release()
+
+
+class _HFCheckpoint:
+    """The files of one HF checkpoint directory, their tensors and (if recorded) checksums."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files: dict[str, list[str]] = {}
+        self.sums: dict[str, dict[str, int]] | None = None
+        index = root / HF_INDEX_FILE
+        if index.exists() or index.is_symlink():
+            self._read_index(index)
+        else:
+            for file in sorted(root.glob("*.safetensors")):
+                self.files[file.name] = self._header(file.name)[0]
+        if not self.files:
+            raise FileNotFoundError(f"no safetensors files in {root}")
+
+    def _read_index(self, index: Path) -> None:
+        data = parse_json(
+            read_member(self.root, HF_INDEX_FILE, str(index), _MAX_INDEX_BYTES), str(index)
+        )
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointCorruptionError(f"{index} has no weight_map object")
+        for key, name in weight_map.items():
+            check_member_name(name, str(index))
+            self.files.setdefault(name, []).append(key)
+        for name in self.files:
+            if not (self.root / name).exists():
+                raise FileNotFoundError(
+                    f"{index} names {name}, which does not exist in {self.root}"
+                )
+        meta = data.get("metadata")
+        recorded = meta.get(_CHECKSUMS_KEY) if isinstance(meta, dict) else None
+        if recorded is not None:
+            self.sums = _check_recorded(recorded, set(self.files), str(index))
+
+    def _header(self, name: str) -> tuple[list[str], dict[str, str]]:
+        fd = open_member(self.root, name, str(self.root))
+        os.close(fd)
+        try:
+            with safe_open(str(self.root / name), framework="pt") as f:
+                return list(f.keys()), dict(f.metadata() or {})
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise CheckpointCorruptionError(
+                f"{self.root / name} is not a readable safetensors file: {exc!s:.160}"
+            ) from exc
+
+    def check_unverified(self) -> None:
+        """With no recorded checksums: refuse hp-dcp's own files, warn once for foreign ones."""
+        if self.sums is not None:
+            return
+        for name in self.files:
+            if _CHECKSUMS_KEY in self._header(name)[1]:
+                raise CheckpointCorruptionError(
+                    f"{self.root / name} was written by hp-dcp with checksums in "
+                    f"{HF_INDEX_FILE}, which is missing or lost them: it cannot be verified"
+                )
+        warnings.warn(
+            f"{self.root} has no checksums (a HuggingFace checkpoint not written by hp-dcp): "
+            "it is loaded unverified",
+            UnverifiedCheckpointWarning,
+            stacklevel=3,
+        )
+
+    def verify(self, name: str) -> None:
+        """Check one file's size and CRC-32 against the index (no-op without checksums)."""
+        if self.sums is None:
+            return
+        fd = open_member(self.root, name, str(self.root / HF_INDEX_FILE))
+        try:
+            expected = self.sums[name]
+            size = os.fstat(fd).st_size
+            if size != expected["size"]:
+                raise CheckpointCorruptionError(
+                    f"{self.root / name} has {size} bytes, the save wrote {expected['size']}"
+                )
+            got = crc32(b"")
+            if size:
+                with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+                    view = memoryview(mm)
+                    try:
+                        got = crc32(view)
+                    finally:
+                        view.release()
+            if got != expected["crc32"]:
+                raise CheckpointCorruptionError(
+                    f"checksum mismatch in {self.root / name}: the file changed after it was "
+                    "written (disk corruption or an edited copy)"
+                )
+        finally:
+            os.close(fd)
+
+
+def _check_recorded(recorded: Any, names: set[str], source: str) -> dict[str, dict[str, int]]:
+    files = recorded.get("files") if isinstance(recorded, dict) else None
+    if not isinstance(files, dict) or recorded.get("algorithm") != "crc32":
+        raise CheckpointCorruptionError(f"{source} has a malformed {_CHECKSUMS_KEY} entry")
+    for name in names:
+        entry = files.get(name)
+        if not (
+            isinstance(entry, dict)
+            and all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("size", "crc32"))
+        ):
+            raise CheckpointCorruptionError(f"{source} records no valid checksum for {name}")
+    return files
 
 
 def hf_shard_files(path: str | os.PathLike[str]) -> dict[str, list[str]]:
@@ -154,26 +299,14 @@ def hf_shard_files(path: str | os.PathLike[str]) -> dict[str, list[str]]:
     Raises:
         FileNotFoundError: the directory holds no safetensors file, or the index names a
             missing file.
+        CheckpointCorruptionError: the index or a file header is malformed.
+        UnsafeCheckpointError: the index names a file outside the directory or one that is not
+            a regular file.
 
     See Also:
         ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
     """
-    root = Path(path)
-    index = root / HF_INDEX_FILE
-    files: dict[str, list[str]] = {}
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        for key, name in weight_map.items():
-            files.setdefault(name, []).append(key)
-        for name in files:
-            if not (root / name).is_file():
-                raise FileNotFoundError(f"{index} names {name}, which does not exist in {root}")
-    else:
-        for file in sorted(root.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                files[file.name] = list(f.keys())
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {root}")
+    files = _HFCheckpoint(Path(path)).files
     return {name: sorted(files[name]) for name in sorted(files)}
 
 
@@ -192,17 +325,22 @@ def iter_hf_tensors(
 
     Raises:
         FileNotFoundError: no safetensors files were found.
+        CheckpointCorruptionError: a file fails its checksum, or the checksums of files written
+            by hp-dcp are missing.
+        UnsafeCheckpointError: the index names a file outside the directory.
 
     See Also:
         ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
     """
-    root = Path(path)
+    ckpt = _HFCheckpoint(Path(path))
+    ckpt.check_unverified()
     wanted = set(keys) if keys is not None else None
-    for name, names in hf_shard_files(root).items():
-        selected = [k for k in names if wanted is None or k in wanted]
+    for name in sorted(ckpt.files):
+        selected = sorted(k for k in ckpt.files[name] if wanted is None or k in wanted)
         if not selected:
             continue
-        with safe_open(str(root / name), framework="pt") as f:
+        ckpt.verify(name)
+        with safe_open(str(ckpt.root / name), framework="pt") as f:
             yield name, {k: f.get_tensor(k) for k in selected}
 
 
@@ -222,9 +360,14 @@ def load_hf_safetensors(
     Returns:
         Tensor name -> tensor (on CPU).
 
+    Files written by :func:`save_hf_safetensors` are verified against the checksums in the
+    index; other HuggingFace checkpoints load with one :class:`hp_dcp.UnverifiedCheckpointWarning`.
+
     Raises:
         FileNotFoundError: no safetensors files were found.
         ValueError: ``key_map`` sends two tensors to one name.
+        CheckpointCorruptionError: a file fails its checksum or its checksums are missing.
+        UnsafeCheckpointError: the index names a file outside the directory.
 
     See Also:
         ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from hp_dcp.errors import (
     CheckpointCorruptionError,
+    ConcurrentSaveError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
@@ -33,6 +34,7 @@ __all__ = ["async_save", "load", "save"]
 
 _OWN_ERRORS = (
     CheckpointCorruptionError,
+    ConcurrentSaveError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
     FileExistsError,
@@ -129,16 +131,20 @@ def save(
         ``torch.distributed.checkpoint.save``: PyTorch's DCP save.
     """
     writer = _default_writer(checkpoint_id, storage_writer, use_collectives, "save")
-    with _own_errors(None):
-        metadata: Metadata = _torch_save(
-            state_dict,
-            checkpoint_id=checkpoint_id,
-            storage_writer=writer,
-            planner=planner,
-            process_group=process_group,
-            no_dist=no_dist,
-            use_collectives=use_collectives,
-        )
+    try:
+        with _own_errors(None):
+            metadata: Metadata = _torch_save(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                storage_writer=writer,
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+                use_collectives=use_collectives,
+            )
+    finally:
+        if isinstance(writer, FileSystemWriter):
+            writer.abort()
     return metadata
 
 
@@ -184,7 +190,7 @@ def async_save(
         ``torch.distributed.checkpoint.async_save``: PyTorch's asynchronous DCP save.
     """
     writer = _default_writer(checkpoint_id, storage_writer, use_collectives, "async_save")
-    return _torch_async_save(
+    result = _torch_async_save(
         state_dict,
         checkpoint_id=checkpoint_id,
         storage_writer=writer,
@@ -195,6 +201,10 @@ def async_save(
         no_dist=no_dist,
         use_collectives=use_collectives,
     )
+    if isinstance(writer, FileSystemWriter):
+        done = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+        done.add_done_callback(lambda _: writer.abort())
+    return result
 
 
 def load(
@@ -205,7 +215,6 @@ def load(
     planner: LoadPlanner | None = None,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
-    allow_unsafe_pickle: bool = False,
 ) -> None:
     """Load a checkpoint in place into ``state_dict``, resharding to its layout.
 
@@ -213,8 +222,11 @@ def load(
     and placements, plain tensors, or other values); the stored chunks are read, verified and
     copied into them, whatever world size and layout the checkpoint was saved with. Reads
     checkpoints written by hp-dcp and by torch DCP. With the default reader, nothing in the
-    checkpoint can run code: a torch-written checkpoint that pickled arbitrary Python objects
-    raises :class:`hp_dcp.UnsafeCheckpointError` unless ``allow_unsafe_pickle=True``.
+    checkpoint can run code: a checkpoint that pickled Python objects off the allow-list
+    raises :class:`hp_dcp.UnsafeCheckpointError` (allow specific classes with
+    ``torch.serialization.safe_globals``), and a failed load leaves ``state_dict`` unchanged
+    on this rank. A checkpoint without checksums loads with one
+    :class:`hp_dcp.UnverifiedCheckpointWarning`.
 
     Args:
         state_dict: the state dict to fill in place (``Stateful`` values are loaded through
@@ -224,31 +236,26 @@ def load(
         planner: a DCP load planner; default ``DefaultLoadPlanner``.
         process_group: the group whose ranks take part.
         no_dist: load in this process alone.
-        allow_unsafe_pickle: keyword-only; read pickled objects with the full unpickler. Only
-            for checkpoints you trust. Set it on the reader when passing ``storage_reader``.
 
     Raises:
-        ValueError: neither ``checkpoint_id`` nor ``storage_reader`` was given, or
-            ``allow_unsafe_pickle`` was combined with a custom ``storage_reader``.
+        ValueError: neither ``checkpoint_id`` nor ``storage_reader`` was given, or a tensor's
+            shape in ``state_dict`` differs from the checkpoint's (raised by torch's planner).
         IncompleteCheckpointError: the checkpoint is from an interrupted save.
-        CheckpointCorruptionError: a file fails its checksum; the message names it.
-        UnsafeCheckpointError: the checkpoint holds objects off the allow-list.
+        CheckpointCorruptionError: a file fails its checksum or size checks, or the checksum
+            file of a checkpoint saved with checksums is missing; the message names the file.
+        UnsafeCheckpointError: the checkpoint holds objects off the allow-list, or names a
+            file outside its directory or one that is not a regular file.
 
     See Also:
         ``torch.distributed.checkpoint.load``: PyTorch's DCP load.
+        ``torch.load(weights_only=True)``: PyTorch's allow-list loading.
     """
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError(
                 "hp_dcp.load needs checkpoint_id (a directory path) or storage_reader; got neither"
             )
-        storage_reader = FileSystemReader(checkpoint_id, allow_unsafe_pickle=allow_unsafe_pickle)
-    elif allow_unsafe_pickle:
-        raise ValueError(
-            "allow_unsafe_pickle=True applies to hp-dcp's default reader; with a custom "
-            "storage_reader, configure the reader itself (FileSystemReader(path, "
-            "allow_unsafe_pickle=True))"
-        )
+        storage_reader = FileSystemReader(checkpoint_id)
     if isinstance(storage_reader, FileSystemReader):
         check_checkpoint_dir(checkpoint_id if checkpoint_id is not None else storage_reader.path)
     with _own_errors(storage_reader):

@@ -9,9 +9,11 @@ as is. Two files are added next to them and ignored by PyTorch:
   (mesh shape, placements) of every tensor.
 * while the save runs, ``.hp_dcp_incomplete``: the marker of an unfinished save.
 
-Ranks write into ``.<name>.hp-dcp-partial`` next to the target; the coordinator renames it to
-the target only after every rank reported its files written and synced, so an interrupted save
-never replaces (or looks like) a complete checkpoint.
+``.metadata`` records that the checkpoint has checksums (``StorageMeta.modules`` holds
+``hp_dcp.checksums``), so a checkpoint whose sidecar was deleted fails to load instead of loading
+unverified. Ranks write into ``.<name>.hp-dcp-partial`` next to the target; the coordinator
+publishes it with one rename (see ``hp_dcp._commit``) only after every rank reported its files
+written and synced, under a lock file that stops a second save into the same path.
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import logging
 import mmap
 import os
 import pickle
-import shutil
+import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -56,12 +61,16 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from hp_dcp._checksum import crc32
-from hp_dcp._safe_pickle import check_byte_item, load_metadata
+from hp_dcp._commit import SaveLock, publish, recover_leftovers, retired_dir
+from hp_dcp._files import fsync_dir, open_member, parse_json, read_member, write_synced
+from hp_dcp._safe_pickle import load_byte_item, load_metadata, weights_only_error
 from hp_dcp._tensor_blob import can_encode, decode_tensor, encode_tensor
+from hp_dcp._validate import validate_metadata, validate_sidecar
 from hp_dcp.errors import (
     CheckpointCorruptionError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
+    UnverifiedCheckpointWarning,
 )
 
 __all__ = [
@@ -81,9 +90,16 @@ CHECKSUM_FILE = ".hp_dcp_checksums.json"
 INCOMPLETE_MARKER = ".hp_dcp_incomplete"
 """Marker file present in a checkpoint directory while its save has not committed."""
 
+CHECKSUMS_MARKER = "hp_dcp.checksums"
+"""Entry of ``StorageMeta.modules`` in ``.metadata``: the checkpoint was saved with checksums."""
+
 _METADATA_FILE = ".metadata"
+# Upper bounds for the small files read whole (a DCP .metadata of a million items is ~200 MB).
+_MAX_METADATA_BYTES = 1 << 30
+_MAX_SIDECAR_BYTES = 1 << 30
 _DCP_VERSION = "1.0.0"
 _SIDECAR_FORMAT = "hp-dcp-checksums"
+_SELF_CRC = "self_crc32"
 _RESULT_KEY = "\x00hp_dcp_file_checksums"
 # Items start at multiples of this, so the (64-byte aligned) tensor records inside each
 # torch.save archive are aligned in the file, and in a memory map of it.
@@ -106,31 +122,6 @@ def staging_dir(path: str | os.PathLike[str]) -> Path:
     """
     p = Path(path)
     return p.parent / f".{p.name}.hp-dcp-partial"
-
-
-def _retired_dir(path: Path) -> Path:
-    return path.parent / f".{path.name}.hp-dcp-old"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - file systems that refuse directory fsync
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes, sync: bool) -> None:
-    with path.open("wb") as f:
-        f.write(data)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
 
 
 def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -160,7 +151,7 @@ def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
             "Load the last committed checkpoint instead and delete this directory."
         )
     if not p.is_dir():
-        partial, retired = staging_dir(p), _retired_dir(p)
+        partial, retired = staging_dir(p), retired_dir(p)
         if partial.is_dir() and not (partial / INCOMPLETE_MARKER).exists():
             raise IncompleteCheckpointError(
                 f"no checkpoint at {p}: a save finished on every rank but was interrupted "
@@ -179,7 +170,7 @@ def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
                 "rejected. Load an earlier checkpoint."
             )
         raise FileNotFoundError(f"no checkpoint at {p}: the directory does not exist")
-    if not (p / _METADATA_FILE).is_file():
+    if not (p / _METADATA_FILE).exists():
         raise IncompleteCheckpointError(
             f"{p} holds no {_METADATA_FILE} file, so it is not a complete DCP checkpoint (a save "
             "that did not finish, or not a checkpoint directory)"
@@ -199,22 +190,42 @@ def read_checksums(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
     Raises:
         CheckpointCorruptionError: the sidecar exists but is not valid.
+        UnsafeCheckpointError: the sidecar is not a regular file or names a file outside the
+            checkpoint.
 
     See Also:
         ``torch.distributed.checkpoint.FileSystemReader.read_metadata``: PyTorch's metadata read.
     """
-    sidecar = Path(path) / CHECKSUM_FILE
-    if not sidecar.is_file():
+    root = Path(path)
+    sidecar = root / CHECKSUM_FILE
+    if not sidecar.exists() and not sidecar.is_symlink():
         return None
-    try:
-        data = json.loads(sidecar.read_text())
-    except (OSError, ValueError) as exc:
+    blob = read_member(root, CHECKSUM_FILE, str(sidecar), _MAX_SIDECAR_BYTES)
+    data = validate_sidecar(parse_json(blob, str(sidecar)), str(sidecar), _SIDECAR_FORMAT)
+    recorded = data.pop(_SELF_CRC, None)  # absent in sidecars of hp-dcp 0.1.x
+    if recorded is not None and recorded != crc32(_sidecar_text(data)):
         raise CheckpointCorruptionError(
-            f"{sidecar} is unreadable or not valid JSON: {exc}"
-        ) from exc
-    if not isinstance(data, dict) or data.get("format") != _SIDECAR_FORMAT:
-        raise CheckpointCorruptionError(f"{sidecar} is not an hp-dcp checksum file")
-    return cast(dict[str, Any], data)
+            f"checksum mismatch in {sidecar}: the checksum file itself changed after the save"
+        )
+    return data
+
+
+def _sidecar_text(data: dict[str, Any]) -> bytes:
+    """The canonical text of a sidecar, which its own checksum covers."""
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def saved_at(path: Path) -> int | None:
+    """The save time of a complete, verified hp-dcp checkpoint at ``path``, else ``None``."""
+    try:
+        if (path / INCOMPLETE_MARKER).exists():
+            return None
+        verify_checkpoint(path)
+        sums = read_checksums(path)
+    except (CheckpointCorruptionError, IncompleteCheckpointError, UnsafeCheckpointError, OSError):
+        return None
+    stamp = sums.get("created_ns", 0) if sums is not None else None
+    return stamp if isinstance(stamp, int) else 0
 
 
 class _ChecksumStream(io.RawIOBase):
@@ -371,6 +382,21 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = str(uuid.uuid4())
         self.rank = 0
         self.is_coordinator = False
+        self._lock: SaveLock | None = None
+
+    def abort(self) -> None:
+        """Release the save lock after a failed save (no-op when this writer holds none).
+
+        :func:`hp_dcp.save` calls it when a save fails; call it yourself when driving the writer
+        through ``torch.distributed.checkpoint.save``. A lock left by a process that died is
+        detected and taken over by the next save anyway.
+
+        See Also:
+            ``torch.distributed.checkpoint.FileSystemWriter``: PyTorch's writer has no lock.
+        """
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Point the writer at a new checkpoint and start a new save.
@@ -431,19 +457,37 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         Returns:
             The plans, each given the file prefix ``__<rank>_``.
 
+        Takes the save lock of ``path``, then inspects what an interrupted save may have left:
+        a complete staging directory is published (recovered), an incomplete one removed, each
+        with a log line.
+
         Raises:
             FileExistsError: ``path`` exists and ``overwrite=False``, or ``path`` is a non-empty
                 directory that is not a DCP checkpoint.
+            ConcurrentSaveError: another save into ``path`` holds the lock.
 
         See Also:
             ``torch.distributed.checkpoint.StorageWriter.prepare_global_plan``.
         """
         self._check_target()
-        staging = staging_dir(self.path)
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        (staging / INCOMPLETE_MARKER).write_text(f"save {self.save_id} in progress\n")
+        lock = SaveLock(self.path, self.save_id)
+        lock.acquire()
+        self._lock = lock
+        try:
+            staging = staging_dir(self.path)
+            recover_leftovers(self.path, staging, saved_at, self.sync_files)
+            self._check_target()
+            staging.mkdir(parents=True)
+            write_synced(
+                staging / INCOMPLETE_MARKER,
+                f"save {self.save_id} in progress\n".encode(),
+                self.sync_files,
+            )
+            if self.sync_files:
+                fsync_dir(staging.parent)
+        except BaseException:
+            self.abort()
+            raise
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
             if plan.storage_data is None
@@ -586,41 +630,34 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         staging = staging_dir(self.path)
-        blob = pickle.dumps(metadata)
-        _write_synced(staging / _METADATA_FILE, blob, self.sync_files)
-        files[_METADATA_FILE] = {"size": len(blob), "crc32": crc32(blob)}
-        sidecar = {
-            "format": _SIDECAR_FORMAT,
-            "version": 1,
-            "algorithm": "crc32",
-            "save_id": self.save_id,
-            "files": files,
-            "layouts": layouts,
-        }
-        _write_synced(
-            staging / CHECKSUM_FILE,
-            json.dumps(sidecar, separators=(",", ":")).encode(),
-            self.sync_files,
-        )
-        (staging / INCOMPLETE_MARKER).unlink()
-        if self.sync_files:
-            _fsync_dir(staging)
-        self._commit(staging)
+        try:
+            blob = pickle.dumps(metadata)
+            write_synced(staging / _METADATA_FILE, blob, self.sync_files)
+            files[_METADATA_FILE] = {"size": len(blob), "crc32": crc32(blob)}
+            sidecar = {
+                "format": _SIDECAR_FORMAT,
+                "version": 1,
+                "algorithm": "crc32",
+                "save_id": self.save_id,
+                "created_ns": time.time_ns(),
+                "files": files,
+                "layouts": layouts,
+            }
+            sidecar[_SELF_CRC] = crc32(_sidecar_text(sidecar))
+            write_synced(staging / CHECKSUM_FILE, _sidecar_text(sidecar), self.sync_files)
+            if self.sync_files:
+                fsync_dir(staging)
+            (staging / INCOMPLETE_MARKER).unlink()
+            if self.sync_files:
+                fsync_dir(staging)
+            self._commit(staging)
+        finally:
+            self.abort()
 
     def _commit(self, staging: Path) -> None:
-        target = self.path
-        retired = None
-        if target.exists():
+        if self.path.exists():
             self._check_target()
-            retired = _retired_dir(target)
-            if retired.exists():
-                shutil.rmtree(retired)
-            target.rename(retired)
-        staging.rename(target)
-        if self.sync_files:
-            _fsync_dir(target.parent)
-        if retired is not None:
-            shutil.rmtree(retired, ignore_errors=True)
+        publish(staging, self.path, self.sync_files)
 
     def storage_meta(self) -> StorageMeta | None:
         """Return the storage metadata recorded in ``.metadata``.
@@ -631,7 +668,9 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         See Also:
             ``torch.distributed.checkpoint.StorageWriter.storage_meta``.
         """
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return StorageMeta(
+            checkpoint_id=self.path, save_id=self.save_id, modules=[CHECKSUMS_MARKER]
+        )
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -670,25 +709,31 @@ class FileSystemReader(StorageReader):
     """Safe DCP storage reader: verifies checksums and never runs code from the checkpoint.
 
     Drop-in for ``torch.distributed.checkpoint.FileSystemReader``; reads checkpoints written
-    by hp-dcp and by PyTorch. ``.metadata`` is read with an allow-list unpickler, tensors with
-    ``torch.load(weights_only=True)`` and byte items are checked with PyTorch's ``weights_only``
-    allow-list before the planner sees them. When the checkpoint carries hp-dcp's checksum
-    sidecar, every item read is verified against its CRC-32 and file sizes are checked; a
-    mismatch raises :class:`CheckpointCorruptionError` naming the file.
-    Checkpoints written by PyTorch have no sidecar and are read unverified.
+    by hp-dcp and by PyTorch. ``.metadata`` and the tensor pickles are read with hp-dcp's
+    allow-list unpickler, byte items and other tensors with ``torch.load(weights_only=True)``
+    (never the full unpickler, also not through the default load planner). Every file name is
+    confined to the checkpoint directory and must be a regular file; every shape, offset and
+    length is checked against the file sizes before anything is read, and all items are read
+    and verified before the first one is copied into the state dict, so a bad checkpoint leaves
+    it unchanged.
+
+    A checkpoint written by hp-dcp carries checksums and says so in its metadata: every item
+    read is verified against its CRC-32 (a mismatch raises :class:`CheckpointCorruptionError`
+    naming the file), and a missing checksum file is an error. A checkpoint without checksums
+    (written by PyTorch) loads with one :class:`UnverifiedCheckpointWarning`.
 
     Args:
         path: the checkpoint directory.
         _extension_registry: stream transforms are not supported; must be ``None``.
-        allow_unsafe_pickle: keyword-only. Read ``.metadata`` and byte items with the full
-            unpickler. Only for checkpoints you trust: unpickling can execute arbitrary code.
-        verify_checksums: keyword-only. Verify CRC-32s when the sidecar exists (default).
+        verify_checksums: keyword-only. Verify CRC-32s (default). ``False`` skips them
+            knowingly (paths, sizes and pickles are still checked).
 
     Raises:
         ValueError: an extension registry was given.
 
     See Also:
         ``torch.distributed.checkpoint.FileSystemReader``: PyTorch's file-system reader.
+        ``torch.load(weights_only=True)``: PyTorch's allow-list loading.
     """
 
     def __init__(
@@ -696,7 +741,6 @@ class FileSystemReader(StorageReader):
         path: str | os.PathLike[str],
         _extension_registry: Any = None,
         *,
-        allow_unsafe_pickle: bool = False,
         verify_checksums: bool = True,
     ) -> None:
         if _extension_registry is not None:
@@ -707,7 +751,6 @@ class FileSystemReader(StorageReader):
         super().__init__()
         self.fs = FileSystem()
         self.path = Path(path)
-        self.allow_unsafe_pickle = allow_unsafe_pickle
         self.verify_checksums = verify_checksums
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.load_id = str(uuid.uuid4())
@@ -731,41 +774,58 @@ class FileSystemReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self) -> Metadata:
-        """Read and verify ``.metadata`` with the allow-list unpickler.
+        """Read, verify and check ``.metadata`` with the allow-list unpickler.
 
         Returns:
             The checkpoint's metadata.
 
         Raises:
             IncompleteCheckpointError: the directory is not a committed checkpoint.
-            CheckpointCorruptionError: ``.metadata`` fails its checksum.
-            UnsafeCheckpointError: ``.metadata`` references a class off the allow-list.
+            CheckpointCorruptionError: ``.metadata`` fails its checksum or its structure and
+                size checks, or it records checksums whose file is missing.
+            UnsafeCheckpointError: ``.metadata`` needs an opcode or global off the allow-list,
+                or names a file outside the checkpoint.
 
         See Also:
             ``torch.distributed.checkpoint.StorageReader.read_metadata``.
         """
         try:
-            path = check_checkpoint_dir(self.path)
-            self._checksums = read_checksums(path) if self.verify_checksums else None
-            md_path = path / _METADATA_FILE
-            blob = md_path.read_bytes()
-            if self._checksums is not None:
-                expected = self._checksums["files"].get(_METADATA_FILE)
-                if expected is None or expected.get("crc32") != crc32(blob):
-                    raise _crc_mismatch(md_path, 0, len(blob), "the DCP metadata")
-            metadata = load_metadata(
-                blob, str(md_path), allow_unsafe_pickle=self.allow_unsafe_pickle
-            )
-            if not isinstance(metadata, Metadata):
-                raise CheckpointCorruptionError(
-                    f"{md_path} holds a {type(metadata).__name__}, expected DCP Metadata"
-                )
+            metadata = self._read_metadata()
         except BaseException as exc:
             self.first_error = exc
             raise
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+    def _read_metadata(self) -> Metadata:
+        path = check_checkpoint_dir(self.path)
+        md_path = path / _METADATA_FILE
+        sums = read_checksums(path)
+        blob = read_member(path, _METADATA_FILE, str(md_path), _MAX_METADATA_BYTES)
+        if sums is not None:
+            expected = sums["files"].get(_METADATA_FILE)
+            if expected is None or expected.get("crc32") != crc32(blob):
+                raise _crc_mismatch(md_path, 0, len(blob), "the DCP metadata")
+        metadata = validate_metadata(load_metadata(blob, str(md_path)), str(md_path))
+        meta = metadata.storage_meta
+        if meta is not None and not isinstance(meta, StorageMeta):
+            raise CheckpointCorruptionError(f"{md_path} has storage_meta {meta!r:.80}")
+        if meta is None:
+            meta = metadata.storage_meta = StorageMeta()
+        marked = isinstance(meta.modules, list) and CHECKSUMS_MARKER in meta.modules
+        if sums is None and marked:
+            raise CheckpointCorruptionError(
+                f"{path} was saved by hp-dcp with checksums, but its checksum file "
+                f"{CHECKSUM_FILE} is missing: the checkpoint cannot be verified and is refused"
+            )
+        if sums is None:
+            warnings.warn(
+                f"{path} has no checksums (written by PyTorch or another tool): it is loaded "
+                "unverified, so on-disk corruption would go unnoticed",
+                UnverifiedCheckpointWarning,
+                stacklevel=4,
+            )
+        self._checksums = sums if self.verify_checksums else None
         return metadata
 
     def set_up_storage_reader(
@@ -818,7 +878,7 @@ class FileSystemReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read, verify and decode the items of ``plan`` into the planner's tensors.
+        """Read and verify every item of ``plan``, then copy them into the planner's tensors.
 
         Args:
             plan: this rank's read items.
@@ -828,146 +888,26 @@ class FileSystemReader(StorageReader):
             A completed future.
 
         Raises:
-            CheckpointCorruptionError: an item or file fails its checksum or size check.
-            UnsafeCheckpointError: a byte item holds an object off the allow-list.
+            CheckpointCorruptionError: an item or file fails its checksum or size check, or a
+                stored chunk does not match its destination.
+            UnsafeCheckpointError: an item needs an object off the allow-list, or a file is
+                outside the checkpoint or not a regular file.
 
         See Also:
             ``torch.distributed.checkpoint.StorageReader.read_data``.
         """
         try:
-            self._read_all(plan, planner)
+            with _ReadSession(self.path, self._checksums) as session:
+                for req in plan.items:
+                    session.add(req, self.storage_data.get(req.storage_index))
+                session.stage(planner)
+                session.commit(planner)
         except BaseException as exc:
             self.first_error = exc
             raise
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
-        for req in plan.items:
-            info = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                raise ValueError(
-                    f"checkpoint item {req.storage_index.fqn!r} was written with stream "
-                    f"transforms {info.transform_descriptors!r}, which hp-dcp does not read; "
-                    "use torch.distributed.checkpoint.FileSystemReader"
-                )
-            per_file.setdefault(info.relative_path, []).append((req, info))
-        files = self._checksums["files"] if self._checksums is not None else None
-        for rel in sorted(per_file):
-            self._read_file(rel, per_file[rel], planner, files)
-
-    def _read_file(
-        self,
-        rel: str,
-        reqs: list[tuple[ReadItem, Any]],
-        planner: LoadPlanner,
-        files: dict[str, Any] | None,
-    ) -> None:
-        path = self.path / rel
-        expected_items: dict[int, tuple[int, int]] | None = None
-        if files is not None:
-            entry = files.get(rel)
-            if entry is None:
-                raise CheckpointCorruptionError(
-                    f"checkpoint file {path} is not listed in {CHECKSUM_FILE}"
-                )
-            expected_items = {int(o): (int(n), int(c)) for o, n, c in entry["items"]}
-        groups: dict[tuple[int, int], list[ReadItem]] = {}
-        for req, info in reqs:
-            groups.setdefault((int(info.offset), int(info.length)), []).append(req)
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if files is not None and size != files[rel]["size"]:
-                raise CheckpointCorruptionError(
-                    f"checkpoint file {path} has {size} bytes, the save wrote "
-                    f"{files[rel]['size']}: the file was truncated or changed"
-                )
-            if size == 0:
-                raise CheckpointCorruptionError(f"checkpoint file {path} is empty")
-            # A private (copy-on-write) mapping: items are viewed in place, never modified.
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        view = memoryview(mm)
-        try:
-            for (offset, length), group in sorted(groups.items()):
-                if offset + length > size:
-                    raise CheckpointCorruptionError(
-                        f"checkpoint file {path} ends before byte {offset + length}"
-                    )
-                blob = view[offset : offset + length]
-                try:
-                    self._read_item(path, blob, offset, group, planner, expected_items)
-                finally:
-                    blob.release()
-        finally:
-            view.release()
-            with contextlib.suppress(BufferError):  # a tensor still views it: GC closes it
-                mm.close()
-
-    def _read_item(
-        self,
-        path: Path,
-        blob: memoryview,
-        offset: int,
-        group: list[ReadItem],
-        planner: LoadPlanner,
-        expected_items: dict[int, tuple[int, int]] | None,
-    ) -> None:
-        length = len(blob)
-        key = group[0].storage_index.fqn
-        if expected_items is not None:
-            rec = expected_items.get(offset)
-            if rec is None or rec[0] != length:
-                raise CheckpointCorruptionError(
-                    f"checkpoint file {path}: no checksum recorded for bytes "
-                    f"{offset}..{offset + length}"
-                )
-            if crc32(blob) != rec[1]:
-                raise _crc_mismatch(path, offset, length, f"item {key!r}")
-        if group[0].type == LoadItemType.BYTE_IO:
-            data = bytes(blob)
-            if not self.allow_unsafe_pickle:
-                check_byte_item(data, key, str(path))
-            for req in group:
-                planner.load_bytes(req, io.BytesIO(data))
-            return
-        tensor = decode_tensor(blob)
-        if tensor is None:
-            tensor = self._torch_load(blob, path, key)
-        for req in group:
-            src = tensor
-            for dim, (start, size) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                src = src.narrow(dim, start, size)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != src.size():
-                raise CheckpointCorruptionError(
-                    f"item {key!r} in {path}: stored chunk gives shape "
-                    f"{tuple(src.size())}, destination expects {tuple(target.size())}"
-                )
-            target.copy_(src)
-            planner.commit_tensor(req, target)
-        del tensor, src
-
-    def _torch_load(self, blob: memoryview, path: Path, key: str) -> torch.Tensor:
-        try:
-            loaded = torch.load(
-                io.BytesIO(bytes(blob)),
-                map_location="cpu",
-                weights_only=not self.allow_unsafe_pickle,
-            )
-        except pickle.UnpicklingError as exc:
-            text = str(exc).strip()
-            raise UnsafeCheckpointError(
-                f"tensor item {key!r} in {path} is not a plain torch.save'd tensor "
-                f"({text.splitlines()[0] if text else type(exc).__name__}); loading it could "
-                "execute arbitrary code. Load it knowingly with allow_unsafe_pickle=True."
-            ) from exc
-        if not isinstance(loaded, torch.Tensor):
-            raise CheckpointCorruptionError(
-                f"item {key!r} in {path} holds a {type(loaded).__name__}, expected a tensor"
-            )
-        return loaded
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
@@ -994,6 +934,196 @@ class FileSystemReader(StorageReader):
         return FileSystem.validate_checkpoint_id(checkpoint_id)
 
 
+def _deliver_bytes(planner: LoadPlanner, req: ReadItem, value: Any, data: bytes) -> None:
+    """Hand a safely loaded byte item to the planner without a second, unsafe unpickling.
+
+    torch's ``DefaultLoadPlanner.load_bytes`` re-reads the bytes with ``weights_only=False``;
+    for it (and subclasses that keep its ``load_bytes``) the value is stored directly, the same
+    way. A planner with its own ``load_bytes`` gets the bytes, already checked by the safe
+    unpickler.
+    """
+    if type(planner).load_bytes is not DefaultLoadPlanner.load_bytes:
+        planner.load_bytes(req, io.BytesIO(data))
+        return
+    default = cast(DefaultLoadPlanner, planner)
+    fqn = req.dest_index.fqn
+    if not default.flatten_state_dict:
+        default.state_dict[fqn] = value
+        return
+    node: Any = default.original_state_dict
+    path: tuple[Any, ...] = tuple(default.mappings[fqn])
+    for key, nxt in itertools.pairwise(path):
+        fresh: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, dict):
+            node = node.setdefault(key, fresh)
+            continue
+        while len(node) <= key:
+            node.append(None)
+        if node[key] is None:
+            node[key] = fresh
+        node = node[key]
+    if isinstance(node, list):
+        while len(node) <= path[-1]:
+            node.append(None)
+    node[path[-1]] = value
+
+
+class _ReadSession:
+    """One ``read_data`` call: every file opened and checked, every item verified and decoded
+    (staged), and only then copied into the destination (committed)."""
+
+    def __init__(self, root: Path, sums: dict[str, Any] | None) -> None:
+        self._root = root
+        self._files = sums["files"] if sums is not None else None
+        self._per_file: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
+        self._maps: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
+        self._tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+        self._bytes: list[tuple[ReadItem, Any, bytes]] = []
+
+    def __enter__(self) -> _ReadSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tensors.clear()
+        for view in reversed(self._views):
+            view.release()
+        for mm in self._maps:
+            with contextlib.suppress(BufferError):  # a tensor still views it: GC closes it
+                mm.close()
+
+    def add(self, req: ReadItem, info: Any) -> None:
+        if info is None:
+            raise CheckpointCorruptionError(
+                f"{self._root}/.metadata has no stored item for {req.storage_index.fqn!r}"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(
+                f"checkpoint item {req.storage_index.fqn!r} was written with stream "
+                f"transforms {info.transform_descriptors!r}, which hp-dcp does not read; "
+                "use torch.distributed.checkpoint.FileSystemReader"
+            )
+        groups = self._per_file.setdefault(info.relative_path, {})
+        groups.setdefault((int(info.offset), int(info.length)), []).append(req)
+
+    def stage(self, planner: LoadPlanner) -> None:
+        for rel in sorted(self._per_file):
+            self._stage_file(rel, self._per_file[rel], planner)
+
+    def commit(self, planner: LoadPlanner) -> None:
+        for req, value, data in self._bytes:
+            _deliver_bytes(planner, req, value, data)
+        for req, src, target in self._tensors:
+            target.copy_(src)
+            planner.commit_tensor(req, target)
+
+    def _stage_file(
+        self, rel: str, groups: dict[tuple[int, int], list[ReadItem]], planner: LoadPlanner
+    ) -> None:
+        path = self._root / rel
+        expected: dict[int, tuple[int, int]] | None = None
+        entry = None
+        fd = open_member(self._root, rel, f"{self._root}/.metadata")
+        try:
+            if self._files is not None:
+                entry = self._files.get(rel)
+                if entry is None:
+                    raise CheckpointCorruptionError(
+                        f"checkpoint file {path} is not listed in {CHECKSUM_FILE}"
+                    )
+                expected = {o: (n, c) for o, n, c in entry.get("items", [])}
+            size = os.fstat(fd).st_size
+            if entry is not None and size != entry["size"]:
+                raise CheckpointCorruptionError(
+                    f"checkpoint file {path} has {size} bytes, the save wrote "
+                    f"{entry['size']}: the file was truncated or changed"
+                )
+            end = max(o + n for o, n in groups)
+            if end > size:
+                raise CheckpointCorruptionError(
+                    f"checkpoint file {path} has {size} bytes, its items end at byte {end}: "
+                    "the file was truncated or the metadata lies about sizes"
+                )
+            if size == 0:
+                return
+            # A private (copy-on-write) mapping: items are viewed in place, never modified.
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        self._maps.append(mm)
+        view = memoryview(mm)
+        self._views.append(view)
+        for (offset, length), group in sorted(groups.items()):
+            blob = view[offset : offset + length]
+            self._views.append(blob)
+            self._stage_item(path, blob, offset, group, planner, expected)
+
+    def _stage_item(
+        self,
+        path: Path,
+        blob: memoryview,
+        offset: int,
+        group: list[ReadItem],
+        planner: LoadPlanner,
+        expected: dict[int, tuple[int, int]] | None,
+    ) -> None:
+        length = len(blob)
+        key = group[0].storage_index.fqn
+        if expected is not None:
+            rec = expected.get(offset)
+            if rec is None or rec[0] != length:
+                raise CheckpointCorruptionError(
+                    f"checkpoint file {path}: no checksum recorded for bytes "
+                    f"{offset}..{offset + length} (item {key!r})"
+                )
+            if crc32(blob) != rec[1]:
+                raise _crc_mismatch(path, offset, length, f"item {key!r}")
+        if group[0].type == LoadItemType.BYTE_IO:
+            data = bytes(blob)
+            value = load_byte_item(data, key, str(path))
+            self._bytes.extend((req, value, data) for req in group)
+            return
+        tensor = decode_tensor(blob)
+        if tensor is None:
+            tensor = _torch_load_tensor(blob, path, key)
+        for req in group:
+            src = tensor
+            for dim, (start, size) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                if dim >= src.dim() or start + size > src.size(dim):
+                    raise CheckpointCorruptionError(
+                        f"item {key!r} in {path}: the stored chunk has shape "
+                        f"{tuple(tensor.size())}, the metadata reads {tuple(req.lengths)} at "
+                        f"{tuple(req.storage_offsets)} from it"
+                    )
+                src = src.narrow(dim, start, size)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != src.size():
+                raise CheckpointCorruptionError(
+                    f"item {key!r} in {path}: stored chunk gives shape "
+                    f"{tuple(src.size())}, destination expects {tuple(target.size())}"
+                )
+            self._tensors.append((req, src, target))
+
+
+def _torch_load_tensor(blob: memoryview, path: Path, key: str) -> torch.Tensor:
+    try:
+        loaded = torch.load(io.BytesIO(bytes(blob)), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise weights_only_error(
+            exc, f"tensor item {key!r} in {path}", "is not a plain torch.save'd tensor"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as exc:
+        raise CheckpointCorruptionError(
+            f"tensor item {key!r} in {path} is not a readable torch.save archive "
+            f"({type(exc).__name__}: {exc!s:.120})"
+        ) from exc
+    if not isinstance(loaded, torch.Tensor):
+        raise CheckpointCorruptionError(
+            f"item {key!r} in {path} holds a {type(loaded).__name__}, expected a tensor"
+        )
+    return loaded
+
+
 def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
     """Verify every byte of a checkpoint against its checksum sidecar, offline.
 
@@ -1005,8 +1135,11 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
 
     Raises:
         IncompleteCheckpointError: ``path`` is not a committed checkpoint.
-        CheckpointCorruptionError: a file fails its size or checksum check.
-        FileNotFoundError: the checkpoint has no checksum sidecar (written by PyTorch).
+        CheckpointCorruptionError: a file fails its size or checksum check, or the metadata
+            records checksums whose file is missing.
+        UnsafeCheckpointError: the sidecar names a file outside the checkpoint or one that is
+            not a regular file.
+        FileNotFoundError: the checkpoint has no checksums (written by PyTorch).
 
     See Also:
         ``torch.distributed.checkpoint.FileSystemReader``: PyTorch reads without verifying.
@@ -1014,29 +1147,36 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
     p = check_checkpoint_dir(path)
     sums = read_checksums(p)
     if sums is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnverifiedCheckpointWarning)
+            FileSystemReader(p).read_metadata()  # raises if the metadata records checksums
         raise FileNotFoundError(f"{p} has no {CHECKSUM_FILE}: it was not written by hp-dcp")
     checked: list[str] = []
     for name, entry in sorted(sums["files"].items()):
         file = p / name
-        if not file.is_file():
-            raise CheckpointCorruptionError(f"checkpoint file {file} is missing")
-        size = file.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointCorruptionError(
-                f"checkpoint file {file} has {size} bytes, the save wrote {entry['size']}"
-            )
-        if size == 0:
-            checked.append(name)
-            continue
-        with file.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                if "crc32" in entry and crc32(view) != entry["crc32"]:
-                    raise _crc_mismatch(file, 0, size, "whole file")
-                for offset, length, crc in entry.get("items", []):
-                    if crc32(view[offset : offset + length]) != crc:
-                        raise _crc_mismatch(file, offset, length, "stored item")
-            finally:
-                view.release()
+        fd = open_member(p, name, str(p / CHECKSUM_FILE))
+        try:
+            size = os.fstat(fd).st_size
+            if size != entry["size"]:
+                raise CheckpointCorruptionError(
+                    f"checkpoint file {file} has {size} bytes, the save wrote {entry['size']}"
+                )
+            if size:
+                _verify_file(fd, file, size, entry)
+        finally:
+            os.close(fd)
         checked.append(name)
     return checked
+
+
+def _verify_file(fd: int, file: Path, size: int, entry: dict[str, Any]) -> None:
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            if "crc32" in entry and crc32(view) != entry["crc32"]:
+                raise _crc_mismatch(file, 0, size, "whole file")
+            for offset, length, crc in entry.get("items", []):
+                if crc32(view[offset : offset + length]) != crc:
+                    raise _crc_mismatch(file, offset, length, "stored item")
+        finally:
+            view.release()
