@@ -127,6 +127,8 @@ def issue_all_gather(
             work = dist.all_gather_single(ag_output, ag_input, group=group, async_op=async_op)
         else:
             work = comm(ag_output, ag_input, group, async_op)
+        if streams is not None:
+            work = streams.order_on_stream(work)
     if streams is not None:
         event = streams.all_gather.record_event(streams.new_event("all_gather"))
     return AllGatherResult(ag_output, splits, world_size, work if async_op else None, event)

@@ -211,9 +211,6 @@ class PendingReduction:
         self._streams = streams or CommStreams.for_device(rs_output.device)
         #: Recorded after the collective in flight was issued (on its stream).
         self._event = event
-        #: Recorded after the gradients were written, when they were copied to the host
-        #: without blocking (CPU offload from an accelerator): wait for it before reading them.
-        self.host_copy_event: Event | None = None
         self._mesh_info = mesh_info or group.mesh_info
         self.params = params
         self._rs_input: torch.Tensor | None = rs_input
@@ -229,6 +226,11 @@ class PendingReduction:
         """Whether the reduced gradients have been written."""
         return self._stage == 2
 
+    @property
+    def streams_ordered(self) -> bool:
+        """Whether device streams order this reduction's stages (accelerators)."""
+        return self._streams.device_ordered
+
     def advance(self) -> None:
         """Run one stage: wait for the collective in flight and start the next step."""
         if self._stage == 2:
@@ -243,7 +245,8 @@ class PendingReduction:
             if mesh_info.is_hsdp:
                 output = self._output
                 if mesh_info is group.mesh_info and group.partial_reduce_output is not None:
-                    output += group.partial_reduce_output
+                    with device_stream(self._streams.reduce_scatter):
+                        output += group.partial_reduce_output
                     group.partial_reduce_output = None
                 if not self._do_all_reduce:
                     group.partial_reduce_output = output
@@ -256,11 +259,13 @@ class PendingReduction:
                 with device_stream(streams.all_reduce):
                     streams.mark("all_reduce")
                     streams.all_reduce.record_tensor(output)
-                    self._work = dist.all_reduce(
-                        output,
-                        op=self._all_reduce_op,
-                        group=mesh_info.replicate_group,
-                        async_op=True,
+                    self._work = streams.order_on_stream(
+                        dist.all_reduce(
+                            output,
+                            op=self._all_reduce_op,
+                            group=mesh_info.replicate_group,
+                            async_op=True,
+                        )
                     )
                 self._event = streams.all_reduce.record_event(streams.new_event("all_reduce"))
                 self._stage = 1
@@ -290,9 +295,18 @@ class PendingReduction:
             streams.mark("post_reduce")
             self._write_grads_on_current_stream()
         done = post.record_event(streams.new_event("post_reduce"))
-        done.wait()  # the compute stream (optimizer) waits for these gradients only
-        if any(p.offload_to_cpu for p in self.params) and post.native is not None:
-            self.host_copy_event = done
+        host_copies = streams.device_ordered and any(p.offload_to_cpu for p in self.params)
+        ctx = self.group.ctx
+        if ctx is None:
+            done.wait()
+            if host_copies:
+                done.synchronize()
+            return
+        # The root's end of backward makes the compute stream (the optimizer) wait for these
+        # gradients only, and the host wait once for non-blocking copies to the host.
+        ctx.post_reduce_events.append(done)
+        if host_copies:
+            ctx.host_copy_events.append(done)
 
     def _write_grads_on_current_stream(self) -> None:
         output = self._output
@@ -623,6 +637,7 @@ class ParamGroup:
                     world_size * flat.numel(), dtype=flat.dtype, device=flat.device
                 )
                 work = dist.all_gather_single(output, flat, group=group, async_op=True)
+                work = streams.order_on_stream(work)
             event = streams.all_gather.record_event(streams.new_event("all_gather"))
             splits = [p.padded_sharded_numel for p in self._gathered]
             self._ag = AllGatherResult(output, splits, world_size, work, event)
@@ -919,10 +934,14 @@ class ParamGroup:
                 self._issue_all_reduce([p for p, _ in replicated], [g for _, g in replicated])
             )
         for reduction in reductions:
-            if ctx is not None:
-                ctx.pending_reductions.append(reduction)
-            else:
+            if ctx is None:
                 reduction.finish()
+                continue
+            if reduction.streams_ordered:
+                # Device streams order the stages: issue the HSDP all-reduce right away (it
+                # waits on the all-reduce stream for the reduce-scatter event, not the host).
+                reduction.advance()
+            ctx.pending_reductions.append(reduction)
 
     def _issue_reduction(
         self, params: list[ShardedParam], grads: list[torch.Tensor]
@@ -960,6 +979,7 @@ class ParamGroup:
                 pre,
                 self.custom_reduce_scatter,
             )
+            work = streams.order_on_stream(work)
         event = rs_stream.record_event(streams.new_event("reduce_scatter"))
         # Sharded accumulation: a no-sync micro-batch reduce-scatters and keeps the shard
         # (HSDP: without the replicate-axis all-reduce, done on the synced micro-batch).

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from hp_dtensor.device import Event
 from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
 from hp_fsdp.streams import CommStreams
 
@@ -114,6 +115,10 @@ class RootContext:
         self.max_inflight_reductions = 1
         self.comm = CommResources()
         self.post_optim_event: Any | None = None
+        #: Recorded after each unit's gradients were written (waited at the end of backward).
+        self.post_reduce_events: list[Event] = []
+        #: The same, for gradients copied to the host without blocking (CPU offload).
+        self.host_copy_events: list[Event] = []
 
     def post_forward_info(self, mesh_info: MeshInfo, k: int) -> PostForwardInfo:
         """The group of ``k`` consecutive shard ranks this rank reshards to after forward.
@@ -180,6 +185,16 @@ class RootContext:
         self.pending_reductions = []
         for reduction in pending:
             reduction.finish()
+        self.wait_post_reduce_events()
+
+    def wait_post_reduce_events(self) -> None:
+        """Make the compute stream wait for the written gradients; the host for host copies."""
+        events, self.post_reduce_events = self.post_reduce_events, []
+        for event in events:
+            event.wait()
+        host, self.host_copy_events = self.host_copy_events, []
+        for event in host:  # offloaded gradients: one host wait per unit, at the end
+            event.synchronize()
 
 
 #: Weak registry of the initialized roots (for ``hsdp_sync_stream()`` without a module).

@@ -414,6 +414,8 @@ class FSDPState:
         for reduction in ctx.pending_reductions:
             reduction.discard()
         ctx.pending_reductions = []
+        ctx.post_reduce_events.clear()
+        ctx.host_copy_events.clear()
         ctx.post_forward_order.clear()
         ctx.current_forward_order = []
         states = ctx.states or [self]

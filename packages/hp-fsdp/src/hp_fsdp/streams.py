@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from hp_dtensor.device import (
     Event,
@@ -114,6 +115,29 @@ class CommStreams:
         if self.log is not None or self.compute.native is None:
             return self.compute
         return current_stream(self.compute.device_type)
+
+    @property
+    def device_ordered(self) -> bool:
+        """Whether the streams are real device streams (events order the work, not the host)."""
+        return self.compute.native is not None
+
+    def order_on_stream(self, work: dist.Work | None) -> dist.Work | None:
+        """Make the current stream wait for an issued collective (device streams only).
+
+        With device streams, ``Work.wait`` blocks only the current stream, not the host; the
+        event recorded next then marks the collective's completion. On the CPU the work
+        handle is returned untouched and waited for later (gloo runs it in the background).
+
+        Args:
+            work: the collective's work handle.
+
+        Returns:
+            None when the stream now orders the collective, else ``work``.
+        """
+        if work is None or not self.device_ordered:
+            return work
+        work.wait()
+        return None
 
     def mark(self, label: str) -> None:
         """Note for the recording double which stream the work ``label`` runs on.
