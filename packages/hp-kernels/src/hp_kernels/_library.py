@@ -44,12 +44,13 @@ OPS: dict[str, Op] = {}
 class ShippedKernels:
     """The device kernels this package registers itself (Triton for CUDA, ``torch_npu``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lib: torch.library.Library) -> None:
+        self.lib = lib
         self._device_types: dict[str, set[str]] = {}
 
     def register(self, op_name: str, device_type: str, fn: Callable[..., Any]) -> None:
         """Register ``fn`` as ``op_name``'s kernel for ``device_type`` and remember it."""
-        torch.library.register_kernel(qualname(op_name), device_type, fn, lib=LIB)
+        torch.library.register_kernel(qualname(op_name), device_type, fn, lib=self.lib)
         self._device_types.setdefault(op_name, set()).add(device_type)
 
     def device_types(self, op_name: str) -> tuple[str, ...]:
@@ -58,7 +59,7 @@ class ShippedKernels:
 
 
 #: Record of the kernels registered by :mod:`hp_kernels.triton_kernels` / ``npu_kernels``.
-SHIPPED = ShippedKernels()
+SHIPPED = ShippedKernels(LIB)
 
 
 def qualname(name: str) -> str:
