@@ -79,6 +79,17 @@ def hf_reference_logits(hf: dict[str, torch.Tensor], cfg: dict[str, Any], tokens
     H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
     inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    if cfg.get("rope_scaling"):  # Llama 3.1's rule as HF writes it: three bands of wavelengths
+        r = cfg["rope_scaling"]
+        old = r["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > old / r["low_freq_factor"], inv_freq / r["factor"], inv_freq)
+        smooth = (old / wavelen - r["low_freq_factor"]) / (
+            r["high_freq_factor"] - r["low_freq_factor"]
+        )
+        medium = (wavelen >= old / r["high_freq_factor"]) & (wavelen <= old / r["low_freq_factor"])
+        blended = (1 - smooth) * scaled / r["factor"] + smooth * scaled
+        inv_freq = torch.where(medium, blended, scaled)
     freqs = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
@@ -239,3 +250,177 @@ def test_hf_import_train_export_import(folder: str, name: str) -> None:
 @pytest.fixture
 def folder(tmp_path: Path) -> str:
     return str(tmp_path)
+
+
+# -- config.json: RoPE scaling, flavor auto / checks, export to transformers -------------------
+
+LLAMA31_TINY_CONFIG = {  # a Llama-3.1-style config.json at tiny sizes, as HF writes one
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,  # tiny, so that 48 positions need the scaling
+    },
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "torch_dtype": "float32",
+}
+
+
+def _make_llama31_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    """Write an HF checkpoint (safetensors + config.json) with random weights; return them."""
+    torch.manual_seed(7)
+    hf: dict[str, torch.Tensor] = {}
+    cfg = LLAMA31_TINY_CONFIG
+    dim, ffn, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"]
+    head = dim // cfg["num_attention_heads"]
+    hf["model.embed_tokens.weight"] = torch.randn(cfg["vocab_size"], dim)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        hf[p + "self_attn.q_proj.weight"] = torch.randn(dim, dim) * dim**-0.5
+        hf[p + "self_attn.k_proj.weight"] = torch.randn(kv * head, dim) * dim**-0.5
+        hf[p + "self_attn.v_proj.weight"] = torch.randn(kv * head, dim) * dim**-0.5
+        hf[p + "self_attn.o_proj.weight"] = torch.randn(dim, dim) * dim**-0.5
+        hf[p + "mlp.gate_proj.weight"] = torch.randn(ffn, dim) * dim**-0.5
+        hf[p + "mlp.up_proj.weight"] = torch.randn(ffn, dim) * dim**-0.5
+        hf[p + "mlp.down_proj.weight"] = torch.randn(dim, ffn) * ffn**-0.5
+        hf[p + "input_layernorm.weight"] = 1 + 0.2 * torch.randn(dim)
+        hf[p + "post_attention_layernorm.weight"] = 1 + 0.2 * torch.randn(dim)
+    hf["model.norm.weight"] = 1 + 0.2 * torch.randn(dim)
+    hf["lm_head.weight"] = torch.randn(cfg["vocab_size"], dim) * dim**-0.5
+    hp_dcp.save_hf_safetensors(hf, folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+
+def _job(folder: Path, flavor: str, hf: Path, seq_len: int = 32) -> Any:
+    from hp_trainer import ConfigManager
+
+    return ConfigManager().from_dict(
+        {
+            "job": {"dump_folder": str(folder)},
+            "model": {"name": "llama3", "flavor": flavor},
+            "training": {"seq_len": seq_len},
+            "checkpoint": {
+                "enable": True,
+                "initial_load_path": str(hf),
+                "initial_load_in_hf": True,
+            },
+        }
+    )
+
+
+def test_llama31_checkpoint_loads_with_auto_and_gives_the_reference_logits(tmp_path: Path) -> None:
+    from hp_trainer import get_model_spec
+    from hp_trainer.hf_config import resolve_model_args
+    from hp_trainer.models.decoder import RopeScaling
+
+    hf = _make_llama31_checkpoint(tmp_path / "hf")
+    args = resolve_model_args(get_model_spec("llama3"), _job(tmp_path, "auto", tmp_path / "hf"))
+    assert args.rope_scaling == RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+    )
+    assert (args.dim, args.n_kv_heads, args.ffn_hidden_dim, args.max_seq_len) == (64, 2, 192, 128)
+    model = Decoder(args)
+    manager = CheckpointManager(
+        None, [model], None, None, {}, _Cfg(), Llama3StateDictAdapter(args), base_folder=tmp_path
+    )
+    manager.load_hf(tmp_path / "hf")
+    tokens = torch.randint(0, 2048, (2, 48))
+    with torch.no_grad():
+        ours = model(tokens)
+    reference = hf_reference_logits(hf, {**LLAMA31_TINY_CONFIG, "head_dim": 16}, tokens)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    # the scaling matters at these positions: without it the logits are far off
+    plain = hf_reference_logits(
+        hf, {**LLAMA31_TINY_CONFIG, "head_dim": 16, "rope_scaling": None}, tokens
+    )
+    assert (plain - reference).abs().max() > 1e-2
+
+
+def test_a_flavor_that_differs_from_config_json_is_refused_naming_every_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hp_trainer.cli import main
+
+    _make_llama31_checkpoint(tmp_path / "hf")
+    hf = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf"]
+    hf += ["--checkpoint.initial_load_path", str(tmp_path / "hf")]
+    assert main(["--model.flavor", "tiny", "--training.seq_len", "32", *hf]) == 2
+    err = capsys.readouterr().err
+    assert "model llama3/tiny does not describe the checkpoint" in err
+    assert "rope_scaling: flavor has None, config.json has RopeScaling(factor=8.0" in err
+    assert "intermediate_size: flavor has 192" not in err  # equal fields are not listed
+    assert "max_position_embeddings: flavor has 512, config.json has 128" in err
+    # auto: built from config.json; a sequence over its maximum is refused up front
+    assert main(["--model.flavor", "auto", "--training.seq_len", "256", *hf]) == 2
+    assert (
+        "training.seq_len = 256 is over the maximum sequence length 128" in capsys.readouterr().err
+    )
+    # auto without an HF checkpoint, and a folder without config.json
+    assert main(["--model.flavor", "auto"]) == 2
+    assert "checkpoint.initial_load_in_hf = true" in capsys.readouterr().err
+    (tmp_path / "hf" / "config.json").unlink()
+    assert main(["--model.flavor", "auto", *hf]) == 2
+    assert "no HuggingFace config.json" in capsys.readouterr().err
+
+
+def test_published_flavors_match_their_config_json() -> None:
+    from hp_trainer.hf_config import hf_config_mismatches
+
+    llama31_8b = {  # Meta-Llama-3.1-8B config.json (the fields compared)
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    }  # fmt: skip
+    assert hf_config_mismatches(llama3_flavors["3.1-8B"], llama31_8b) == []
+    wrong = hf_config_mismatches(llama3_flavors["8B"], llama31_8b)
+    assert [line.split(":")[0] for line in wrong] == ["rope_scaling", "max_position_embeddings"]
+    llama32_1b = {  # Llama-3.2-1B
+        **llama31_8b, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "head_dim": 64, "tie_word_embeddings": True,
+        "rope_scaling": {**llama31_8b["rope_scaling"], "factor": 32.0},  # type: ignore[dict-item]
+    }  # fmt: skip
+    assert hf_config_mismatches(llama3_flavors["1B"], llama32_1b) == []
+    qwen3_06b = {  # Qwen3-0.6B
+        "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "rope_scaling": None, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+    }  # fmt: skip
+    assert hf_config_mismatches(qwen3_flavors["0.6B"], qwen3_06b) == []
+
+
+def test_export_with_rope_scaling_loads_in_transformers_with_the_same_logits(
+    tmp_path: Path,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from hp_trainer.hf_config import decoder_args_from_hf_config
+
+    args = decoder_args_from_hf_config(LLAMA31_TINY_CONFIG)
+    model = build(args, 3)
+    _manager(model, args, str(tmp_path), "llama3").export_hf(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_scaling"] == LLAMA31_TINY_CONFIG["rope_scaling"]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    tokens = torch.randint(0, 2048, (2, 48))
+    with torch.no_grad():
+        theirs = hf_model(tokens).logits
+        ours = model(tokens)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

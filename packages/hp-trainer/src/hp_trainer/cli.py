@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         launch = needs_launcher(config)
         world = nproc_for(config) if launch else int(os.environ.get("WORLD_SIZE", "1"))
         report = preflight(config, world)
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, FileNotFoundError) as exc:
         if rank == 0:
             print(f"hp-train: error: {exc}", file=sys.stderr)
         return 2

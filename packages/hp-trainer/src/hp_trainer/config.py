@@ -95,7 +95,10 @@ class ModelConfig:
     name: str = "llama3"
     """Registered model name (see ``hp_trainer.get_model_spec``): ``llama3`` or ``qwen3``."""
     flavor: str = "debugmodel"
-    """Model size preset of the chosen model (e.g. ``tiny``, ``debugmodel``, ``1B``, ``8B``)."""
+    """Model size preset of the chosen model (e.g. ``tiny``, ``debugmodel``, ``3.1-8B``,
+    ``0.6B``), checked against the config.json of an HF checkpoint being imported; ``auto``
+    builds the model from that config.json (``checkpoint.initial_load_path`` with
+    ``initial_load_in_hf``)."""
     init_device: Literal["cpu", "meta"] = "cpu"
     """Where parameters are first created, ``cpu`` (full weights, seeded, then sharded, so
     identical numbers in every layout) or ``meta`` (shard first, then initialize: for models

@@ -327,12 +327,14 @@ class DecoderStateDictAdapter(StateDictAdapter):
         """Return the ``config.json`` contents for ``transformers``.
 
         Returns:
-            The configuration dictionary (``architectures``, ``model_type``, sizes, RoPE base,
-            norm epsilon, tying).
+            The configuration dictionary (``architectures``, ``model_type``, sizes, RoPE base
+            and scaling, norm epsilon, tying).
 
         See Also:
             ``transformers.LlamaConfig``: HF's Llama configuration.
         """
+        from hp_trainer.hf_config import rope_scaling_to_hf  # here: it imports the models
+
         args = self.args
         hidden = args.ffn_hidden_dim
         if hidden is None:
@@ -351,6 +353,7 @@ class DecoderStateDictAdapter(StateDictAdapter):
             "vocab_size": args.vocab_size,
             "rms_norm_eps": args.norm_eps,
             "rope_theta": args.rope_theta,
+            "rope_scaling": rope_scaling_to_hf(args.rope_scaling),
             "max_position_embeddings": args.max_seq_len,
             "tie_word_embeddings": args.enable_weight_tying,
             "hidden_act": "silu",

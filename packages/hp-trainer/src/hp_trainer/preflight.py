@@ -92,15 +92,17 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
         ValueError: For a model flavor, parallel layout or dataset that cannot work, naming the
             value and what is expected.
         ImportError: For an option that needs a missing package, naming the pip command.
+        FileNotFoundError: For ``model.flavor = auto`` and a checkpoint without config.json.
 
     See Also:
         ``torchtitan.train.main``: TorchTitan validates in each rank instead.
     """
     from hp_trainer.data import BUILTIN_DATASETS
+    from hp_trainer.hf_config import resolve_model_args
     from hp_trainer.model_spec import get_model_spec
     from hp_trainer.parallel_dims import _parallel_dims_from_config
 
-    get_model_spec(config.model.name).model_args(config.model.flavor)
+    resolve_model_args(get_model_spec(config.model.name), config)
     _parallel_dims_from_config(config.parallelism, world_size)
     dataset = config.data.dataset
     if dataset not in BUILTIN_DATASETS and not os.path.exists(dataset):

@@ -30,6 +30,7 @@ from hp_trainer.data import (
     build_tokenizer,
     load_documents,
 )
+from hp_trainer.hf_config import resolve_model_args
 from hp_trainer.metrics import MetricsProcessor, logger
 from hp_trainer.model_spec import ModelSpec, get_model_spec
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
@@ -157,9 +158,7 @@ class Trainer:
 
         # -- model -----------------------------------------------------------------------------
         self.model_spec: ModelSpec = get_model_spec(cfg.model.name)
-        args = self.model_spec.model_args(cfg.model.flavor)
-        if getattr(args, "max_seq_len", training.seq_len) < training.seq_len:
-            args.max_seq_len = training.seq_len
+        args = resolve_model_args(self.model_spec, cfg)
         self.tokenizer: HuggingFaceTokenizer = build_tokenizer(cfg.data.tokenizer_path)
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ValueError(

@@ -20,10 +20,62 @@ __all__ = [
     "DecoderArgs",
     "FeedForward",
     "RMSNorm",
+    "RopeScaling",
     "TransformerBlock",
     "compute_ffn_hidden_dim",
     "precompute_rope",
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (HF ``rope_type: "llama3"``).
+
+    Frequencies whose wavelength is shorter than ``original_max_position_embeddings /
+    high_freq_factor`` are kept, those longer than ``original_max_position_embeddings /
+    low_freq_factor`` are divided by ``factor``, and the band in between is interpolated
+    linearly (in ``original_max_position_embeddings / wavelength``) between the two.
+
+    See Also:
+        ``torchtitan.models.llama3.model.args.RoPEScalingArgs``: TorchTitan's scaling args.
+    """
+
+    factor: float = 8.0
+    """How much longer the context is than the one the model was pre-trained on."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above ``original_max_position_embeddings / low_freq_factor`` are scaled."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
+    original_max_position_embeddings: int = 8192
+    """The pre-training context length."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1.0 or self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"invalid RopeScaling {self}: expected factor >= 1 and "
+                "high_freq_factor > low_freq_factor"
+            )
+
+    def scale(self, freqs: torch.Tensor) -> torch.Tensor:
+        """Scale inverse frequencies (radians per position).
+
+        Args:
+            freqs: ``(head_dim // 2,)`` float32 inverse frequencies.
+
+        Returns:
+            The scaled frequencies.
+
+        See Also:
+            ``transformers.modeling_rope_utils``: HF's ``llama3`` rope type.
+        """
+        context = float(self.original_max_position_embeddings)
+        wavelength = 2 * math.pi / freqs
+        # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear in between
+        keep = (context / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        keep = keep.clamp(0.0, 1.0)
+        return (1 - keep) * freqs / self.factor + keep * freqs
 
 
 @dataclass(kw_only=True)
@@ -56,6 +108,8 @@ class DecoderArgs:
     """RMSNorm epsilon."""
     rope_theta: float = 500000.0
     """RoPE base frequency."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1-style RoPE scaling (None: plain RoPE, as Llama 3.0 and Qwen 3)."""
     max_seq_len: int = 2048
     """Longest sequence the RoPE table covers."""
     qk_norm: bool = False
@@ -100,13 +154,16 @@ def compute_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """Cosine/sine table for rotary embeddings, shape ``(max_seq_len, head_dim // 2, 2)``.
 
     Args:
         head_dim: Per-head size (even).
         max_seq_len: Number of positions.
         theta: Base frequency.
+        scaling: Llama 3.1-style frequency scaling (None: none).
 
     Returns:
         ``table[..., 0]`` is cos, ``table[..., 1]`` is sin (float32).
@@ -115,6 +172,8 @@ def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> torch.Tens
         ``torchtitan.models.common.rope.precompute_freqs_cis``: TorchTitan's complex table.
     """
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        freqs = scaling.scale(freqs)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
@@ -377,7 +436,7 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.tok_embeddings.weight
         self.register_buffer(
             "rope_cache",
-            precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),
+            precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling),
             persistent=False,
         )
 
@@ -418,7 +477,7 @@ class Decoder(nn.Module):
             device = torch.device("cpu")
         assert self.args.head_dim is not None
         self.rope_cache = precompute_rope(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.args.rope_scaling
         ).to(device)
         std_emb = 0.02 if self.enable_weight_tying else 1.0
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std_emb)
