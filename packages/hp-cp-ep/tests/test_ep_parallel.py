@@ -35,6 +35,7 @@ from hp_cp_ep import (
     update_expert_bias,
 )
 from hp_dtensor.testing import distributed
+from hp_kernels import permute_tokens
 
 DIM, HIDDEN, TOKENS = 16, 32, 12
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -107,6 +108,9 @@ def _ep_parity(num_experts: int, **overrides: Any) -> None:
     torch.testing.assert_close(moe.tokens_per_expert, reference.router(x)[2].float())
     torch.testing.assert_close(copied(x), out, rtol=0, atol=0)
     _check_against_oracle(moe, reference, list(range(world)), rank, out.detach())
+    # called directly (as TorchTitan's MoE does), the experts dispatch and combine themselves
+    rows, _, counts = permute_tokens(x, reference.router(x)[1], num_experts)
+    torch.testing.assert_close(moe.experts(rows, counts), reference.experts(rows, counts), **TOL)
 
 
 @distributed(world_size=2)
