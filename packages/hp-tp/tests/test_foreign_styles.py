@@ -103,3 +103,5 @@ def test_foreign_style_gets_nd_mesh_and_is_not_mutated() -> None:
             )
         with pytest.raises(TypeError, match="parallelize_plan must be"):
             hp_tp.parallelize_module(_MLP(), mesh2d, {"norm": 3})
+        with pytest.raises(TypeError, match="got Linear"):  # modules have an unrelated _apply
+            hp_tp.parallelize_module(_MLP(), mesh2d, {"norm": nn.Linear(2, 2)})

@@ -52,8 +52,9 @@ def _is_style(plan: object) -> bool:
     written for torch's ``parallelize_module`` (torch's own, TorchTitan's, hp-cp-ep's expert
     styles) therefore work here unchanged.
     """
+    # nn.Module has an unrelated ``_apply(fn)``: a module passed as a plan is a user error.
     return isinstance(plan, ParallelStyle) or (
-        not isinstance(plan, Mapping) and callable(getattr(plan, "_apply", None))
+        not isinstance(plan, Mapping | nn.Module) and callable(getattr(plan, "_apply", None))
     )
 
 
