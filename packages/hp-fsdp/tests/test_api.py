@@ -26,10 +26,6 @@ def _helpers() -> ModuleType:
     return load_test_module(Path(__file__).with_name("_fsdp_helpers.py"), "hp_fsdp_tests_helpers")
 
 
-def test_hsdp_module_is_fsdp_module() -> None:
-    assert hp_fsdp.HSDPModule is hp_fsdp.FSDPModule
-
-
 @pytest.mark.parametrize(
     ("ours", "theirs"),
     [

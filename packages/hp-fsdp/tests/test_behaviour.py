@@ -374,3 +374,19 @@ def test_first_iteration_prefetches_in_module_order() -> None:
     third = fwd_ags[2]
     assert _index(log, third) < _index(log, ("compute_end", 0)), log
     assert _index(log, ("wait", "ag", third[2], third[3])) > _index(log, ("compute_end", 0)), log
+
+
+@distributed(world_size=4)
+def test_hsdp_module_api_controls_the_replicate_all_reduce() -> None:
+    """A unit on a 2-D mesh is an ``HSDPModule`` whose methods steer the replicate all-reduce."""
+    model, _ = _build((2, 2))
+    assert isinstance(model, hp_fsdp.HSDPModule)
+    assert isinstance(model.layers[0], hp_fsdp.HSDPModule)  # type: ignore[index]
+    _step(model, rank_seed(0))
+    hp_fsdp.HSDPModule.set_requires_all_reduce(model, False)  # type: ignore[arg-type]
+    counts = _count_step(model, rank_seed(1))
+    assert counts["ar"] == [], counts
+    assert counts["rs"] == [2, 2, 2], counts  # still reduce-scattered over the shard axis
+    hp_fsdp.HSDPModule.set_requires_all_reduce(model, True)  # type: ignore[arg-type]
+    counts = _count_step(model, rank_seed(2))
+    assert counts["ar"] == [2, 2, 2], counts  # the partial sums are all-reduced now

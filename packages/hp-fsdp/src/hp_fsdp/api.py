@@ -10,7 +10,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -19,34 +18,32 @@ from typing import Any, Literal, NoReturn, cast, overload
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from hp_dtensor.device import (
     BACKEND_NCCL,
-    DEVICE_TYPE_CPU,
     DEVICE_TYPE_CUDA,
     Event,
     Stream,
     current_stream,
-    get_device,
-    get_device_type,
     is_accelerator,
     pin_memory_available,
 )
 from hp_dtensor.device import stream as device_stream
+from hp_fsdp.collectives import (
+    ProcessGroupAllGather,
+    ProcessGroupReduceScatter,
+    pg_supports_alloc,
+)
 from hp_fsdp.errors import FSDPDeepCopyError, FSDPUsageError
 from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
-    MeshInfo,
     ShardPlacementResult,
     _spmd_mesh_info,
-    is_placement_result,
     mesh_info_from_mesh,
-    placement_mesh_info,
 )
-from hp_fsdp.param import MANAGED_FLAG as _MANAGED_FLAG
-from hp_fsdp.param_group import ParamGroup, resolve_reshard_after_forward
+from hp_fsdp.param_group import ParamGroup
 from hp_fsdp.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -56,7 +53,8 @@ from hp_fsdp.policies import (
 )
 from hp_fsdp.root_state import RootContext
 from hp_fsdp.state import FSDPState, get_state
-from hp_kernels import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from hp_fsdp.unit_init import default_mesh, root_modules, shard_units
+from hp_kernels import AllGather, DefaultAllGather, ReduceScatter
 
 __all__ = ["FSDPModule", "HSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -87,50 +85,6 @@ def _symm_mem_unavailable(state: FSDPState) -> str | None:
     if major < 9:
         return f"the device has compute capability {major}.x"
     return None
-
-
-def _pg_allocate(
-    group: dist.ProcessGroup,
-    size: Sequence[int | torch.SymInt],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    backend = group._get_backend(device)
-    if backend.supports_tensor_alloc(device):
-        numel = math.prod(int(s) for s in size)
-        return backend.allocate_tensor(numel, dtype=dtype, device=device)
-    return torch.empty(*size, dtype=dtype, device=device)
-
-
-def _pg_supports_alloc(group: dist.ProcessGroup, device: torch.device) -> bool:
-    try:
-        return bool(group._get_backend(device).supports_tensor_alloc(device))
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-class _PGAllocAllGather(DefaultAllGather):
-    """All-gather whose buffers come from the process group's allocator."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = group
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _pg_allocate(self._group, size, dtype, device)
-
-
-class _PGAllocReduceScatter(DefaultReduceScatter):
-    """Reduce-scatter whose buffers come from the process group's allocator."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = group
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _pg_allocate(self._group, size, dtype, device)
 
 
 class UnshardHandle:
@@ -594,7 +548,7 @@ class FSDPModule:
                 group.custom_reduce_scatter = None
                 continue
             shard_group = group.mesh_info.shard_group
-            if not _pg_supports_alloc(shard_group, state.device):
+            if not pg_supports_alloc(shard_group, state.device):
                 _log_hint_once(
                     state.ctx,
                     "allocate_memory_from_process_group",
@@ -603,8 +557,8 @@ class FSDPModule:
                     f"{state.device}; buffers come from the ordinary allocator",
                 )
                 continue
-            group.custom_all_gather = _PGAllocAllGather(shard_group)
-            group.custom_reduce_scatter = _PGAllocReduceScatter(shard_group)
+            group.custom_all_gather = ProcessGroupAllGather(shard_group)
+            group.custom_reduce_scatter = ProcessGroupReduceScatter(shard_group)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -823,73 +777,6 @@ def _states_of(modules: Iterable[Any]) -> list[FSDPState]:
     return states
 
 
-def _default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard(mesh=None) needs an initialized default process group "
-            "(torch.distributed.init_process_group or hp_dtensor.device.init_process_group)"
-        )
-    return init_device_mesh(get_device_type(), (dist.get_world_size(),))
-
-
-def _managed_modules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
-    """The modules whose own parameters join this unit, in post-order (children first)."""
-    result: list[nn.Module] = []
-    visited: set[nn.Module] = set()
-    root_set = set(roots)
-
-    def visit(module: nn.Module) -> None:
-        if module not in root_set and get_state(module) is not None:
-            return
-        visited.add(module)
-        for child in module.children():
-            if child not in visited:
-                visit(child)
-        result.append(module)
-
-    for root in roots:
-        visit(root)
-    return result
-
-
-def _managed_params(
-    modules: list[nn.Module], ignored: set[nn.Parameter]
-) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-    params: list[nn.Parameter] = []
-    buffers: list[torch.Tensor] = []
-    seen_params: set[nn.Parameter] = set()
-    seen_buffers: set[torch.Tensor] = set()
-    for module in modules:
-        for param in module.parameters(recurse=False):
-            if param in ignored or param in seen_params:
-                continue
-            if isinstance(param, DTensor) and getattr(param, _MANAGED_FLAG, False):
-                raise ValueError(
-                    f"a parameter of {type(module).__name__} is already sharded by another "
-                    "fully_shard unit (a tied parameter?); put all modules that share a "
-                    "parameter in one unit, e.g. fully_shard([module_a, module_b])"
-                )
-            seen_params.add(param)
-            params.append(param)
-        for buffer in module.buffers(recurse=False):
-            if buffer not in seen_buffers:
-                seen_buffers.add(buffer)
-                buffers.append(buffer)
-    return params, buffers
-
-
-def _move_to_device(tensors: Iterable[torch.Tensor], device: torch.device) -> None:
-    for tensor in tensors:
-        if tensor.device == device or tensor.is_meta:
-            continue
-        if isinstance(tensor, DTensor):
-            raise ValueError(
-                f"a DTensor parameter on {tensor.device} cannot be moved to {device} by "
-                "fully_shard; move the model first"
-            )
-        tensor.data = tensor.to(device)
-
-
 def _swap_class(module: nn.Module) -> None:
     cls = type(module)
     new_cls = _CLS_TO_FSDP_CLS.get(cls)
@@ -1019,7 +906,7 @@ def fully_shard(
     if isinstance(module, nn.Module):
         roots: tuple[nn.Module, ...] = (module,)
     elif isinstance(module, list) and module and all(isinstance(m, nn.Module) for m in module):
-        roots = _root_modules(module)
+        roots = root_modules(module)
     else:
         raise TypeError(
             f"fully_shard expects an nn.Module or a non-empty list of them, got {module!r}"
@@ -1045,7 +932,7 @@ def fully_shard(
             "on a CPU-only machine use CPUOffloadPolicy(pin_memory=False)"
         )
     if mesh is None:
-        mesh = _default_mesh()
+        mesh = default_mesh()
     if dp_mesh_dims is not None:
         if not isinstance(reshard_after_forward, bool | None):
             raise NotImplementedError(
@@ -1061,7 +948,7 @@ def fully_shard(
         raise NotImplementedError(
             "fully_shard(replicate_params=...) does not support an int reshard_after_forward"
         )
-    _shard_units(
+    shard_units(
         roots,
         mesh,
         mesh_info,
@@ -1080,102 +967,6 @@ def fully_shard(
     if isinstance(module, nn.Module):
         return cast(FSDPModule, module)
     return [cast(FSDPModule, m) for m in module]
-
-
-def _shard_units(
-    roots: tuple[nn.Module, ...],
-    mesh: DeviceMesh,
-    mesh_info: MeshInfo,
-    reshard_after_forward: bool | int | None,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-    mp: MixedPrecisionPolicy,
-    offload: OffloadPolicy,
-    ignored_params: set[nn.Parameter] | None,
-    swap: Callable[[nn.Module], None],
-    replicated: frozenset[nn.Parameter] = frozenset(),
-) -> None:
-    """Build the unit of ``roots`` (shared by ``fully_shard`` and ``replicate``).
-
-    Parameters are grouped by data-parallel mesh: one :class:`ParamGroup` for the unit's mesh,
-    plus one per other mesh that ``shard_placement_fn`` names (``ShardPlacementResult``), in
-    the order of each mesh's first parameter, as PyTorch groups them.
-    """
-    device = get_device() if is_accelerator(mesh.device_type) else torch.device(DEVICE_TYPE_CPU)
-    auto = reshard_after_forward is None
-    managed = _managed_modules(roots)
-    params, buffers = _managed_params(managed, set(ignored_params or ()))
-    _move_to_device([*params, *buffers], device)
-    state = FSDPState(roots, device, mp, auto)
-    unknown = replicated - set(params)
-    if unknown:
-        raise ValueError(
-            f"replicate_params must be parameters of this fully_shard unit (not ignored, not "
-            f"in a nested unit); {len(unknown)} are not"
-        )
-    # (shard group, replicate group) -> (mesh info, params, shard dims)
-    by_mesh: dict[
-        tuple[dist.ProcessGroup, dist.ProcessGroup | None],
-        tuple[MeshInfo, list[nn.Parameter], list[int]],
-    ] = {}
-    for param in params:
-        result = shard_placement_fn(param) if shard_placement_fn is not None else None
-        param_mesh_info, dim = mesh_info, 0
-        if is_placement_result(result):
-            if param in replicated:
-                raise ValueError(
-                    "a parameter in replicate_params cannot get a ShardPlacementResult from "
-                    "shard_placement_fn; it is kept whole on the unit's mesh"
-                )
-            param_mesh_info = placement_mesh_info(result.mesh_info, mesh_info)  # type: ignore[union-attr]
-            result = result.placement  # type: ignore[union-attr]
-        if isinstance(result, Shard):
-            dim = result.dim
-        elif result is not None:
-            raise ValueError(
-                f"Invalid shard_placement_fn result: {result!r}; shard_placement_fn must return "
-                "Shard(dim), a ShardPlacementResult or None"
-            )
-        key = (param_mesh_info.shard_group, param_mesh_info.replicate_group)
-        entry = by_mesh.setdefault(key, (param_mesh_info, [], []))
-        if entry[0] is not param_mesh_info and entry[0].mesh != param_mesh_info.mesh:
-            raise ValueError(
-                f"parameters on the meshes {entry[0].mesh} and {param_mesh_info.mesh} use the "
-                "same process groups; give every parameter over those ranks the same mesh (a "
-                "new group needs a mesh over other ranks, or other dims)"
-            )
-        entry[1].append(param)
-        entry[2].append(dim)
-    for group_mesh_info, group_params, dims in by_mesh.values():
-        resolved = resolve_reshard_after_forward(
-            True if reshard_after_forward is None else reshard_after_forward,
-            group_mesh_info.shard_size,
-        )
-        state.groups.append(
-            ParamGroup(
-                group_params,
-                roots,
-                group_mesh_info,
-                device,
-                resolved,
-                dims,
-                mp,
-                offload,
-                replicated & set(group_params),
-            )
-        )
-    for root in roots:
-        swap(root)
-
-
-def _root_modules(modules: list[nn.Module]) -> tuple[nn.Module, ...]:
-    """The modules of ``modules`` that are not submodules of another one in the list."""
-    candidates = list(dict.fromkeys(modules))
-    nested: set[nn.Module] = set()
-    for module in candidates:
-        for sub in module.modules():
-            if sub is not module:
-                nested.add(sub)
-    return tuple(m for m in candidates if m not in nested)
 
 
 def _fully_shard_state(module: nn.Module) -> FSDPState | None:

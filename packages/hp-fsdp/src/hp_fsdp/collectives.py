@@ -13,6 +13,7 @@ See Also:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from hp_dtensor.device import stream as device_stream
 from hp_fsdp.streams import CommStreams
 from hp_kernels import (
     AllGather,
+    DefaultAllGather,
+    DefaultReduceScatter,
     ReduceScatter,
     all_gather_copy_in,
     all_gather_copy_out,
@@ -35,10 +38,14 @@ from hp_kernels import (
 
 __all__ = [
     "AllGatherResult",
+    "ProcessGroupAllGather",
+    "ProcessGroupReduceScatter",
     "apply_gradient_scaling_factor",
     "divide_factors",
     "issue_all_gather",
     "issue_reduce_scatter",
+    "pg_allocate",
+    "pg_supports_alloc",
     "wait_all_gather",
 ]
 
@@ -293,3 +300,70 @@ def apply_gradient_scaling_factor(
     else:
         target.mul_(float(factor))
     return grad
+
+
+def pg_allocate(
+    group: dist.ProcessGroup,
+    size: Sequence[int | torch.SymInt],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A communication buffer from the process group's allocator (an ordinary one without).
+
+    Args:
+        group: the process group.
+        size: the buffer's shape.
+        dtype: its dtype.
+        device: its device.
+
+    Returns:
+        The buffer.
+
+    See Also:
+        ``torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm``.
+    """
+    backend = group._get_backend(device)
+    if backend.supports_tensor_alloc(device):
+        numel = math.prod(int(s) for s in size)
+        return backend.allocate_tensor(numel, dtype=dtype, device=device)
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
+def pg_supports_alloc(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the process group's backend allocates tensors for ``device``.
+
+    Args:
+        group: the process group.
+        device: the device.
+
+    Returns:
+        True when it has an allocator.
+    """
+    try:
+        return bool(group._get_backend(device).supports_tensor_alloc(device))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class ProcessGroupAllGather(DefaultAllGather):
+    """All-gather whose buffers come from the process group's allocator."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return pg_allocate(self._group, size, dtype, device)
+
+
+class ProcessGroupReduceScatter(DefaultReduceScatter):
+    """Reduce-scatter whose buffers come from the process group's allocator."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return pg_allocate(self._group, size, dtype, device)

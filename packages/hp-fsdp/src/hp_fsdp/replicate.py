@@ -15,12 +15,7 @@ from typing import cast
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_fsdp.api import (
-    FSDPModule,
-    _default_mesh,
-    _shard_units,
-    _unimplemented_deepcopy,
-)
+from hp_fsdp.api import FSDPModule, _unimplemented_deepcopy
 from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo
 from hp_fsdp.policies import (
     MixedPrecisionPolicy,
@@ -29,6 +24,7 @@ from hp_fsdp.policies import (
     to_offload_policy,
 )
 from hp_fsdp.state import get_state
+from hp_fsdp.unit_init import default_mesh, shard_units
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -105,11 +101,11 @@ def replicate(
     if get_state(module) is not None:
         raise ValueError(f"replicate or fully_shard was already applied to {type(module).__name__}")
     if mesh is None:
-        mesh = _default_mesh()
+        mesh = default_mesh()
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1-D DeviceMesh, got a {mesh.ndim}-D mesh {mesh}")
     mesh_info = MeshInfo(mesh, replicate_only=True)
-    _shard_units(
+    shard_units(
         (module,),
         mesh,
         mesh_info,
