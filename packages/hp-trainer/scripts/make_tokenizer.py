@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,6 +42,10 @@ def main() -> None:
     )
     tok.train_from_iterator(docs, trainer=trainer)
     tok.save(str(args.out))
+    # the special tokens, where HF tokenizer folders name them (hp-trainer reads BOS/EOS here)
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    (args.out.parent / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(f"wrote {args.out}: vocab {tok.get_vocab_size()}")
 
 

@@ -347,6 +347,11 @@ class DataConfig:
     """Field holding the document text in JSONL files."""
     tokenizer_path: str = "builtin"
     """``tokenizer.json`` file or folder holding one (``builtin``: the shipped 2K BPE)."""
+    bos_token: str | None = None
+    """BOS token text (None: the ``bos_token`` of the tokenizer's ``tokenizer_config.json`` or
+    ``special_tokens_map.json``). Documents are framed by BOS/EOS; one of them must be known."""
+    eos_token: str | None = None
+    """EOS token text (None: the ``eos_token`` of the tokenizer's config files)."""
     shuffle: bool = True
     """Shuffle the global sample order every epoch (seeded, identical on every rank)."""
 

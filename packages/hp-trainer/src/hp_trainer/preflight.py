@@ -89,26 +89,37 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
         Notes and overrides for features switched off because an optional package is missing.
 
     Raises:
-        ValueError: For a model flavor, parallel layout or dataset that cannot work, naming the
-            value and what is expected.
+        ValueError: For a model flavor, parallel layout, dataset or tokenizer that cannot work,
+            naming the value and what is expected.
         ImportError: For an option that needs a missing package, naming the pip command.
-        FileNotFoundError: For ``model.flavor = auto`` and a checkpoint without config.json.
+        FileNotFoundError: For ``model.flavor = auto`` and a checkpoint without config.json, or
+            a missing tokenizer.
 
     See Also:
         ``torchtitan.train.main``: TorchTitan validates in each rank instead.
     """
-    from hp_trainer.data import BUILTIN_DATASETS
+    from hp_trainer.data import BUILTIN_DATASETS, build_tokenizer
     from hp_trainer.hf_config import resolve_model_args
     from hp_trainer.model_spec import get_model_spec
     from hp_trainer.parallel_dims import _parallel_dims_from_config
 
-    resolve_model_args(get_model_spec(config.model.name), config)
+    args = resolve_model_args(get_model_spec(config.model.name), config)
     _parallel_dims_from_config(config.parallelism, world_size)
     dataset = config.data.dataset
     if dataset not in BUILTIN_DATASETS and not os.path.exists(dataset):
         raise ValueError(
             f"data.dataset = {dataset!r} is neither a built-in dataset "
             f"({', '.join(BUILTIN_DATASETS)}) nor an existing file or folder"
+        )
+    data = config.data
+    tokenizer = build_tokenizer(
+        data.tokenizer_path, bos_token=data.bos_token, eos_token=data.eos_token
+    )
+    vocab = getattr(args, "vocab_size", tokenizer.vocab_size)
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but model "
+            f"{config.model.name}/{config.model.flavor} has vocab_size {vocab}"
         )
     notes: list[str] = []
     overrides: list[str] = []

@@ -159,7 +159,9 @@ class Trainer:
         # -- model -----------------------------------------------------------------------------
         self.model_spec: ModelSpec = get_model_spec(cfg.model.name)
         args = resolve_model_args(self.model_spec, cfg)
-        self.tokenizer: HuggingFaceTokenizer = build_tokenizer(cfg.data.tokenizer_path)
+        self.tokenizer: HuggingFaceTokenizer = build_tokenizer(
+            cfg.data.tokenizer_path, bos_token=cfg.data.bos_token, eos_token=cfg.data.eos_token
+        )
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but model "
