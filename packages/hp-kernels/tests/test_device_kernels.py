@@ -90,6 +90,31 @@ def test_kernel_registered_with_torch_library_is_honoured_in_eager_ops_and_compi
     assert len(calls) == 3
 
 
+def test_fast_path_check_agrees_with_the_dispatcher_table() -> None:
+    """The eager shortcut's live check and the C++ dispatcher agree through (de)registration."""
+    from hp_kernels._library import OPS
+
+    def agree(name: str, device_type: str) -> bool:
+        live = OPS[name].has_backend_kernel(device_type)
+        return live == hk.has_device_kernel(name, device_type)
+
+    names = ["post_reduce", "all_gather_copy_out"]
+    assert all(agree(n, d) for n in names for d in ("cpu", PU1))
+    lib = torch.library.Library("hp_kernels", "FRAGMENT")  # type: ignore[no-untyped-call]
+    try:
+        torch.library.register_kernel(
+            "hp_kernels::post_reduce", "cpu", hk.reference_kernel("post_reduce"), lib=lib
+        )
+        lib.impl("all_gather_copy_out", hk.reference_kernel("all_gather_copy_out"), "PrivateUse1")
+        assert OPS["post_reduce"].has_backend_kernel("cpu")
+        assert OPS["all_gather_copy_out"].has_backend_kernel(PU1)
+        assert all(agree(n, d) for n in names for d in ("cpu", PU1))
+    finally:
+        lib._destroy()
+    assert not OPS["post_reduce"].has_backend_kernel("cpu")
+    assert all(agree(n, d) for n in names for d in ("cpu", PU1))
+
+
 _CALLS: list[tuple[int, ...]] = []
 
 

@@ -28,6 +28,11 @@ from hp_kernels._dispatch_keys import (
 
 __all__: list[str] = []
 
+#: ``torch.library``'s set of ``"namespace/op/DispatchKey"`` strings, one per kernel registered
+#: from Python (``Library.impl``, which ``torch.library.register_kernel`` uses); entries leave it
+#: when their library is destroyed. ``None`` if this torch does not keep it.
+_PYTHON_IMPLS: set[str] | None = getattr(torch.library, "_impls", None)
+
 #: ``torch.library`` namespace of every op in this package (``torch.ops.hp_kernels.*``).
 NAMESPACE = "hp_kernels"
 
@@ -75,19 +80,27 @@ class Op:
         self.qualname = qualname(name)
         self.reference = reference
         self.overload: torch._ops.OpOverload = getattr(torch.ops.hp_kernels, name).default
-        # Boxing a list of tensors through the dispatcher costs 5-13 us per call (measured on
-        # ten-tensor lists), more than the live dispatch-table check; other ops dispatch for
-        # about 1.5 us, less than the check, so only list ops take the checked shortcut.
-        self.takes_tensor_lists = "Tensor[]" in str(self.overload._schema)
+        # Registration key in torch.library's record, per device type (a pure function of
+        # the two names; whether the key is registered is looked up on every call).
+        self._impl_keys: dict[str, str] = {}
 
     def has_backend_kernel(self, device_type: str) -> bool:
-        """Whether the dispatcher holds a kernel for ``device_type``'s own key right now.
+        """Whether a kernel is registered for ``device_type``'s own dispatch key right now.
 
-        Asked of the dispatcher on every call (one C call, well under a microsecond) rather than
-        remembered, so a kernel registered at any time, through
-        ``torch.library.register_kernel`` or :func:`hp_kernels.register_device_kernel`, is seen
-        by the very next eager call.
+        Read live on every call, never remembered, so a kernel registered at any time (through
+        ``torch.library.register_kernel``, ``Library.impl`` or
+        :func:`hp_kernels.register_device_kernel`) is seen by the very next eager call. The
+        lookup is a set membership in ``torch.library``'s record of every kernel registered
+        from Python (about 0.1 us); asking the C++ dispatcher by op name measured 7-25 us per
+        call between real copies, more than some of the ops. Without that record (a torch
+        that renamed it) the dispatcher is asked.
         """
+        key = self._impl_keys.get(device_type)
+        if key is None:
+            key = f"{NAMESPACE}/{self.name}/{dispatch_key_of(device_type)}"
+            self._impl_keys[device_type] = key
+        if _PYTHON_IMPLS is not None:
+            return key in _PYTHON_IMPLS
         return bool(
             torch._C._dispatch_has_kernel_for_dispatch_key(
                 self.qualname, dispatch_key_of(device_type)
@@ -152,13 +165,14 @@ def can_call_reference(op: Op, tensors: Iterable[torch.Tensor]) -> bool:
 
     There is one dispatch decision, the dispatcher's: this function only recognises the case
     where its answer is known to be the reference (registered under
-    ``CompositeExplicitAutograd``), so the call can skip the dispatcher's boxing of list
-    arguments (5-13 us per call measured on ten-tensor lists, more than the copies on small
-    buffers). That is: not tracing/compiling, no ``TorchDispatchMode`` active (fake tensors,
-    functionalization, debug modes), plain tensors (no subclass such as DTensor), not on the
-    meta device, and no kernel registered for the device's backend key in the dispatch table
-    *now* (checked live, so kernels registered with ``torch.library.register_kernel`` at any
-    time are honoured in eager mode exactly as through ``torch.ops`` and ``torch.compile``).
+    ``CompositeExplicitAutograd``), so the call can skip the dispatcher's round trip (1.5 us,
+    and 5-13 us boxing ten-tensor lists, more than the copies on small buffers). That is: not
+    tracing/compiling, no ``TorchDispatchMode`` active (fake tensors, functionalization, debug
+    modes), plain tensors (no subclass such as DTensor), not on the
+    meta device, and no kernel registered for the device's backend key *now* (checked live by
+    :meth:`Op.has_backend_kernel`, so kernels registered with ``torch.library.register_kernel``
+    at any time are honoured in eager mode exactly as through ``torch.ops`` and
+    ``torch.compile``).
     """
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
@@ -177,7 +191,7 @@ def call(op: Op, tensors: Iterable[torch.Tensor], *args: Any) -> Any:
     """Call ``op`` without autograd: the reference directly when allowed, else the dispatcher."""
     if torch.compiler.is_compiling():
         return op(*args)
-    if op.takes_tensor_lists and can_call_reference(op, tensors):
+    if can_call_reference(op, tensors):
         return op.reference(*args)
     return call_below_autograd(op, *args)
 
