@@ -6,6 +6,8 @@
 * HyperParallel's ``ContextParallel`` / ``AsyncContextParallel`` styles on the core attention
   module, and TorchTitan's ``create_context_parallel_ctx``, at cp = 3: one step's loss and
   gradients equal one process's.
+* Composition with TP: heads sharded by ``hp_tp`` (colwise q/k/v, rowwise out) over ``tp``, the
+  sequence by CP ring over ``cp`` on a 2 x 2 mesh; gradients equal one process's.
 """
 
 from __future__ import annotations
@@ -303,3 +305,75 @@ def test_fronts_reject_bad_input_and_cp1_is_a_no_op() -> None:
         assert buf.shape == (6,)
         assert not torch.overrides._is_torch_function_mode_enabled()
     assert math.isclose(float(buf.sum()), 15.0)
+
+
+class _TPAttention(nn.Module):
+    """Self-attention whose head count follows the (TP-sharded) projections: ``view(-1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
+        self.wk = nn.Linear(DIM, 2 * HEAD_DIM, bias=False)
+        self.wv = nn.Linear(DIM, 2 * HEAD_DIM, bias=False)
+        self.wo = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = _rope(self.wq(x).view(b, s, -1, HEAD_DIM), positions).transpose(1, 2)
+        k = _rope(self.wk(x).view(b, s, -1, HEAD_DIM), positions).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, HEAD_DIM).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _TPModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attention = _TPAttention()
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(x + self.attention(x, positions))
+
+
+@distributed(world_size=4)
+def test_cp2_composes_with_tp2_heads_sharded() -> None:
+    import hp_tp
+
+    torch.manual_seed(0)
+    base = _TPModel()
+    reference = copy.deepcopy(base)
+    tokens, labels = _batch(3)
+    _loss(reference, tokens, labels, torch.arange(SEQ)).backward()
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    model = copy.deepcopy(base)
+    plan = {
+        "attention.wq": hp_tp.ColwiseParallel(),
+        "attention.wk": hp_tp.ColwiseParallel(),
+        "attention.wv": hp_tp.ColwiseParallel(),
+        "attention.wo": hp_tp.RowwiseParallel(),
+    }
+    hp_tp.parallelize_module(model, mesh["tp"], plan)
+    positions = torch.arange(SEQ)
+    with context_parallel(
+        mesh["cp"], buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 0], mode="ring"
+    ):
+        loss = _loss(model, tokens, labels, positions)  # 3 of 6 query heads, 1 of 2 K/V heads
+        loss.backward()
+    cp_group = mesh["cp"].get_group()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None
+        grad = p.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = local.clone()
+        dist.all_reduce(local, group=cp_group)  # every CP rank's tokens contribute
+        local /= 2
+        if isinstance(grad, DTensor):
+            full = DTensor.from_local(local, grad.device_mesh, grad.placements).full_tensor()
+        else:
+            full = local
+        assert r.grad is not None
+        torch.testing.assert_close(full, r.grad, rtol=1e-5, atol=1e-5, msg=name)
