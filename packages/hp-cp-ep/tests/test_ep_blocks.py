@@ -313,3 +313,19 @@ def test_bf16_moe_tracks_fp32(dim: int) -> None:
     out.float().square().sum().backward()
     assert low.experts.w1.grad is not None
     assert low.experts.w1.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_under_torch_compile(dtype: torch.dtype) -> None:
+    torch.manual_seed(10)
+    moe = MoE(MoEArgs(num_experts=4, top_k=2), DIM, HIDDEN).to(dtype)
+    reference = copy.deepcopy(moe)
+    x = torch.randn(2, 5, DIM, dtype=dtype)
+    out = torch.compile(moe, backend="aot_eager")(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)
+    out.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    for p, r in zip(moe.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+    assert torch.equal(moe.tokens_per_expert, reference.tokens_per_expert)

@@ -8,9 +8,9 @@ offsets), or, where that kernel does not apply, as a loop of one matmul per expe
 When ``torch._grouped_mm`` applies (checked per call, see :func:`grouped_mm_supported`): on CPU in
 fp32 and bf16, on accelerators in bf16 (CUDA needs compute capability 9.0 or newer: pass
 ``use_grouped_mm=False`` on older GPUs), and only when every row stride is a multiple of 16
-bytes (``dim`` and ``hidden`` times the element size). Otherwise the per-expert loop runs: same
-result, more kernel launches. Experts that receive no rows contribute nothing and get zero
-gradients either way.
+bytes (``dim`` and ``hidden`` times the element size); under ``torch.compile`` in bf16 only.
+Otherwise the per-expert loop runs: same result, more kernel launches. Experts that receive no
+rows contribute nothing and get zero gradients either way.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
     Returns:
         ``True`` when torch has the kernel, the dtype is fp32/bf16 on CPU or bf16 on an
-        accelerator, and every inner dimension times the element size is a multiple of 16 bytes.
+        accelerator (bf16 only under ``torch.compile``, whose tracing uses the kernel's meta
+        function), and every inner dimension times the element size is a multiple of 16 bytes.
 
     See Also:
         ``torch._grouped_mm``: the kernel; TorchTitan's ``GroupedExperts`` makes the same choice
@@ -52,6 +53,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if len(dtypes) != 1:
         return False
     dtype = x.dtype
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False  # torch 2.13's meta kernel (used while tracing) accepts bf16 only
     if hp_device.is_accelerator(x.device):
         if dtype != torch.bfloat16:
             return False
