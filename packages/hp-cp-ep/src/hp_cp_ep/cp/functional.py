@@ -84,6 +84,8 @@ def context_parallel(
     sharding when ``load_balance``, as PyTorch does by default); inside the block SDPA calls on
     the local shards compute attention over the whole sequence; on exit the buffers not in
     ``no_restore_buffers`` get their full contents back. On a mesh of size 1 nothing happens.
+    Run the backward inside the block when activation checkpointing recomputes attention there
+    (the recomputation must be context-parallel too), as with PyTorch's.
 
     Args:
         mesh: The context-parallel mesh (1-D; 2-D ``(outer, ulysses)`` for the hybrids).
