@@ -173,10 +173,11 @@ def test_inspect_lists_and_extracts(tmp_path: Path, capsys: Any) -> None:
     data[-100] ^= 0xFF
     victim.write_bytes(bytes(data))
     capsys.readouterr()
-    assert main(["verify", str(tmp_path / "c")]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("hp-dcp: error: checksum mismatch")
-    assert "__0_0.distcp" in err
+    assert main(["verify", str(tmp_path / "c")]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("corrupt: ")
+    assert "first bad file: __0_0.distcp" in out
+    assert "checksum mismatch" in out
     with pytest.raises(KeyError, match=r"opt\.lr"):
         hp_dcp.extract_tensor(tmp_path / "c", "opt.lr")
 

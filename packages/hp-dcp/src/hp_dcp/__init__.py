@@ -27,6 +27,7 @@ from hp_dcp.errors import (
 from hp_dcp.huggingface import HF_INDEX_FILE, load_hf_safetensors, save_hf_safetensors
 from hp_dcp.save_load import async_save, load, save
 from hp_dcp.storage import FileSystemReader, FileSystemWriter, verify_checkpoint
+from hp_dcp.verify import CheckpointStatus, VerificationReport, check_checkpoint
 from hp_dtensor.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +42,7 @@ __all__ = [
     "HF_INDEX_FILE",
     "CheckpointCorruptionError",
     "CheckpointEntry",
+    "CheckpointStatus",
     "ConcurrentSaveError",
     "FileSystemReader",
     "FileSystemWriter",
@@ -50,8 +52,10 @@ __all__ = [
     "StateDictOptions",
     "UnsafeCheckpointError",
     "UnverifiedCheckpointWarning",
+    "VerificationReport",
     "__version__",
     "async_save",
+    "check_checkpoint",
     "dcp_to_hf",
     "describe_checkpoint",
     "extract_tensor",

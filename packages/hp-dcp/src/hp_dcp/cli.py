@@ -23,7 +23,7 @@ from hp_dcp.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from hp_dcp.storage import verify_checkpoint
+from hp_dcp.verify import CheckpointStatus, check_checkpoint
 
 __all__ = ["main"]
 
@@ -63,7 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("path", type=Path)
     i.add_argument("--tensor", help="print one tensor's summary (and save it with --output)")
     i.add_argument("--output", type=Path, help="where to save --tensor (.pt or .safetensors)")
-    v = sub.add_parser("verify", help="check every byte of a checkpoint against its checksums")
+    v = sub.add_parser(
+        "verify",
+        help="report whether a checkpoint is complete, verified, unverified, corrupt or unsafe",
+        description="Exit status: 0 verified, 2 unverified (complete, no checksums), 3 corrupt, "
+        "4 incomplete, 5 unsafe, 1 other errors (e.g. no such path).",
+    )
     v.add_argument("path", type=Path)
     return p
 
@@ -76,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The process exit status: 0, or 1 after printing a one-line error (a damaged, incomplete
-        or unsafe checkpoint, a missing path or key, a bad argument).
+        or unsafe checkpoint, a missing path or key, a bad argument). ``verify`` returns the
+        :class:`hp_dcp.CheckpointStatus` value: 0 verified, 2 unverified (complete, written
+        without checksums), 3 corrupt, 4 incomplete, 5 unsafe (and 1 for a missing path).
 
     See Also:
         ``torch.distributed.checkpoint.format_utils``: PyTorch's offline conversion helpers.
@@ -116,9 +123,13 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:8])}")
         return 0
     if args.command == "verify":
-        files = verify_checkpoint(args.path)
-        print(f"ok: {len(files)} files match their checksums")
-        return 0
+        report = check_checkpoint(args.path)
+        print(f"{report.status.name.lower()}: {report.path}")
+        if report.bad_file is not None:
+            item = f", item {report.bad_item!r}" if report.bad_item is not None else ""
+            print(f"  first bad file: {report.bad_file}{item}")
+        print(f"  {report.message}")
+        return report.status.value if report.status != CheckpointStatus.VERIFIED else 0
     if args.tensor:
         t = extract_tensor(args.path, args.tensor)
         stats = ""

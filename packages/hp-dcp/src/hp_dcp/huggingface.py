@@ -21,6 +21,7 @@ from hp_dcp.errors import CheckpointCorruptionError, UnverifiedCheckpointWarning
 
 __all__ = [
     "HF_INDEX_FILE",
+    "HFCheckpointFiles",
     "hf_shard_files",
     "iter_hf_tensors",
     "load_hf_safetensors",
@@ -178,8 +179,15 @@ def _sync_and_sum(path: Path) -> dict[str, int]:
                 view.release()
 
 
-class _HFCheckpoint:
-    """The files of one HF checkpoint directory, their tensors and (if recorded) checksums."""
+class HFCheckpointFiles:
+    """The files of one HF checkpoint directory, their tensors and (if recorded) checksums.
+
+    Args:
+        root: the checkpoint directory (index names are confined to it).
+
+    See Also:
+        ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -190,7 +198,7 @@ class _HFCheckpoint:
             self._read_index(index)
         else:
             for file in sorted(root.glob("*.safetensors")):
-                self.files[file.name] = self._header(file.name)[0]
+                self.files[file.name] = self.header(file.name)[0]
         if not self.files:
             raise FileNotFoundError(f"no safetensors files in {root}")
 
@@ -214,7 +222,8 @@ class _HFCheckpoint:
         if recorded is not None:
             self.sums = _check_recorded(recorded, set(self.files), str(index))
 
-    def _header(self, name: str) -> tuple[list[str], dict[str, str]]:
+    def header(self, name: str) -> tuple[list[str], dict[str, str]]:
+        """The tensor names and header metadata of one file (confined, regular files only)."""
         fd = open_member(self.root, name, str(self.root))
         os.close(fd)
         try:
@@ -230,7 +239,7 @@ class _HFCheckpoint:
         if self.sums is not None:
             return
         for name in self.files:
-            if _CHECKSUMS_KEY in self._header(name)[1]:
+            if _CHECKSUMS_KEY in self.header(name)[1]:
                 raise CheckpointCorruptionError(
                     f"{self.root / name} was written by hp-dcp with checksums in "
                     f"{HF_INDEX_FILE}, which is missing or lost them: it cannot be verified"
@@ -306,7 +315,7 @@ def hf_shard_files(path: str | os.PathLike[str]) -> dict[str, list[str]]:
     See Also:
         ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
     """
-    files = _HFCheckpoint(Path(path)).files
+    files = HFCheckpointFiles(Path(path)).files
     return {name: sorted(files[name]) for name in sorted(files)}
 
 
@@ -332,7 +341,7 @@ def iter_hf_tensors(
     See Also:
         ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
     """
-    ckpt = _HFCheckpoint(Path(path))
+    ckpt = HFCheckpointFiles(Path(path))
     ckpt.check_unverified()
     wanted = set(keys) if keys is not None else None
     for name in sorted(ckpt.files):

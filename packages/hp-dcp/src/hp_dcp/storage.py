@@ -81,6 +81,7 @@ __all__ = [
     "check_checkpoint_dir",
     "read_checksums",
     "staging_dir",
+    "torch_load_tensor",
     "verify_checkpoint",
 ]
 
@@ -1085,7 +1086,7 @@ class _ReadSession:
             return
         tensor = decode_tensor(blob)
         if tensor is None:
-            tensor = _torch_load_tensor(blob, path, key)
+            tensor = torch_load_tensor(blob, path, key)
         for req in group:
             src = tensor
             for dim, (start, size) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
@@ -1105,7 +1106,8 @@ class _ReadSession:
             self._tensors.append((req, src, target))
 
 
-def _torch_load_tensor(blob: memoryview, path: Path, key: str) -> torch.Tensor:
+def torch_load_tensor(blob: memoryview, path: Path, key: str) -> torch.Tensor:
+    """Load a tensor item hp-dcp cannot view in place, with ``torch.load(weights_only=True)``."""
     try:
         loaded = torch.load(io.BytesIO(bytes(blob)), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
