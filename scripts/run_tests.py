@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-# Seconds of test time each package may use on the 2-core CI machine (wave 2: the whole CI run under 25 min).
+# Seconds of test time each package may use on the 2-core CI machine (whole CI run < 25 min).
 BUDGETS_S = {
     "hp-dtensor": 60,
     "hp-kernels": 60,
