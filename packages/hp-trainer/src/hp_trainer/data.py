@@ -13,7 +13,7 @@ import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -337,6 +337,15 @@ class TokenizedDataset:
         return window[:-1], window[1:]
 
 
+class SampleDataset(Protocol):
+    """What :class:`ParallelAwareDataloader` draws from: numbered ``(inputs, labels)`` samples
+    (:class:`TokenizedDataset`, :class:`~hp_trainer.prepared.PreparedTokenDataset`)."""
+
+    def __len__(self) -> int: ...
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class ParallelAwareDataloader:
     """Infinite loader of ``(inputs, labels)`` micro-batches for one data-parallel rank.
 
@@ -349,7 +358,7 @@ class ParallelAwareDataloader:
     resumes at another (:meth:`load_state_dict`).
 
     Args:
-        dataset: The tokenized dataset.
+        dataset: The samples (a :class:`TokenizedDataset` or a prepared corpus).
         dp_rank: This rank's data-parallel index.
         dp_world_size: Data-parallel degree.
         batch_size: Samples per micro-batch on this rank.
@@ -365,7 +374,7 @@ class ParallelAwareDataloader:
 
     def __init__(
         self,
-        dataset: TokenizedDataset,
+        dataset: SampleDataset,
         dp_rank: int,
         dp_world_size: int,
         batch_size: int,

@@ -102,6 +102,7 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
     from hp_trainer.hf_config import resolve_model_args
     from hp_trainer.model_spec import get_model_spec
     from hp_trainer.parallel_dims import _parallel_dims_from_config
+    from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
 
     args = resolve_model_args(get_model_spec(config.model.name), config)
     _parallel_dims_from_config(config.parallelism, world_size)
@@ -121,6 +122,14 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
             f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but model "
             f"{config.model.name}/{config.model.flavor} has vocab_size {vocab}"
         )
+    if is_prepared_corpus(dataset):
+        prepared = PreparedTokenDataset(dataset, config.training.seq_len)  # checks every shard
+        if prepared.vocab_size > vocab:
+            raise ValueError(
+                f"the prepared corpus {dataset} was tokenized with {prepared.vocab_size} ids "
+                f"but model {config.model.name}/{config.model.flavor} has vocab_size {vocab}"
+            )
+        prepared.close()
     notes: list[str] = []
     overrides: list[str] = []
     for dep in missing_optional_dependencies(config):

@@ -35,6 +35,7 @@ from hp_trainer.metrics import MetricsProcessor, logger
 from hp_trainer.model_spec import ModelSpec, get_model_spec
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
 from hp_trainer.parallel_dims import _parallel_dims_from_config
+from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
 
@@ -191,8 +192,18 @@ class Trainer:
         # -- optimizer, schedule, data, metrics -------------------------------------------------
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, training.steps, cfg.lr_scheduler)
-        documents = load_documents(cfg.data.dataset, cfg.data.jsonl_text_field)
-        self.dataset = TokenizedDataset(documents, self.tokenizer, training.seq_len)
+        self.dataset: TokenizedDataset | PreparedTokenDataset
+        if is_prepared_corpus(cfg.data.dataset):  # hp-train-prepare's shards, memory-mapped
+            self.dataset = PreparedTokenDataset(cfg.data.dataset, training.seq_len)
+            if self.dataset.vocab_size > args.vocab_size:
+                raise ValueError(
+                    f"the prepared corpus {cfg.data.dataset} was tokenized with "
+                    f"{self.dataset.vocab_size} ids but model {cfg.model.name}/"
+                    f"{cfg.model.flavor} has vocab_size {args.vocab_size}"
+                )
+        else:
+            documents = load_documents(cfg.data.dataset, cfg.data.jsonl_text_field)
+            self.dataset = TokenizedDataset(documents, self.tokenizer, training.seq_len)
         self.dataloader = ParallelAwareDataloader(
             self.dataset,
             self.dp_rank,
