@@ -302,7 +302,8 @@ def unpadded_views(
         # checks the element count and ``narrow`` the dim-0 bound; a failure falls through to
         # the checks below, which raise the explanatory error.
         try:
-            return gathered.view(world_size * padded[0], *padded[1:]).narrow(0, 0, glob[0])
+            view = gathered.view(world_size * padded[0], *padded[1:])
+            return view if glob[0] == view.shape[0] else view.narrow(0, 0, glob[0])
         except RuntimeError:
             pass
     if (

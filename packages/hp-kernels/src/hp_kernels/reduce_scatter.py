@@ -70,26 +70,37 @@ def _copy_in(
         # [world_size, per_rank] buffer: measured faster on CPU than torch FSDP2's
         # ``cat(chunk(...))`` + ``torch._chunk_cat`` pair, whose layout it reproduces.
         for grad, dim in zip(grads, shard_dims, strict=True):
-            d = dim % grad.dim()
-            chunk = _chunk_shape(grad.shape, d, world_size)
-            cn = math.prod(chunk)
-            if cn:
-                _copy_chunks(grad, d, world_size, chunk, rows.narrow(1, offset, cn))
+            shape = grad.shape
+            d = dim % len(shape)
+            if d == 0:
+                rows_per_chunk = -(-shape[0] // world_size)
+                cn = grad.numel() // shape[0] * rows_per_chunk if shape[0] else 0
+                if cn:
+                    block = rows.narrow(1, offset, cn)
+                    _copy_dim0_chunks(grad, world_size, rows_per_chunk, block)
+            else:
+                cn = grad.numel() // world_size
+                if cn:
+                    # Even split (checked): the shard index moved to the front, no padding.
+                    block = rows.narrow(1, offset, cn)
+                    block.view(_arranged_shape(shape, d, world_size)).copy_(
+                        _arranged(grad, d, world_size)
+                    )
             offset += cn
         _divide(out, predivide_factor)
 
 
-def _copy_chunks(
-    grad: torch.Tensor, dim: int, world_size: int, chunk: list[int], block: torch.Tensor
+def _arranged_shape(shape: Sequence[int], dim: int, world_size: int) -> list[int]:
+    return [world_size, *shape[:dim], shape[dim] // world_size, *shape[dim + 1 :]]
+
+
+def _copy_dim0_chunks(
+    grad: torch.Tensor, world_size: int, rows_per_chunk: int, block: torch.Tensor
 ) -> None:
-    """Write chunk ``r`` of ``grad`` (sharded on ``dim``) flattened into row ``r`` of ``block``."""
-    if dim != 0:
-        # Even split (checked): the shard index moved to the front, no padding.
-        block.view(world_size, *chunk).copy_(_arranged(grad, dim, world_size))
-        return
+    """Write dim-0 chunk ``r`` of ``grad`` (zero-padded) flattened into row ``r`` of ``block``."""
     cn = block.shape[1]
     flat = grad.reshape(-1)
-    full = grad.shape[0] // chunk[0]  # chunks with every row present
+    full = grad.shape[0] // rows_per_chunk  # chunks with every row present
     block[:full].copy_(flat[: full * cn].view(full, cn))
     if full < world_size:
         tail = flat.numel() - full * cn  # elements of the one partial chunk (may be 0)
