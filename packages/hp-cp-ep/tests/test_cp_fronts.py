@@ -377,3 +377,35 @@ def test_cp2_composes_with_tp2_heads_sharded() -> None:
             full = local
         assert r.grad is not None
         torch.testing.assert_close(full, r.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+@distributed(world_size=4)
+def test_hyperparallel_style_on_2d_mesh_is_the_hybrid(kv_exchange: str) -> None:
+    want = _reference_step()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_outer", "cp_ulysses"))
+    torch.manual_seed(0)
+    model = Decoder(blocks=1)
+    # SEQ = 12 is not a multiple of 2 x 4: contiguous shards here (balancing is tested at cp 3).
+    style = ContextParallel(ulysses_degree=2, kv_exchange=kv_exchange)
+    for block in model.blocks:
+        style._apply(block.inner, mesh)
+    _assert_step_matches(_one_step_grads(model, torch.enable_grad(), mesh, False), want)
+
+
+def _fail_inside(mesh: Any, tokens: torch.Tensor, seen: list[tuple[int, ...]]) -> None:
+    with context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1]):
+        seen.append(tuple(tokens.shape))
+        raise RuntimeError("boom")
+
+
+@distributed(world_size=2)
+def test_context_parallel_restores_buffers_after_an_error() -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    tokens = torch.arange(8).view(1, 8)
+    seen: list[tuple[int, ...]] = []
+    with pytest.raises(RuntimeError, match="boom"):
+        _fail_inside(mesh, tokens, seen)
+    assert seen == [(1, 4)]
+    assert torch.equal(tokens, torch.arange(8).view(1, 8))
+    assert not torch.overrides._is_torch_function_mode_enabled()

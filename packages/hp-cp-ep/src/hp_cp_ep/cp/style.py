@@ -138,11 +138,12 @@ class ContextParallel(ParallelStyle):
     ) -> None:
         named = [kwargs[n] for n in self.qkv_kwarg_names if n in kwargs]
         tensors = named or [args[i] for i in self.qkv_indices if i < len(args)]
-        for t in tensors:
+        for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 continue
             heads, length = t.shape[self.head_dim], t.shape[self.seq_dim]
-            if engine.ulysses_size > 1 and heads % engine.ulysses_size:
+            # Query heads must split; K/V heads that do not are repeated by the engine.
+            if i == 0 and engine.ulysses_size > 1 and heads % engine.ulysses_size:
                 raise ValueError(
                     f"Ulysses splits heads: {heads} heads (dim {self.head_dim}) are not "
                     f"divisible by the Ulysses degree {engine.ulysses_size}"
