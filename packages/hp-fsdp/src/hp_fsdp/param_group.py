@@ -33,6 +33,7 @@ from hp_fsdp.collectives import (
     issue_reduce_scatter,
     wait_all_gather,
 )
+from hp_fsdp.dynamo import run_eagerly
 from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo, PostForwardInfo, _dim_names
 from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -861,6 +862,7 @@ class ParamGroup:
         """
         return record_function(f"{label} ({self.fqn})" if self.fqn else label)
 
+    @run_eagerly
     def post_backward(self) -> None:
         """Reshard and reduce this unit's gradients (idempotent within one backward)."""
         self.training_state = TrainingState.POST_BACKWARD

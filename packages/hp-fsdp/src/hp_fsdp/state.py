@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from hp_dtensor.device import Event, is_accelerator
+from hp_fsdp.dynamo import run_eagerly
 from hp_fsdp.param import ParamOrigin
 from hp_fsdp.param_group import ParamGroup, TrainingState
 from hp_fsdp.policies import MixedPrecisionPolicy
@@ -203,6 +204,7 @@ class FSDPState:
         with record_function("FSDP::cast_forward_outputs"):
             return map_tensors(functools.partial(_cast_floating, dtype), output)
 
+    @run_eagerly
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -273,6 +275,7 @@ class FSDPState:
             with group.use_training_state(training_state):
                 group.unshard(True)
 
+    @run_eagerly
     def _post_forward(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return self._cast_output(output)
@@ -304,6 +307,7 @@ class FSDPState:
             state._modules_to_run.clear()
         return output
 
+    @run_eagerly
     def _group_pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -312,6 +316,7 @@ class FSDPState:
         return self._pre_forward(module, args, kwargs)
 
     def _group_post_forward_hook(self, module: nn.Module) -> Callable[[nn.Module, Any, Any], Any]:
+        @run_eagerly
         def hook(hook_module: nn.Module, inputs: Any, output: Any) -> Any:
             if module in self._modules_to_run:
                 self._modules_to_run.discard(module)
@@ -331,6 +336,7 @@ class FSDPState:
         return output
 
     # ------------------------------------------------------------------ backward
+    @run_eagerly
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.ctx
@@ -371,6 +377,7 @@ class FSDPState:
                 target.unshard(target.unshard_async_op)
             index -= 1
 
+    @run_eagerly
     def _final_callback(self) -> None:
         with record_function("FSDP::root_post_backward_callback"):
             self._finish_backward()
@@ -395,6 +402,7 @@ class FSDPState:
         ctx.callback_queued = False
 
     # ------------------------------------------------------------------ recovery
+    @run_eagerly
     def reset_iter_state(self) -> None:
         """Recover after an exception aborted a forward or backward (root only).
 

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hp_dtensor.device import DEVICE_TYPE_CPU, get_device, get_device_type, is_accelerator
+from hp_fsdp.dynamo import mark_managed_for_dynamo
 from hp_fsdp.mesh_info import MeshInfo, is_placement_result, placement_mesh_info
 from hp_fsdp.param import MANAGED_FLAG as _MANAGED_FLAG
 from hp_fsdp.param_group import ParamGroup, resolve_reshard_after_forward
@@ -187,6 +188,7 @@ def shard_units(
                 replicated & set(group_params),
             )
         )
+    mark_managed_for_dynamo(managed)
     for root in roots:
         swap(root)
 
