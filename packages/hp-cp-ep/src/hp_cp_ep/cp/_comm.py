@@ -21,10 +21,14 @@ from torch.distributed import ProcessGroup
 
 
 class RingExchange:
-    """One hop around a ring: send to the next rank of ``group``, receive from the previous."""
+    """One hop around a ring: send to the next rank of ``group``, receive from the previous.
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
+    Two exchanges in flight on one group (K/V and dK/dV in the backward) use different ``tag``s
+    so that their messages cannot be matched to each other's receives.
+    """
+
+    def __init__(self, group: ProcessGroup, tag: int = 0) -> None:
+        self.group, self.tag = group, tag
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.next_rank = dist.get_global_rank(group, (rank + 1) % size)
         self.prev_rank = dist.get_global_rank(group, (rank - 1) % size)
@@ -38,8 +42,12 @@ class RingExchange:
             raise RuntimeError("RingExchange.start called while a previous hop is in flight")
         self._received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         self._sending = [t.contiguous() for t in tensors]  # alive until the hop completes
-        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in self._sending]
-        ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in self._received]
+        ops = [
+            dist.P2POp(dist.isend, t, self.next_rank, self.group, self.tag) for t in self._sending
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, self.prev_rank, self.group, self.tag) for t in self._received
+        ]
         self._pending = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[torch.Tensor]:

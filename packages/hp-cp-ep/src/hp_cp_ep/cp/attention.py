@@ -80,7 +80,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         spec: _RingSpec = ctx.spec
         dout = dout.contiguous()
-        kv_exchange, grad_exchange = RingExchange(spec.group), RingExchange(spec.group)
+        kv_exchange, grad_exchange = RingExchange(spec.group), RingExchange(spec.group, tag=1)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         k_cur, v_cur = k, v
