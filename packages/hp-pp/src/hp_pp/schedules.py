@@ -1,7 +1,7 @@
 """Schedule classes with PyTorch's names and signatures, all running on the one executor.
 
 A schedule class turns the step's batch into micro-batches, takes the action table of its
-schedule (from :func:`hp_pp.generators.generate`, or any table the user loads with
+schedule (from ``hp_pp.generate_schedule``, or any table the user loads with
 :meth:`PipelineScheduleRuntime.load_actions` / :meth:`PipelineScheduleRuntime.load_csv`), and
 hands this rank's row to a :class:`~hp_pp.executor.PipelineExecutor`. After the backward it sums
 tied gradients and divides gradients by ``n_microbatches`` when ``scale_grads`` is set, as
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hp_pp import generators
-from hp_pp.actions import ScheduleTable
+from hp_pp.actions import Action
 from hp_pp.csv_io import read_csv
 from hp_pp.executor import PipelineExecutor
 from hp_pp.microbatch import merge_chunks, split_args_kwargs_into_chunks
@@ -87,7 +87,7 @@ class PipelineScheduleRuntime:
         output_merge_spec: dict[str, Any] | tuple[Any, ...] | None = None,
         scale_grads: bool = True,
         *,
-        actions: ScheduleTable | None = None,
+        actions: dict[int, list[Action | None]] | None = None,
         style: str = "loop",
         lookahead: int = 1,
     ) -> None:
@@ -150,7 +150,9 @@ class PipelineScheduleRuntime:
             stage.stage_to_group_rank = dict(mapping)
         self._style = style
 
-    def load_actions(self, actions: ScheduleTable, *, style: str | None = None) -> None:
+    def load_actions(
+        self, actions: dict[int, list[Action | None]], *, style: str | None = None
+    ) -> None:
         """Use ``actions`` (``{rank: [Action | None, ...]}``) as the schedule.
 
         Args:
@@ -177,16 +179,16 @@ class PipelineScheduleRuntime:
                 f"per stage and micro-batch: {sorted(want)} (n_microbatches="
                 f"{self._n_microbatches})"
             )
-        self.pipeline_order: ScheduleTable = dict(actions)
+        self.pipeline_order: dict[int, list[Action | None]] = dict(actions)
         self._executor = executor
 
     def load_csv(self, path_or_file: str | Path | IO[str], *, style: str | None = None) -> None:
-        """Read the schedule from a CSV file in the compact notation (see :func:`read_csv`)."""
+        """Read the schedule from a CSV file in the compact notation (``read_schedule_csv``)."""
         self.load_actions(read_csv(path_or_file), style=style)
 
     @property
     def executor(self) -> PipelineExecutor:
-        """The executor of this rank's row (its :attr:`~PipelineExecutor.events` show order)."""
+        """The executor of this rank's row (its ``events`` list shows the issue/wait order)."""
         if self._executor is None:
             raise ValueError("no action table loaded: call load_actions() or load_csv() first")
         return self._executor
