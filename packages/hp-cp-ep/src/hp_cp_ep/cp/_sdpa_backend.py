@@ -149,7 +149,10 @@ class _CudaKernel:
             # The efficient kernel pads the LSE's last dim; the merge needs exactly Sq.
             aux = (kind, seed, offset, bias, lse.shape[-1])
             lse = lse[..., :sq]
-        return BlockResult(out, lse.float(), aux)
+        # Some kernels give the LSE a trailing unit dim; the merge wants out.shape[:-1].
+        trailing = lse.dim() == out.dim()
+        lse = lse.squeeze(-1) if trailing else lse
+        return BlockResult(out, lse.float(), (aux, trailing))
 
     def backward(
         self,
@@ -166,6 +169,8 @@ class _CudaKernel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads, kv_heads = q.shape[1], k.shape[1]
         k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+        aux, trailing = aux
+        lse = lse.unsqueeze(-1) if trailing else lse
         kind = aux[0]
         if kind == "flash":
             _, cq, ck, mq, mk, seed, offset = aux
