@@ -7,9 +7,8 @@ has its op's signature and is exactly what the CUDA registration calls; under
 ``TRITON_INTERPRET=1`` the same launchers run on CPU tensors, which is how CI verifies them
 against the reference kernels without a GPU.
 
-Modules: :mod:`~hp_kernels.triton_kernels.fsdp` (all-gather copy-in/out, reduce-scatter
-copy-in, post-reduce), :mod:`~hp_kernels.triton_kernels.moe` (token permute/unpermute),
-:mod:`~hp_kernels.triton_kernels.attention` (log-sum-exp merge).
+Modules: ``hp_kernels.triton_kernels.fsdp`` (all-gather copy-in/out, reduce-scatter copy-in,
+post-reduce), ``.moe`` (token permute/unpermute), ``.attention`` (log-sum-exp merge).
 """
 
 from __future__ import annotations

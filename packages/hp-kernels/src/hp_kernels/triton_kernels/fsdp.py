@@ -209,8 +209,9 @@ def reduce_scatter_copy_in_out(
         rows = -(-size // world_size) if d == 0 else size // world_size
         outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1 :])
         chunk = outer * rows * inner
-        flat = g.contiguous()
-        entries.append((flat, [flat.data_ptr(), outer, size, inner, rows, offset]))
+        if chunk:  # an empty chunk writes nothing (and would divide by zero in the kernel)
+            flat = g.contiguous()
+            entries.append((flat, [flat.data_ptr(), outer, size, inner, rows, offset]))
         offset += chunk
     per_rank = offset
     predivide = predivide_factor is not None and predivide_factor != 1
@@ -221,10 +222,9 @@ def reduce_scatter_copy_in_out(
         predivisor = fp32_reciprocal(predivide_factor) if reciprocal else float(predivide_factor)
     for dtype in dtypes:
         group = [(t, row) for t, row in entries if t.dtype == dtype]
-        chunks = [row[1] * row[4] * row[3] for _, row in group]
-        max_chunk = max(chunks)
-        if max_chunk == 0:
+        if not group:
             continue
+        max_chunk = max(row[1] * row[4] * row[3] for _, row in group)
         meta = table([row for _, row in group], out.device)
 
         def grid(cfg: dict[str, int], n: int = len(group), m: int = max_chunk) -> tuple[int, ...]:
