@@ -286,10 +286,13 @@ def test_control_surface_ws2() -> None:
     probe.set_reshard_after_backward(False, recurse=False)
     probe.set_reshard_after_forward(False, recurse=False)
     root_group, layer_group = _group(probe), _group(probe.layers[0])
-    assert (root_group.reshard_after_backward, layer_group.reshard_after_backward) == (False, True)
+    assert (
+        root_group.options.reshard_after_backward,
+        layer_group.options.reshard_after_backward,
+    ) == (False, True)
     assert (root_group.reshard_after_forward, layer_group.reshard_after_forward) == (False, True)
     probe.set_reshard_after_backward(False)
-    assert layer_group.reshard_after_backward is False
+    assert layer_group.options.reshard_after_backward is False
     with pytest.raises(ValueError, match="max_input_buffers"):
         ours.set_reduce_scatter_max_input_buffers(0)
 

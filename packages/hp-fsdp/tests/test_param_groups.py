@@ -255,7 +255,7 @@ def test_expert_parallel_experts_on_efsdp_mesh_match_torch_ws4() -> None:
     _check_equal(ours, ref)
     # Per-unit setters reach every group of the unit.
     ours.blocks[0].set_reduce_op_type("sum")  # type: ignore[operator]
-    assert [g.reduce_op_type for g in _groups(ours.blocks[0])] == ["sum", "sum"]
+    assert [g.options.reduce_op_type for g in _groups(ours.blocks[0])] == ["sum", "sum"]
     ours.blocks[0].unshard()  # type: ignore[operator]
     assert all(g.is_unsharded for g in _groups(ours.blocks[0]))
     ours.blocks[0].reshard()  # type: ignore[operator]

@@ -207,8 +207,8 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_requires_gradient_sync``.
         """
         for group in self._groups(recurse):
-            group.reduce_grads = requires_gradient_sync
-            group.all_reduce_grads = requires_gradient_sync
+            group.configure(reduce_grads=requires_gradient_sync)
+            group.configure(all_reduce_grads=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Set whether HSDP all-reduces gradients over the replicate axis (False: accumulate).
@@ -221,7 +221,7 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_requires_all_reduce``.
         """
         for group in self._groups(recurse):
-            group.all_reduce_grads = requires_all_reduce
+            group.configure(all_reduce_grads=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Set whether parameters are resharded after forward.
@@ -260,7 +260,7 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_reshard_after_backward``.
         """
         for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
+            group.configure(reshard_after_backward=reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Prefetch these units' all-gathers right after this unit's in forward.
@@ -351,7 +351,7 @@ class FSDPModule:
         if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
         for group in self._groups(False):
-            group.gradient_divide_factor = float(factor)
+            group.configure(gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor` (warns).
@@ -381,7 +381,7 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms``.
         """
         for group in self._groups(False):
-            group.force_sum_reduction = bool(enable)
+            group.configure(force_sum_reduction=bool(enable))
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Set whether this unit all-gathers its parameters again in backward.
@@ -396,7 +396,7 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_unshard_in_backward``: PyTorch's method.
         """
         for group in self._groups(False):
-            group.unshard_in_backward = bool(unshard_in_backward)
+            group.configure(unshard_in_backward=bool(unshard_in_backward))
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Use ``comm`` for this unit's all-gathers (its ``allocate`` provides the buffer).
@@ -416,7 +416,7 @@ class FSDPModule:
         if not isinstance(comm, AllGather):
             raise TypeError(f"expected an hp_kernels.AllGather, got {type(comm).__name__}")
         for group in self._groups(False):
-            group.custom_all_gather = comm
+            group.configure(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Use ``comm`` for this unit's gradient reduce-scatters.
@@ -436,7 +436,7 @@ class FSDPModule:
         if not isinstance(comm, ReduceScatter):
             raise TypeError(f"expected an hp_kernels.ReduceScatter, got {type(comm).__name__}")
         for group in self._groups(False):
-            group.custom_reduce_scatter = comm
+            group.configure(custom_reduce_scatter=comm)
 
     def set_all_reduce_hook(
         self,
@@ -486,7 +486,7 @@ class FSDPModule:
 
             chosen = on_stream
         for group in state.groups:
-            group.all_reduce_hook = chosen
+            group.configure(all_reduce_hook=chosen)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Use symmetric memory for this unit's all-gather buffers.
@@ -527,7 +527,7 @@ class FSDPModule:
                 return symm_empty(*dims, dtype=dtype, device=device)
 
         for group in state.groups:
-            group.custom_all_gather = _SymmMemAllGather()
+            group.configure(custom_all_gather=_SymmMemAllGather())
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate communication buffers from the process group's allocator where it has one.
@@ -544,8 +544,8 @@ class FSDPModule:
         state = self._get_fsdp_state()
         for group in state.groups:
             if not enable:
-                group.custom_all_gather = None
-                group.custom_reduce_scatter = None
+                group.configure(custom_all_gather=None)
+                group.configure(custom_reduce_scatter=None)
                 continue
             shard_group = group.mesh_info.shard_group
             if not pg_supports_alloc(shard_group, state.device):
@@ -557,8 +557,8 @@ class FSDPModule:
                     f"{state.device}; buffers come from the ordinary allocator",
                 )
                 continue
-            group.custom_all_gather = ProcessGroupAllGather(shard_group)
-            group.custom_reduce_scatter = ProcessGroupReduceScatter(shard_group)
+            group.configure(custom_all_gather=ProcessGroupAllGather(shard_group))
+            group.configure(custom_reduce_scatter=ProcessGroupReduceScatter(shard_group))
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -576,7 +576,7 @@ class FSDPModule:
             ``torch.distributed.fsdp.FSDPModule.set_reduce_scatter_unused_params``.
         """
         for group in self._groups(recurse):
-            group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+            group.configure(reduce_scatter_unused_params=bool(reduce_scatter_unused_params))
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -601,7 +601,7 @@ class FSDPModule:
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
         for group in self._groups(recurse):
-            group.max_inflight_reductions = max_input_buffers
+            group.configure(max_inflight_reductions=max_input_buffers)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -621,8 +621,10 @@ class FSDPModule:
         """
         ctx = self._get_fsdp_state().ctx
         for group in self._groups(recurse):
-            group.reduce_scatter_group = (
-                ctx.comm.separate_group(group.mesh_info.shard_group) if enable else None
+            group.configure(
+                reduce_scatter_group=(
+                    ctx.comm.separate_group(group.mesh_info.shard_group) if enable else None
+                )
             )
 
     def set_gradient_scaling_factor(self, factor: float | torch.Tensor | None) -> None:
@@ -658,7 +660,7 @@ class FSDPModule:
             )
         value = float(factor) if isinstance(factor, int | float) else factor
         for group in self._groups(False):
-            group.gradient_scaling_factor = value
+            group.configure(gradient_scaling_factor=value)
 
     def set_reduce_op_type(self, reduce_op_type: str) -> None:
         """Choose how gradients are reduced: ``"avg"`` (default) or ``"sum"`` (HyperParallel).
@@ -682,7 +684,7 @@ class FSDPModule:
         if kind not in ("avg", "sum"):
             raise ValueError(f"reduce_op_type must be 'avg' or 'sum', got {reduce_op_type!r}")
         for group in self._groups(False):
-            group.reduce_op_type = kind
+            group.configure(reduce_op_type=kind)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -961,9 +963,9 @@ def fully_shard(
         replicated,
     )
     for group in get_state(roots[0]).groups:  # type: ignore[union-attr]
-        group.comm_fusion = bool(comm_fusion)
-        group.comm_fusion_zero_copy = bool(comm_fusion_zero_copy)
-        group.sharded_accumulated_grad = bool(sharded_accumulated_grad)
+        group.configure(comm_fusion=bool(comm_fusion))
+        group.configure(comm_fusion_zero_copy=bool(comm_fusion_zero_copy))
+        group.configure(sharded_accumulated_grad=bool(sharded_accumulated_grad))
     if isinstance(module, nn.Module):
         return cast(FSDPModule, module)
     return [cast(FSDPModule, m) for m in module]

@@ -10,10 +10,12 @@ See Also:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -44,7 +46,13 @@ from hp_kernels import AllGather, ReduceScatter, post_reduce
 if TYPE_CHECKING:
     from hp_fsdp.root_state import RootContext
 
-__all__ = ["ParamGroup", "PendingReduction", "TrainingState", "resolve_reshard_after_forward"]
+__all__ = [
+    "GroupOptions",
+    "ParamGroup",
+    "PendingReduction",
+    "TrainingState",
+    "resolve_reshard_after_forward",
+]
 
 _log = logging.getLogger("hp_fsdp")
 
@@ -312,14 +320,14 @@ class PendingReduction:
     def _write_grads_on_current_stream(self) -> None:
         output = self._output
         group = self.group
-        if group.all_reduce_hook is not None:
-            group.all_reduce_hook(output)
+        if group.options.all_reduce_hook is not None:
+            group.options.all_reduce_hook(output)
         orig_dtype = group.orig_dtype
         main_grad = group.mp_policy.apply_grad_on_fp32_main_grad
         if main_grad:
             orig_dtype = torch.float32  # finish in float32; cast per parameter below
         post_divide = self._post_divide
-        scale = group.gradient_scaling_factor
+        scale = group.options.gradient_scaling_factor
         float_scale: float | None = None
         if isinstance(scale, torch.Tensor):
             if post_divide is not None:
@@ -358,6 +366,57 @@ class PendingReduction:
             if hooks:
                 for hook in hooks.values():
                     hook(sharded)
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """The per-unit settings of a :class:`ParamGroup` (one immutable object, replaced whole).
+
+    ``FSDPModule``'s setters and ``fully_shard``'s keywords change them through
+    :meth:`ParamGroup.configure`; the runtime only reads them.
+
+    Attributes:
+        reduce_grads: reduce gradients in backward (``set_requires_gradient_sync``).
+        all_reduce_grads: HSDP replicate-axis all-reduce (``set_requires_all_reduce``).
+        reshard_after_backward: free the unsharded parameters after backward.
+        unshard_async_op: PyTorch's ``unshard_async_op`` (collectives are async anyway).
+        unshard_in_backward: all-gather again in backward (``set_unshard_in_backward``).
+        gradient_divide_factor: divide reduced gradients by this (None: the DP size).
+        force_sum_reduction: reduce with ``SUM`` only and divide locally.
+        reduce_op_type: ``"avg"`` or ``"sum"`` (HyperParallel's extension).
+        gradient_scaling_factor: multiply reduced gradients by this (extension).
+        custom_all_gather: the all-gather implementation (None: the default).
+        custom_reduce_scatter: the reduce-scatter implementation (None: the default).
+        all_reduce_hook: called on each reduced shard before it is written.
+        reduce_scatter_unused_params: reduce zeros for unused trainable parameters.
+        max_inflight_reductions: reductions left in flight when a unit issues its own.
+        reduce_scatter_group: a separate process group for reduce-scatters.
+        comm_fusion: one fused collective per unit (False: one per parameter).
+        comm_fusion_zero_copy: keep the shards in one flat all-gather input.
+        sharded_accumulated_grad: reduce every micro-batch and accumulate sharded gradients.
+
+    See Also:
+        ``torch.distributed.fsdp.FSDPModule``: the setters that fill it.
+    """
+
+    reduce_grads: bool = True
+    all_reduce_grads: bool = True
+    reshard_after_backward: bool = True
+    unshard_async_op: bool = False
+    unshard_in_backward: bool = True
+    gradient_divide_factor: float | None = None
+    force_sum_reduction: bool = False
+    reduce_op_type: str = "avg"
+    gradient_scaling_factor: float | torch.Tensor | None = None
+    custom_all_gather: AllGather | None = None
+    custom_reduce_scatter: ReduceScatter | None = None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    reduce_scatter_unused_params: bool = False
+    max_inflight_reductions: int = 1
+    reduce_scatter_group: dist.ProcessGroup | None = None
+    comm_fusion: bool = True
+    comm_fusion_zero_copy: bool = False
+    sharded_accumulated_grad: bool = False
 
 
 class ParamGroup:
@@ -422,34 +481,18 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.reshard_after_forward: bool | int = reshard_after_forward
+        #: Per-unit settings, replaced as a whole by :meth:`configure` (FSDPModule setters).
+        self.options = GroupOptions()
         self.post_forward_info: PostForwardInfo | None = None
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
-        self.reduce_grads = True
-        self.all_reduce_grads = True
-        self.reshard_after_backward = True
-        self.unshard_async_op = False
-        self.unshard_in_backward = True
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
-        self.reduce_op_type = "avg"
-        self.gradient_scaling_factor: float | torch.Tensor | None = None
-        self.custom_all_gather: AllGather | None = None
-        self.custom_reduce_scatter: ReduceScatter | None = None
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.reduce_scatter_unused_params = False
-        self.max_inflight_reductions = 1
-        self.reduce_scatter_group: dist.ProcessGroup | None = None
         self.partial_reduce_output: torch.Tensor | None = None
         self.orig_dtype: torch.dtype | None = None
         self.reduce_dtype: torch.dtype | None = None
         self.fqn = ""
         self._ag: AllGatherResult | None = None
         self._ag_parts: list[AllGatherResult] = []  # comm_fusion=False: one per parameter
-        self.comm_fusion = True
-        self.comm_fusion_zero_copy = False
-        self.sharded_accumulated_grad = False
         self._flat_shard: torch.Tensor | None = None
         self._ag_from_post_forward = False
         self._ag_bytes = False
@@ -530,7 +573,7 @@ class ParamGroup:
         self.orig_dtype = next(iter(orig)) if trainable else None
         self.reduce_dtype = next(iter(reduce)) if trainable else None
         self._initialized = True
-        if self.comm_fusion_zero_copy:
+        if self.options.comm_fusion_zero_copy:
             self._init_flat_shard()
 
     @torch.no_grad()
@@ -553,7 +596,11 @@ class ParamGroup:
     def _zero_copy_input(self) -> torch.Tensor | None:
         """The flat shard buffer when it can be all-gathered as is, else None."""
         flat = self._flat_shard
-        if flat is None or self.custom_all_gather is not None or not self.comm_fusion:
+        if (
+            flat is None
+            or self.options.custom_all_gather is not None
+            or not self.options.comm_fusion
+        ):
             return None
         if self._replicated:
             return None
@@ -585,7 +632,10 @@ class ParamGroup:
         """
         if self._ag is not None or self._local_pending or self.is_unsharded or not self.params:
             return
-        if self.training_state == TrainingState.PRE_BACKWARD and not self.unshard_in_backward:
+        if (
+            self.training_state == TrainingState.PRE_BACKWARD
+            and not self.options.unshard_in_backward
+        ):
             return  # set_unshard_in_backward(False): backward reads no parameter values
         self._local_pending = bool(self._replicated)
         if not self._gathered:
@@ -606,7 +656,9 @@ class ParamGroup:
         streams = self.comm_streams()
         # Parameters gathered in several dtypes (e.g. frozen low-precision weights beside
         # trainable ones) travel as raw bytes in one collective, as in PyTorch.
-        self._ag_bytes = len({p.compute_dtype for p in self._gathered}) > 1 and self.comm_fusion
+        self._ag_bytes = (
+            len({p.compute_dtype for p in self._gathered}) > 1 and self.options.comm_fusion
+        )
         with device_stream(streams.copy_in):  # host-to-device copies and casts off compute
             inputs = [p.all_gather_input() for p in self._gathered]
             if self._ag_bytes:
@@ -615,7 +667,7 @@ class ParamGroup:
                     for p, inp in zip(self._gathered, inputs, strict=True)
                 ]
                 dtype = torch.uint8
-        if not self.comm_fusion:  # one collective per parameter (debugging)
+        if not self.options.comm_fusion:  # one collective per parameter (debugging)
             self._ag_parts = [
                 issue_all_gather(
                     [inp],
@@ -625,7 +677,7 @@ class ParamGroup:
                     rank,
                     self.device,
                     True,
-                    self.custom_all_gather,
+                    self.options.custom_all_gather,
                     streams=streams,
                 )
                 for p, inp in zip(self._gathered, inputs, strict=True)
@@ -651,7 +703,7 @@ class ParamGroup:
                 rank,
                 self.device,
                 True,
-                self.custom_all_gather,
+                self.options.custom_all_gather,
                 streams=streams,
             )
         self._ag_from_post_forward = from_post_forward
@@ -786,7 +838,7 @@ class ParamGroup:
         with self.profile_range("FSDP::pre_forward"):
             entering = self.training_state != TrainingState.FORWARD
             self.training_state = TrainingState.FORWARD
-            self.unshard(self.unshard_async_op)
+            self.unshard(self.options.unshard_async_op)
             self.wait_for_unshard()
             if entering and torch.is_grad_enabled():
                 args, kwargs = self._register_post_backward(args, kwargs)
@@ -819,13 +871,13 @@ class ParamGroup:
     def start_pre_backward(self) -> None:
         """Enter backward (once per backward): issue the all-gather unless told not to."""
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
+        if self.options.unshard_in_backward:
             with self.profile_range("FSDP::pre_backward"):
                 self.unshard()
 
     def finish_pre_backward(self) -> None:
         """Wait for the all-gather issued by :meth:`start_pre_backward`."""
-        if self.unshard_in_backward:
+        if self.options.unshard_in_backward:
             with self.profile_range("FSDP::pre_backward"):
                 self.wait_for_unshard()
 
@@ -838,6 +890,14 @@ class ParamGroup:
         if not self._post_forward_indices or self.ctx is None:
             return None
         return self._post_forward_indices.pop()
+
+    def configure(self, **changes: Any) -> None:
+        """Replace :attr:`options` by a copy with ``changes`` (names of :class:`GroupOptions`).
+
+        Args:
+            **changes: the settings to change.
+        """
+        self.options = dataclasses.replace(self.options, **changes)
 
     def comm_streams(self) -> CommStreams:
         """The root's communication streams (own no-op/new streams before lazy init).
@@ -876,7 +936,7 @@ class ParamGroup:
         ctx = self.ctx
         if ctx is not None and ctx.pending_reductions:
             with record_function(f"FSDP::post_backward_rs_wait ({self.fqn})"):
-                ctx.advance_reductions(self.max_inflight_reductions)
+                ctx.advance_reductions(self.options.max_inflight_reductions)
         with_grad, grads = taken
         if not grads:
             return
@@ -887,8 +947,8 @@ class ParamGroup:
         self,
     ) -> tuple[list[ShardedParam], list[torch.Tensor]] | None:
         """Take the unsharded gradients to reduce and reshard (None: no reduction this time)."""
-        if not self.reduce_grads and not self.sharded_accumulated_grad:
-            if self.reshard_after_backward:
+        if not self.options.reduce_grads and not self.options.sharded_accumulated_grad:
+            if self.options.reshard_after_backward:
                 self.to_sharded()
             for param in self.params:
                 param.to_accumulated_grad_if_needed()
@@ -899,14 +959,14 @@ class ParamGroup:
             if not param.has_unsharded_param:
                 continue
             grad = param.take_unsharded_grad()
-            if grad is None and self.reduce_scatter_unused_params:
+            if grad is None and self.options.reduce_scatter_unused_params:
                 if not param.sharded_param.requires_grad:
                     continue
                 grad = torch.zeros(param.orig_size, dtype=param.compute_dtype, device=self.device)
             if grad is not None:
                 with_grad.append(param)
                 grads.append(grad)
-        if self.reshard_after_backward:
+        if self.options.reshard_after_backward:
             self.to_sharded()
         return with_grad, grads
 
@@ -924,7 +984,7 @@ class ParamGroup:
             grads = [g for _, g in kept]
         if not grads:
             reductions = []
-        elif self.comm_fusion:
+        elif self.options.comm_fusion:
             reductions = [self._issue_reduction(with_grad, grads)]
         else:  # one collective per parameter (debugging)
             reductions = [
@@ -956,13 +1016,15 @@ class ParamGroup:
         streams = self.comm_streams()
         rs_stream = streams.reduce_scatter
         rs_stream.wait_stream(streams.current())  # the gradients come from the compute stream
-        factor = 1.0 if self.reduce_op_type == "sum" else self.gradient_divide_factor
+        factor = (
+            1.0 if self.options.reduce_op_type == "sum" else self.options.gradient_divide_factor
+        )
         pre, post, rs_op, ar_op = divide_factors(
             reduce_dtype,
             mesh_info.shard_size,
             mesh_info.replicate_size,
             factor,
-            self.force_sum_reduction,
+            self.options.force_sum_reduction,
         )
         with device_stream(rs_stream):
             streams.mark("reduce_scatter")
@@ -975,17 +1037,17 @@ class ParamGroup:
                 grads,
                 [d for _, d in layouts],
                 reduce_dtype,
-                self.reduce_scatter_group or mesh_info.shard_group,
+                self.options.reduce_scatter_group or mesh_info.shard_group,
                 mesh_info.shard_size,
                 rs_op,
                 pre,
-                self.custom_reduce_scatter,
+                self.options.custom_reduce_scatter,
             )
             work = streams.order_on_stream(work)
         event = rs_stream.record_event(streams.new_event("reduce_scatter"))
         # Sharded accumulation: a no-sync micro-batch reduce-scatters and keeps the shard
         # (HSDP: without the replicate-axis all-reduce, done on the synced micro-batch).
-        do_all_reduce = self.all_reduce_grads and self.reduce_grads
+        do_all_reduce = self.options.all_reduce_grads and self.options.reduce_grads
         return PendingReduction(
             self,
             params,
@@ -1017,9 +1079,11 @@ class ParamGroup:
         """Pack the gradients of replicated parameters; all-reduce them (``replicate_params``)."""
         reduce_dtype = self.reduce_dtype or grads[0].dtype
         mesh_info = params[0].mesh_info
-        factor = 1.0 if self.reduce_op_type == "sum" else self.gradient_divide_factor
+        factor = (
+            1.0 if self.options.reduce_op_type == "sum" else self.options.gradient_divide_factor
+        )
         pre, post, _, ar_op = divide_factors(
-            reduce_dtype, 1, mesh_info.replicate_size, factor, self.force_sum_reduction
+            reduce_dtype, 1, mesh_info.replicate_size, factor, self.options.force_sum_reduction
         )
         packed, output, _ = issue_reduce_scatter(
             grads,

@@ -222,7 +222,7 @@ class FSDPState:
             args, kwargs = self._root_pre_forward(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
         for group in self.groups:
-            group.unshard(group.unshard_async_op)  # issue every group's all-gather first
+            group.unshard(group.options.unshard_async_op)  # issue every group's all-gather first
         for group in self.groups:
             args, kwargs = group.pre_forward(args, kwargs)
         if first_in_pass:
@@ -374,7 +374,7 @@ class FSDPState:
                 record_function(f"FSDP::backward_prefetch for {target.fqn}"),
                 target.use_training_state(TrainingState.PRE_BACKWARD),
             ):
-                target.unshard(target.unshard_async_op)
+                target.unshard(target.options.unshard_async_op)
             index -= 1
 
     @run_eagerly
