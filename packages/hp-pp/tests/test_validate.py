@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hp_pp.actions import Action, ScheduleTable
 from hp_pp.comm_lowering import add_communication, add_reduce_grad, add_unshard_reshard
 from hp_pp.generators import SCHEDULE_NAMES, STYLE, generate
+from hp_pp.simulate import PipelineCosts, StageCosts, simulate_schedule
 from hp_pp.validate import check_schedule, validate_schedule
 
 
@@ -181,4 +184,44 @@ def test_mpipe_preprocess_checks() -> None:
     wrong_rank = _table({0: "0F0 0B0", 1: "0PRE_F0 0PRE_B0"})
     assert any(
         "0PRE_B0 must run on stage 0's rank 0" in p for p in validate_schedule(wrong_rank).problems
+    )
+
+
+@st.composite
+def _random_orders(draw: st.DrawFn) -> tuple[ScheduleTable, int]:
+    """One stage per rank; each rank runs its forwards and backwards in a random order
+    (each backward after its own forward), so some tables deadlock and some do not."""
+    p = draw(st.integers(2, 3))
+    m = draw(st.integers(1, 3))
+    table: ScheduleTable = {}
+    for rank in range(p):
+        cells = draw(
+            st.permutations([f"{rank}F{i}" for i in range(m)] + [f"{rank}B{i}" for i in range(m)])
+        )
+        order = list(cells)
+        for i in range(m):
+            f, b = order.index(f"{rank}F{i}"), order.index(f"{rank}B{i}")
+            if b < f:
+                order[f], order[b] = order[b], order[f]
+        table[rank] = [Action.parse(c) for c in order]
+    return table, p
+
+
+@settings(max_examples=60, deadline=None)
+@given(_random_orders())
+def test_validator_lowering_and_simulator_agree(case: tuple[ScheduleTable, int]) -> None:
+    table, p = case
+    report = validate_schedule(table)
+    costs = PipelineCosts(default=StageCosts(1.0, 1.5, 0.5), transfer=0.25)
+    if report.deadlocked:
+        with pytest.raises(ValueError, match="every rank waits"):
+            add_communication(table, num_stages=p, style="loop")
+        with pytest.raises(ValueError, match="every rank waits"):
+            simulate_schedule(table, costs)
+        return
+    assert report.ok, report.problems
+    lowered = add_communication(table, num_stages=p, style="loop")
+    assert validate_schedule(lowered).ok
+    assert simulate_schedule(lowered, costs).step_time == pytest.approx(
+        simulate_schedule(table, costs).step_time
     )
