@@ -1,6 +1,6 @@
 """Public names of the runtime side: stages, micro-batching, executor, schedule classes, split."""
 
-from hp_pp.executor import PipelineExecutor
+from hp_pp.executor import PipelineExecutor, TransposedPreprocess
 from hp_pp.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from hp_pp.schedules import (
     PipelineScheduleMulti,
@@ -39,6 +39,7 @@ __all__ = [
     "ScheduleMPipe",
     "ScheduleZBVZeroBubble",
     "TensorChunkSpec",
+    "TransposedPreprocess",
     "generate_llm_fqn_per_model_part",
     "get_schedule_class",
     "merge_chunks",

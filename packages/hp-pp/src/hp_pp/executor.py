@@ -7,6 +7,8 @@ The executor never knows which schedule it runs; it interprets actions:
   sub-actions, with the receives of all of them posted before the first one computes.
 - ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: point-to-point transfers, non-blocking; a
   compute action waits for the receives it needs.
+- ``PRE_F``/``PRE_B``/``SEND_PRE``/``RECV_PRE``: MPipe's transposed preprocess (see
+  :class:`TransposedPreprocess`).
 - ``UNSHARD``/``RESHARD``: an FSDP stage module's ``unshard()``/``reshard()``;
   ``REDUCE_GRAD``: a marker (the reduction itself runs in the stage's last backward, see
   :mod:`hp_pp._fsdp_protocol`).
@@ -30,21 +32,31 @@ See Also:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hp_pp.actions import Action, ActionType
 from hp_pp.stage import PipelineStage
 
-__all__ = ["PipelineExecutor"]
+__all__ = ["PipelineExecutor", "TransposedPreprocess"]
 
 _F = ActionType.FORWARD
 _B = ActionType.FULL_BACKWARD
 _I = ActionType.BACKWARD_INPUT
 _W = ActionType.BACKWARD_WEIGHT
+_PRE_KINDS = frozenset(
+    {
+        ActionType.PREPROCESS_F,
+        ActionType.PREPROCESS_B,
+        ActionType.SEND_PRE,
+        ActionType.RECV_PRE,
+    }
+)
 
 
 def _flat(actions: Sequence[Action]) -> Iterator[Action]:
@@ -55,6 +67,118 @@ def _flat(actions: Sequence[Action]) -> Iterator[Action]:
             yield a
 
 
+class _Shipped(nn.Module):
+    """Stands in for the preprocess block: returns the output computed elsewhere."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.output
+
+
+class TransposedPreprocess:
+    """HyperParallel's MPipe transpose: stage 0's preprocess block, run elsewhere.
+
+    For the transposed micro-batches, the rank named by the table runs the preprocess forward
+    (``PRE_F``, no autograd graph) on its copy of the block and ships the output to stage 0's
+    rank, whose forward of that micro-batch starts from it (the block is swapped for the
+    shipped output during that forward). ``PRE_B`` on stage 0's rank recomputes the block's
+    forward from its own copy of the micro-batch's inputs and back-propagates the gradient the
+    shipped output received, so the block's gradients accumulate on stage 0 only. Before every
+    step the block's parameters are broadcast from stage 0's rank to every copy.
+
+    Args:
+        module: This rank's copy of the preprocess block (on stage 0's rank: the submodule of
+            stage 0 named ``fqn``).
+        fqn: The block's name inside stage 0's submodule.
+        owner_group_rank: The pipeline-group rank of stage 0.
+        runner_of: ``{micro-batch: group rank}`` of every transposed micro-batch.
+        trainable: Whether the block is trained (``PRE_B`` runs); frozen blocks ship outputs
+            without gradient.
+
+    See Also:
+        HyperParallel's ``ScheduleMPipeTranspose``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        fqn: str,
+        owner_group_rank: int,
+        runner_of: dict[int, int],
+        *,
+        trainable: bool = True,
+    ) -> None:
+        self.module = module
+        self.fqn = fqn
+        self.owner_group_rank = owner_group_rank
+        self.runner_of = dict(runner_of)
+        self.trainable = trainable
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._leaves: dict[int, torch.Tensor] = {}
+
+    def broadcast_parameters(self, group: dist.ProcessGroup | None) -> None:
+        """Copy the block's parameters and buffers from stage 0's rank to every copy."""
+        src = (
+            self.owner_group_rank
+            if group is None
+            else dist.get_global_rank(group, self.owner_group_rank)
+        )
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(tensor.data, src, group=group)
+
+    def clear(self) -> None:
+        self._outputs.clear()
+        self._leaves.clear()
+
+    def forward(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """``PRE_F``: the block's output for micro-batch ``mb`` (kept to be shipped)."""
+        if not args and not kwargs:
+            raise ValueError(
+                f"MPipe: this rank runs the preprocess of micro-batch {mb}; pass the model "
+                "inputs to step() on it too"
+            )
+        with torch.no_grad():
+            out: torch.Tensor = self.module(*args, **kwargs)
+        self._outputs[mb] = out
+        return out
+
+    def ship(self, stage: PipelineStage, mb: int) -> None:
+        """``SEND_PRE``: send micro-batch ``mb``'s output to stage 0's rank."""
+        stage.send_preprocess_output(mb, self._outputs.pop(mb), 0)
+
+    def receive(self, stage: PipelineStage, mb: int) -> None:
+        """``RECV_PRE`` (stage 0's rank): receive micro-batch ``mb``'s output."""
+        if mb not in self._outputs:
+            self._outputs[mb] = stage.recv_preprocess_output(mb, self.runner_of[mb])
+
+    @contextlib.contextmanager
+    def shipped(self, stage: PipelineStage, mb: int) -> Iterator[None]:
+        """During stage 0's forward of ``mb``: the block returns the shipped output."""
+        self.receive(stage, mb)
+        leaf = self._outputs.pop(mb).detach().requires_grad_(self.trainable)
+        self._leaves[mb] = leaf
+        parent_name, _, child = self.fqn.rpartition(".")
+        parent = stage.submod.get_submodule(parent_name) if parent_name else stage.submod
+        original = getattr(parent, child)
+        setattr(parent, child, _Shipped(leaf))
+        try:
+            yield
+        finally:
+            setattr(parent, child, original)
+
+    def backward(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``PRE_B``: recompute the block on ``mb``'s inputs and back-propagate its gradient."""
+        leaf = self._leaves.pop(mb)
+        if leaf.grad is None:
+            raise RuntimeError(f"MPipe: PRE_B of micro-batch {mb} before stage 0's backward of it")
+        out = self.module(*args, **kwargs)
+        torch.autograd.backward(out, leaf.grad)
+
+
 class PipelineExecutor:
     """Runs one rank's action list.
 
@@ -62,6 +186,7 @@ class PipelineExecutor:
         stages: The stages this rank holds.
         actions: This rank's actions in order (``None`` entries are idle slots).
         lookahead: For compute-only tables: how many compute actions ahead to post receives.
+        preprocess: MPipe's transposed preprocess block, when the table has ``PRE_*`` actions.
 
     Raises:
         ValueError: an action names a stage this rank does not hold.
@@ -76,10 +201,19 @@ class PipelineExecutor:
         actions: Sequence[Action | None],
         *,
         lookahead: int = 1,
+        preprocess: TransposedPreprocess | None = None,
     ) -> None:
         self.stages = {s.stage_index: s for s in stages}
         self.actions = [a for a in actions if a is not None]
+        self.preprocess = preprocess
         for a in _flat(self.actions):
+            if a.type in _PRE_KINDS:
+                if preprocess is None:
+                    raise ValueError(
+                        f"action {a} needs MPipe's preprocess block (ScheduleMPipe's "
+                        "preprocess_fqn= and, off stage 0's rank, preprocess=)"
+                    )
+                continue
             if a.stage_index not in self.stages:
                 raise ValueError(
                     f"action {a} names stage {a.stage_index}, but this rank holds stages "
@@ -117,6 +251,8 @@ class PipelineExecutor:
         self._loss_kwargs = loss_kwargs or {}
         self._losses: dict[int, torch.Tensor] = {}
         self._backward = backward
+        if self.preprocess is not None:
+            self.preprocess.clear()
         for stage in self.stages.values():
             stage.clear_runtime_states()
             if backward and stage.fsdp is not None:
@@ -145,7 +281,16 @@ class PipelineExecutor:
 
     @staticmethod
     def _forward_only(actions: list[Action]) -> list[Action]:
-        keep = {_F, ActionType.SEND_F, ActionType.RECV_F, ActionType.UNSHARD, ActionType.RESHARD}
+        keep = {
+            _F,
+            ActionType.SEND_F,
+            ActionType.RECV_F,
+            ActionType.UNSHARD,
+            ActionType.RESHARD,
+            ActionType.PREPROCESS_F,
+            ActionType.SEND_PRE,
+            ActionType.RECV_PRE,
+        }
         out: list[Action] = []
         for a in actions:
             if a.sub_actions is not None:
@@ -179,7 +324,29 @@ class PipelineExecutor:
             self.events.append(("post_recv_b", stage.stage_index, mb))
             stage.post_recv_grads(mb)
 
+    def _run_preprocess(self, action: Action) -> None:
+        pre = self.preprocess
+        mb = action.microbatch_index
+        assert pre is not None
+        assert mb is not None
+        kind = action.type
+        any_stage = next(iter(self.stages.values()))
+        self.events.append((kind.value, action.stage_index, mb))
+        if kind is ActionType.PREPROCESS_F:
+            pre.forward(mb, self._args[mb], self._kwargs[mb])
+            if not self.explicit_comm and 0 not in self.stages:
+                pre.ship(any_stage, mb)
+        elif kind is ActionType.SEND_PRE:
+            pre.ship(any_stage, mb)
+        elif kind is ActionType.RECV_PRE:
+            pre.receive(self.stages[0], mb)
+        elif self._backward:  # PRE_B
+            pre.backward(mb, self._args[mb], self._kwargs[mb])
+
     def _run_other(self, action: Action) -> None:
+        if action.type in _PRE_KINDS:
+            self._run_preprocess(action)
+            return
         stage = self.stages[action.stage_index]
         mb = action.microbatch_index
         kind = action.type
@@ -228,7 +395,12 @@ class PipelineExecutor:
                 stage.wait_recv_activations(mb)
             self.events.append(("F", s, mb))
             args = self._args[mb] if stage.is_first else ()
-            output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
+            pre = self.preprocess
+            if stage.is_first and pre is not None and mb in pre.runner_of:
+                with pre.shipped(stage, mb):
+                    output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
+            else:
+                output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
             if stage.is_last:
                 self._maybe_loss(stage, mb, output)
             elif stage.is_local(s + 1):

@@ -26,11 +26,12 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hp_pp import generators
-from hp_pp.actions import Action
+from hp_pp.actions import Action, ActionType
 from hp_pp.csv_io import read_csv
-from hp_pp.executor import PipelineExecutor
+from hp_pp.executor import PipelineExecutor, TransposedPreprocess
 from hp_pp.microbatch import merge_chunks, split_args_kwargs_into_chunks
 from hp_pp.stage import PipelineStage
 
@@ -120,6 +121,10 @@ class PipelineScheduleRuntime:
         self._style = style
         self._bind_stages(style)
         self._executor: PipelineExecutor | None = None
+        # MPipe's preprocess block (set by ScheduleMPipe before its table is loaded).
+        self._preprocess_module: nn.Module | None = None
+        self._preprocess_fqn = ""
+        self._preprocess_trainable = True
         if actions is not None:
             self.load_actions(actions)
 
@@ -168,7 +173,9 @@ class PipelineScheduleRuntime:
         if self._rank not in actions:
             raise ValueError(f"the action table has no row for pipeline rank {self._rank}")
         row = actions[self._rank]
-        executor = PipelineExecutor(self._stages, row, lookahead=self._lookahead)
+        executor = PipelineExecutor(
+            self._stages, row, lookahead=self._lookahead, preprocess=self._preprocess_for(actions)
+        )
         forwards = {
             (a.stage_index, a.microbatch_index) for a in executor._compute if a.type.value == "F"
         }
@@ -181,6 +188,27 @@ class PipelineScheduleRuntime:
             )
         self.pipeline_order: dict[int, list[Action | None]] = dict(actions)
         self._executor = executor
+
+    def _preprocess_for(
+        self, actions: dict[int, list[Action | None]]
+    ) -> TransposedPreprocess | None:
+        runner_of = {
+            a.microbatch_index: rank
+            for rank, row in actions.items()
+            for a in row
+            if a is not None
+            and a.type is ActionType.PREPROCESS_F
+            and a.microbatch_index is not None
+        }
+        if not runner_of or self._preprocess_module is None:
+            return None
+        return TransposedPreprocess(
+            self._preprocess_module,
+            self._preprocess_fqn,
+            generators.stage_to_rank(0, self._pp_size, self._style),
+            runner_of,
+            trainable=self._preprocess_trainable,
+        )
 
     def load_csv(self, path_or_file: str | Path | IO[str], *, style: str | None = None) -> None:
         """Read the schedule from a CSV file in the compact notation (``read_schedule_csv``)."""
@@ -268,6 +296,15 @@ class PipelineScheduleRuntime:
             target_chunks = [c[0] for c in split_args_kwargs_into_chunks((target,), None, n)[0]]
         if any(s.is_first for s in self._stages) and not args and not kwargs:
             raise ValueError("this rank holds the first stage: step() needs the model inputs")
+        pre = executor.preprocess
+        if pre is not None:
+            if self._rank in pre.runner_of.values() and not args and not kwargs:
+                raise ValueError(
+                    f"MPipe: rank {self._rank} runs the preprocess of micro-batches "
+                    f"{sorted(m for m, r in pre.runner_of.items() if r == self._rank)}: pass the "
+                    "model inputs to step() on it too"
+                )
+            pre.broadcast_parameters(self._group)
         mb_losses = executor.run(
             arg_chunks,
             kwarg_chunks,
@@ -403,13 +440,14 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
             style=style,
             lookahead=0 if defer_pp_recv else 1,
         )
-        self.load_actions(
-            generators.generate(
-                self._schedule_name,
-                pp_size=self._pp_size,
-                num_stages=self._num_stages,
-                n_microbatches=n_microbatches,
-            )
+        self.load_actions(self._generate(n_microbatches))
+
+    def _generate(self, n_microbatches: int) -> dict[int, list[Action | None]]:
+        return generators.generate(
+            self._schedule_name,
+            pp_size=self._pp_size,
+            num_stages=self._num_stages,
+            n_microbatches=n_microbatches,
         )
 
 
@@ -506,14 +544,91 @@ class ScheduleDualPipeV(PipelineScheduleMulti):
 
 
 class ScheduleMPipe(PipelineScheduleMulti):
-    """HyperParallel's MPipe schedule (its generator is ``generate("MPipe", ...)``).
+    """HyperParallel's MPipe transpose schedule: Interleaved 1F1B whose first micro-batches'
+    preprocess block (embeddings, a vision tower) runs on the other ranks during warm-up.
+
+    Stage 0's submodule holds the block at ``preprocess_fqn``; the other ranks pass a module of
+    the same structure as ``preprocess`` (its parameters are broadcast from stage 0's rank
+    before every step) and pass the model inputs to ``step`` as stage 0's rank does. See
+    :class:`~hp_pp.TransposedPreprocess` for what each action does. Loss and gradients equal
+    Interleaved 1F1B's.
+
+    Args:
+        preprocess_fqn: Keyword-only. The block's name inside stage 0's submodule.
+        preprocess: Keyword-only. This rank's copy of the block (not needed on stage 0's rank).
+        trainable_preprocess: Keyword-only. ``False`` for a frozen block: no ``PRE_B``.
+        Others: as :class:`ScheduleInterleaved1F1B`.
+
+    Raises:
+        ValueError: ``preprocess_fqn`` missing from stage 0, or no ``preprocess`` on another
+            rank.
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` (the closest PyTorch
-        schedule).
+        ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` (the body schedule).
     """
 
     _schedule_name = "MPipe"
+
+    def __init__(
+        self,
+        stages: list[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: tuple[Any, ...] | None = None,
+        kwargs_chunk_spec: dict[str, Any] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any, ...] | None = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        *,
+        preprocess_fqn: str,
+        preprocess: nn.Module | None = None,
+        trainable_preprocess: bool = True,
+    ) -> None:
+        stage_list: list[PipelineStage] = (
+            [stages] if isinstance(stages, PipelineStage) else list(stages)
+        )
+        first = [s for s in stage_list if s.is_first]
+        if first:
+            try:
+                preprocess = first[0].submod.get_submodule(preprocess_fqn)
+            except AttributeError:
+                raise ValueError(
+                    f"MPipe: stage 0's submodule has no preprocess block {preprocess_fqn!r}"
+                ) from None
+        elif preprocess is None:
+            raise ValueError(
+                "MPipe: ranks without stage 0 run its preprocess block for some micro-batches; "
+                "pass preprocess= (a module of the block's structure)"
+            )
+        self._mpipe = (preprocess, preprocess_fqn, trainable_preprocess)
+        super().__init__(
+            stage_list,
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads,
+            backward_requires_autograd,
+            defer_pp_recv,
+        )
+
+    def _preprocess_for(
+        self, actions: dict[int, list[Action | None]]
+    ) -> TransposedPreprocess | None:
+        self._preprocess_module, self._preprocess_fqn, self._preprocess_trainable = self._mpipe
+        return super()._preprocess_for(actions)
+
+    def _generate(self, n_microbatches: int) -> dict[int, list[Action | None]]:
+        from hp_pp.generators.mpipe import mpipe
+
+        return mpipe(
+            pp_size=self._pp_size,
+            num_stages=self._num_stages,
+            n_microbatches=n_microbatches,
+            trainable_preprocess=self._mpipe[2],
+        )
 
 
 _CLASSES: dict[str, type[PipelineScheduleRuntime]] = {

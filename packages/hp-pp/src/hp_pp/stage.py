@@ -43,7 +43,7 @@ __all__ = ["PipelineStage"]
 
 # Parts of one transfer, folded into its tag.
 _PART_DATA, _PART_OBJ_LEN, _PART_OBJ, _PART_META_LEN, _PART_META = range(5)
-_KIND_ACT, _KIND_GRAD = 0, 1
+_KIND_ACT, _KIND_GRAD, _KIND_PRE = 0, 1, 2
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
@@ -309,7 +309,7 @@ class PipelineStage:
         return dist.get_global_rank(self.group, group_rank)
 
     def _tag(self, kind: int, sender_stage: int, mb: int, part: int) -> int:
-        return (((mb * self.num_stages + sender_stage) * 2 + kind) * 5 + part) + 1
+        return (((mb * self.num_stages + sender_stage) * 3 + kind) * 5 + part) + 1
 
     def is_local(self, stage_index: int) -> bool:
         """Whether ``stage_index`` runs on this rank."""
@@ -368,6 +368,34 @@ class PipelineStage:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
         self._recv_blocking(payload, peer, tag_obj, what)
         return _from_bytes(payload)
+
+    # -- MPipe's transposed preprocess -------------------------------------------------------
+
+    def send_preprocess_output(self, mb: int, output: torch.Tensor, to_stage: int) -> None:
+        """Ship a preprocess output of micro-batch ``mb`` to the rank of ``to_stage``."""
+        self._send_object(
+            output.detach(),
+            self._peer(to_stage),
+            self._tag(_KIND_PRE, to_stage, mb, _PART_OBJ_LEN),
+            self._tag(_KIND_PRE, to_stage, mb, _PART_OBJ),
+        )
+
+    def recv_preprocess_output(self, mb: int, from_group_rank: int) -> torch.Tensor:
+        """Receive the preprocess output of micro-batch ``mb`` computed by another rank."""
+        peer = (
+            from_group_rank
+            if self.group is None
+            else dist.get_global_rank(self.group, from_group_rank)
+        )
+        value = self._recv_object_blocking(
+            peer,
+            self._tag(_KIND_PRE, self.stage_index, mb, _PART_OBJ_LEN),
+            self._tag(_KIND_PRE, self.stage_index, mb, _PART_OBJ),
+            f"receiving micro-batch {mb}'s preprocess output",
+        )
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"micro-batch {mb}'s preprocess output is not a tensor: {value!r}")
+        return value.to(self.device)
 
     # -- forward ----------------------------------------------------------------------------
 
