@@ -39,11 +39,12 @@ def _reference(
     v: torch.Tensor,
     dout: torch.Tensor,
     causal: bool,
+    scale: float | None,
     dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """Single-device SDPA output and q/k/v gradients on the whole sequence, in ``dtype``."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
     out.backward(dout.to(dtype))
     assert q.grad is not None
     assert k.grad is not None
@@ -59,13 +60,14 @@ def _check_mode(mode: str, mesh_shape: tuple[int, ...], dtype: torch.dtype) -> i
     checked = 0
     for causal, balanced, kv_heads in itertools.product((True, False), (True, False), (12, 4)):
         q, k, v, dout = _global_inputs(kv_heads, dtype)
-        ref = _reference(q, k, v, dout, causal)
-        single = _reference(q, k, v, dout, causal, dtype)
+        scale = 0.3 if kv_heads == 4 else None  # the GQA cases also set a softmax scale
+        ref = _reference(q, k, v, dout, causal, scale)
+        single = _reference(q, k, v, dout, causal, scale, dtype)
         local = [
             shard_sequence(t, mesh, 2, load_balance=balanced).requires_grad_() for t in (q, k, v)
         ]
         attn = ContextParallelAttention(mesh, mode=mode, load_balance=balanced)
-        out = attn(*local, is_causal=causal)
+        out = attn(*local, is_causal=causal, scale=scale)
         out.backward(shard_sequence(dout, mesh, 2, load_balance=balanced))
         got = [out.detach(), *(t.grad for t in local)]
         for name, g, r, one in zip(("out", "dq", "dk", "dv"), got, ref, single, strict=True):

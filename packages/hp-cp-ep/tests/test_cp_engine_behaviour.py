@@ -115,7 +115,7 @@ def _doc_reference(
     return [out.detach(), q.grad, k.grad, v.grad]  # type: ignore[list-item]
 
 
-def _check_documents(mesh_shape: tuple[int, ...], balanced: bool) -> None:
+def _check_documents(mesh_shape: tuple[int, ...], balanced: bool, mode: str = "allgather") -> None:
     names = ("cp",) if len(mesh_shape) == 1 else ("cp_outer", "cp_ulysses")
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     gen = torch.Generator().manual_seed(7)
@@ -132,7 +132,7 @@ def _check_documents(mesh_shape: tuple[int, ...], balanced: bool) -> None:
             shard_sequence(t, mesh, 2, load_balance=balanced).requires_grad_() for t in (q, k, v)
         ]
         local_docs = shard_sequence(docs, mesh, 1, load_balance=balanced)
-        attn = ContextParallelAttention(mesh, mode="allgather", load_balance=balanced)
+        attn = ContextParallelAttention(mesh, mode=mode, load_balance=balanced)
         out = attn(*local, is_causal=causal, document_ids=local_docs)
         out.backward(torch.cos(out.detach()))
         for got, want in zip([out.detach(), *(t.grad for t in local)], ref, strict=True):
@@ -145,6 +145,11 @@ def _check_documents(mesh_shape: tuple[int, ...], balanced: bool) -> None:
 @distributed(world_size=3)
 def test_allgather_document_mask_matches_masked_sdpa(balanced: bool) -> None:
     _check_documents((3,), balanced)
+
+
+@distributed(world_size=2)
+def test_ulysses_document_mask_matches_masked_sdpa() -> None:
+    _check_documents((2,), True, mode="ulysses")
 
 
 @distributed(world_size=4)
