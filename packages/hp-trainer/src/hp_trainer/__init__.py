@@ -30,6 +30,7 @@ from hp_trainer.config import (
     OptimizerConfig,
     ParallelismConfig,
     TrainingConfig,
+    ValidationConfig,
     builtin_config_names,
     parse_args,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "TokenizedDataset",
     "Trainer",
     "TrainingConfig",
+    "ValidationConfig",
     "__version__",
     "apply_ac",
     "apply_compile",

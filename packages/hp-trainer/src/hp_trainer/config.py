@@ -34,6 +34,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelismConfig",
     "TrainingConfig",
+    "ValidationConfig",
     "builtin_config_names",
     "parse_args",
 ]
@@ -361,6 +362,36 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class ValidationConfig:
+    """Validation loss and perplexity on a held-out dataset during training.
+
+    See Also:
+        ``torchtitan.config.job_config.Validation``: TorchTitan's ``[validation]`` section.
+    """
+
+    enable: bool = False
+    """Evaluate the model every ``freq`` steps and at the last step."""
+    dataset: str = ""
+    """The held-out data: a built-in name, a text/JSONL file or folder, or a prepared folder
+    (``hp-train-prepare``); required when ``enable`` is set."""
+    local_batch_size: int = 8
+    """Samples per validation batch on each data-parallel rank."""
+    freq: int = 100
+    """Validate every this many training steps (and after the last one)."""
+    steps: int = -1
+    """Batches per validation (-1: one pass over the whole dataset, in file order)."""
+
+    def __post_init__(self) -> None:
+        if self.enable and not self.dataset:
+            _fail("validation", "dataset", self.dataset, "a dataset when validation.enable")
+        for name in ("local_batch_size", "freq"):
+            if getattr(self, name) < 1:
+                _fail("validation", name, getattr(self, name), "an integer >= 1")
+        if self.steps == 0 or self.steps < -1:
+            _fail("validation", "steps", self.steps, "-1 (the whole dataset) or an integer >= 1")
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """Distributed checkpointing with the checkpoint manager (``hp_trainer.CheckpointManager``).
 
@@ -449,6 +480,8 @@ class JobConfig:
     """Dataset and tokenizer."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Validation loop."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as nested plain dictionaries.

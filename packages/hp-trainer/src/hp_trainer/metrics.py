@@ -142,6 +142,7 @@ class MetricsProcessor:
         self.is_logging_rank = rank == 0 or not config.rank_0_only
         self.history: list[dict[str, Any]] = []
         self.loss_curve: list[tuple[int, float]] = []
+        self.validation_curve: list[tuple[int, float]] = []
         self.device_name = _device_name()
         self.peak_flops = config.peak_flops or get_peak_flops(self.device_name)
         self._jsonl: TextIO | None = None
@@ -198,7 +199,13 @@ class MetricsProcessor:
         if resume_step > 0:
             kept = _history_until(self.loss_curve_path, resume_step, _parse_loss_line)
             self.loss_curve = [_parse_loss_line(line) for line in kept] + self.loss_curve
-            _history_until(self.jsonl_path, resume_step, lambda line: (json.loads(line)["step"],))
+            kept_records = _history_until(
+                self.jsonl_path, resume_step, lambda line: (json.loads(line)["step"],)
+            )
+            validated = [json.loads(line) for line in kept_records]
+            self.validation_curve = [
+                (r["step"], r["validation_loss"]) for r in validated if "validation_loss" in r
+            ] + self.validation_curve
         mode: Literal["a", "w"] = "a" if resume_step > 0 else "w"
         if self.config.enable_jsonl:
             self._jsonl = open(self.jsonl_path, mode)  # noqa: SIM115
@@ -320,6 +327,38 @@ class MetricsProcessor:
         self._time_last_log = time.perf_counter()
         return record
 
+    def log_validation(self, step: int, loss: float, perplexity: float) -> dict[str, Any]:
+        """Record a validation result (console, JSONL, TensorBoard, loss plot).
+
+        Args:
+            step: The training step it follows.
+            loss: Mean validation loss.
+            perplexity: ``exp(loss)``.
+
+        Returns:
+            The JSONL record ``{"step", "validation_loss", "validation_perplexity"}``.
+
+        See Also:
+            ``torchtitan.components.metrics.MetricsProcessor.log_validation``.
+        """
+        if not self._started:
+            self.start()
+        record = {"step": step, "validation_loss": loss, "validation_perplexity": perplexity}
+        self.history.append(record)
+        self.validation_curve.append((step, loss))
+        if self.rank == 0:
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(record) + "\n")
+                self._jsonl.flush()
+            if self._tb is not None:
+                self._tb.add_scalar("validation/loss", loss, step)
+                self._tb.add_scalar("validation/perplexity", perplexity, step)
+        if self.is_logging_rank:
+            prefix = "" if self.config.rank_0_only else f"[rank{self.rank}] "
+            line = f"validate step {step:5d}  loss {loss:8.4f}  perplexity {perplexity:10.3f}"
+            print(prefix + line, file=self.stream, flush=True)
+        return record
+
     def close(self) -> Path | None:
         """Close files and save the loss curve (rank 0).
 
@@ -354,10 +393,13 @@ class MetricsProcessor:
         steps = [step for step, _ in self.loss_curve]
         losses = [loss for _, loss in self.loss_curve]
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(steps, losses, marker="." if len(steps) < 60 else None)
+        ax.plot(steps, losses, marker="." if len(steps) < 60 else None, label="training")
+        if self.validation_curve:
+            ax.plot(*zip(*self.validation_curve, strict=True), marker="o", label="validation")
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        ax.set_title(f"{self.run_folder.name}: training loss")
+        ax.set_title(f"{self.run_folder.name}: loss")
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         path = self.run_folder / "loss.png"

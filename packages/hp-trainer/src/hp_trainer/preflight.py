@@ -107,11 +107,15 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
     args = resolve_model_args(get_model_spec(config.model.name), config)
     _parallel_dims_from_config(config.parallelism, world_size)
     dataset = config.data.dataset
-    if dataset not in BUILTIN_DATASETS and not os.path.exists(dataset):
-        raise ValueError(
-            f"data.dataset = {dataset!r} is neither a built-in dataset "
-            f"({', '.join(BUILTIN_DATASETS)}) nor an existing file or folder"
-        )
+    for option, value in (
+        ("data.dataset", dataset),
+        ("validation.dataset", config.validation.dataset if config.validation.enable else None),
+    ):
+        if value is not None and value not in BUILTIN_DATASETS and not os.path.exists(value):
+            raise ValueError(
+                f"{option} = {value!r} is neither a built-in dataset "
+                f"({', '.join(BUILTIN_DATASETS)}) nor an existing file or folder"
+            )
     data = config.data
     tokenizer = build_tokenizer(
         data.tokenizer_path, bos_token=data.bos_token, eos_token=data.eos_token

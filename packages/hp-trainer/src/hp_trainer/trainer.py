@@ -36,6 +36,7 @@ from hp_trainer.model_spec import ModelSpec, get_model_spec
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
 from hp_trainer.parallel_dims import _parallel_dims_from_config
 from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
+from hp_trainer.validation import Validator
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
 
@@ -192,18 +193,7 @@ class Trainer:
         # -- optimizer, schedule, data, metrics -------------------------------------------------
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, training.steps, cfg.lr_scheduler)
-        self.dataset: TokenizedDataset | PreparedTokenDataset
-        if is_prepared_corpus(cfg.data.dataset):  # hp-train-prepare's shards, memory-mapped
-            self.dataset = PreparedTokenDataset(cfg.data.dataset, training.seq_len)
-            if self.dataset.vocab_size > args.vocab_size:
-                raise ValueError(
-                    f"the prepared corpus {cfg.data.dataset} was tokenized with "
-                    f"{self.dataset.vocab_size} ids but model {cfg.model.name}/"
-                    f"{cfg.model.flavor} has vocab_size {args.vocab_size}"
-                )
-        else:
-            documents = load_documents(cfg.data.dataset, cfg.data.jsonl_text_field)
-            self.dataset = TokenizedDataset(documents, self.tokenizer, training.seq_len)
+        self.dataset = self._build_dataset(cfg.data.dataset, args.vocab_size)
         self.dataloader = ParallelAwareDataloader(
             self.dataset,
             self.dp_rank,
@@ -212,6 +202,17 @@ class Trainer:
             seed=self.seed,
             shuffle=cfg.data.shuffle,
         )
+        self.validator: Validator | None = None
+        if cfg.validation.enable:
+            self.validator = Validator(
+                cfg.validation,
+                self._build_dataset(cfg.validation.dataset, args.vocab_size),
+                self.dp_rank,
+                dims.dp_degree,
+                dp_group=self.dp_group,
+                loss_context=self._loss_context,
+                device=self.device,
+            )
         self.run_folder = cfg.run_folder
         self.metrics = MetricsProcessor(
             cfg.metrics,
@@ -313,6 +314,21 @@ class Trainer:
         logger.info("outputs: %s", self.run_folder)
         self.run_folder.mkdir(parents=True, exist_ok=True)
         (self.run_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    def _build_dataset(self, path: str, vocab_size: int) -> TokenizedDataset | PreparedTokenDataset:
+        """Samples of ``training.seq_len`` from a prepared folder or from text/JSONL files."""
+        cfg = self.job_config
+        seq_len = cfg.training.seq_len
+        if not is_prepared_corpus(path):
+            documents = load_documents(path, cfg.data.jsonl_text_field)
+            return TokenizedDataset(documents, self.tokenizer, seq_len)
+        prepared = PreparedTokenDataset(path, seq_len)  # hp-train-prepare's shards, mmap'ed
+        if prepared.vocab_size > vocab_size:
+            raise ValueError(
+                f"the prepared corpus {path} was tokenized with {prepared.vocab_size} ids but "
+                f"model {cfg.model.name}/{cfg.model.flavor} has vocab_size {vocab_size}"
+            )
+        return prepared
 
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
         return loss_parallel() if self.loss_parallel_enabled else contextlib.nullcontext()
@@ -491,6 +507,10 @@ class Trainer:
                 self.metrics.observe_loss(self.step, loss)
                 if self.metrics.should_log(self.step):
                     self.metrics.log(self.step, loss, norm, lr)
+                last = self.step == cfg.steps
+                if self.validator is not None and self.validator.should_validate(self.step, last):
+                    val_loss, perplexity = self.validator.validate(self.model)
+                    self.metrics.log_validation(self.step, val_loss, perplexity)
                 if self.checkpointer.save(self.step, last_step=self.step == cfg.steps):
                     self._last_saved_step = self.step
         finally:
