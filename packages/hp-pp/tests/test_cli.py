@@ -152,6 +152,16 @@ def test_validate_good_bad_and_malformed_files(
     out = capsys.readouterr().out
     assert "2 ranks, 4 stages, 4 micro-batches" in out
     assert "OK: no deadlock" in out
+    # 2 ranks x 2 looped stages, F = I = W = 1, 4 micro-batches: (p-1)/(v*m+p-1) = 1/9.
+    assert "unit-cost simulation: step 27, bubble 11.1%" in out
+    costs = tmp_path / "costs.toml"
+    costs.write_text("forward = 2.0\n")
+    assert (
+        main(["validate", str(good), "--costs", str(costs), "--out", str(tmp_path), "--no-png"])
+        == 0
+    )
+    assert "simulation: step 36," in capsys.readouterr().out
+    assert json.loads((tmp_path / "good.trace.json").read_text())["traceEvents"]
     bad = tmp_path / "bad.csv"
     bad.write_text(
         "0F0,0SEND_F0,0F1,0RECV_B0,0SEND_F1,0B0,0RECV_B1,0B1\n1RECV_F0,1RECV_F1,1F0,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n"

@@ -4,7 +4,8 @@
 [--out DIR]`` simulates the chosen schedule and, on the same ranks and the same model (stage
 costs re-cut evenly when a schedule uses a different number of stages), every other built-in,
 prints a comparison table and writes a timeline PNG and a Chrome trace per schedule to
-``DIR``. ``hp-pp validate FILE.csv`` checks a schedule file offline. Bad input prints a clear
+``DIR``. ``hp-pp validate FILE.csv [--costs FILE.toml] [--out DIR]`` checks a schedule file
+offline, simulates it and, with ``--out``, draws it. Bad input prints a clear
 error and exits with 2; an invalid schedule exits with 1.
 
 See Also:
@@ -145,13 +146,15 @@ def _cmd_validate(args: argparse.Namespace, out: TextIO) -> int:
         for problem in report.problems:
             print(f"  {problem}", file=out)
         return _INVALID_SCHEDULE
-    result = simulate_schedule(table)
+    costs = PipelineCosts.from_toml(args.costs) if args.costs else PipelineCosts()
+    result = simulate_schedule(table, costs)
     print("OK: no deadlock, every transfer matched, all work present and in order", file=out)
     print(f"  peak in-flight activations per rank: {report.peak_in_flight}", file=out)
-    print(
-        f"  unit-cost simulation: step {result.step_time:g}, bubble {result.bubble_fraction:.1%}",
-        file=out,
-    )
+    what = "simulation" if args.costs else "unit-cost simulation"
+    print(f"  {what}: step {result.step_time:g}, bubble {result.bubble_fraction:.1%}", file=out)
+    if args.out is not None:
+        row = _Row(path.stem, report.num_stages, report.pp_size, result)
+        _write_pictures([row], Path(args.out), args.png, out)
     return 0
 
 
@@ -182,6 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument(
         "--style", choices=("loop", "v"), default=None, help="expected stage placement"
     )
+    val.add_argument("--costs", default=None, help="TOML file of stage and transfer costs")
+    val.add_argument("--out", default=None, help="directory for its timeline PNG and Chrome trace")
+    val.add_argument("--no-png", dest="png", action="store_false", help="Chrome trace only")
     return parser
 
 
