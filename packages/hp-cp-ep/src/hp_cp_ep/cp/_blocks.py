@@ -130,6 +130,10 @@ def run_forward(
     return aux
 
 
+#: A key/value block's gradient from one task: (key rows, dK rows, dV rows).
+KVGrad = tuple[slice, torch.Tensor, torch.Tensor]
+
+
 def run_backward(
     kernel: AttentionKernel,
     dout: torch.Tensor,
@@ -142,10 +146,15 @@ def run_backward(
     aux: Sequence[object],
     scale: float | None,
     dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-) -> None:
-    """Accumulate the tasks' gradients into ``dq``/``dk``/``dv`` (the merged ``out``/``lse``)."""
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> list[KVGrad]:
+    """Run the tasks' backward kernels (with the merged ``out``/``lse``), adding into ``dq``.
+
+    The K/V gradients are added into ``dk``/``dv`` when given; otherwise they are returned, for
+    a caller that has no accumulator yet (the ring's arrives from the previous rank).
+    """
+    pending: list[KVGrad] = []
     for t, state in zip(tasks, aux, strict=True):
         rows, cols = slice(t.q0, t.q1), slice(t.k0, t.k1)
         gq, gk, gv = kernel.backward(
@@ -161,5 +170,15 @@ def run_backward(
             mask=t.mask,
         )
         dq[:, :, rows] += gq
+        if dk is not None and dv is not None:
+            add_kv_grads([(cols, gk, gv)], dk, dv)
+        else:
+            pending.append((cols, gk, gv))
+    return pending
+
+
+def add_kv_grads(grads: Sequence[KVGrad], dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Add task K/V gradients into the accumulators."""
+    for cols, gk, gv in grads:
         dk[:, :, cols] += gk
         dv[:, :, cols] += gv

@@ -29,7 +29,14 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_cp_ep.cp._blocks import BlockTask, PartialOutput, plan_tasks, run_backward, run_forward
+from hp_cp_ep.cp._blocks import (
+    BlockTask,
+    PartialOutput,
+    add_kv_grads,
+    plan_tasks,
+    run_backward,
+    run_forward,
+)
 from hp_cp_ep.cp._comm import RingExchange, gather_seq, heads_to_seq, seq_to_heads
 from hp_cp_ep.cp._layout import ChunkLayout
 from hp_cp_ep.cp._sdpa_backend import AttentionKernel
@@ -90,16 +97,16 @@ class _RingAttention(torch.autograd.Function):
                 kv_exchange.start((k_cur, v_cur))
             src = (spec.rank - step) % spec.size
             tasks = plan_tasks(spec.q_ids, spec.kv_ids_of[src], spec.chunk_len, spec.is_causal)
-            dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-            dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-            run_backward(
-                spec.kernel, dout, q, k_cur, v_cur, out, lse, tasks, ctx.aux[step], spec.scale,
-                dq, dk, dv,
-            )  # fmt: skip
-            if step > 0:  # add the accumulator for ``src`` that the previous rank sent
-                prev_dk, prev_dv = grad_exchange.wait()
-                dk += prev_dk
-                dv += prev_dv
+            grads = run_backward(
+                spec.kernel, dout, q, k_cur, v_cur, out, lse, tasks, ctx.aux[step], spec.scale, dq
+            )
+            if step == 0:
+                dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+                dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+            else:  # the accumulator for ``src`` the previous rank sent (awaited after compute)
+                dk, dv = grad_exchange.wait()
+            add_kv_grads(grads, dk, dv)
+            del grads
             if spec.size > 1:
                 grad_exchange.start((dk, dv))  # forward it to the rank that holds ``src`` next
             else:
