@@ -33,6 +33,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
+    "ProfilingConfig",
     "TrainingConfig",
     "ValidationConfig",
     "builtin_config_names",
@@ -392,6 +393,46 @@ class ValidationConfig:
 
 
 @dataclass(kw_only=True)
+class ProfilingConfig:
+    """Torch profiler traces and allocator memory snapshots.
+
+    See Also:
+        ``torchtitan.config.job_config.Profiling``: TorchTitan's ``[profiling]`` section.
+    """
+
+    enable_profiling: bool = False
+    """Record torch profiler traces (one Chrome trace file per rank) of a window of steps."""
+    save_traces_folder: str = "profile_traces"
+    """Folder in the run folder for the traces (``iteration_N/rankR_trace.json``)."""
+    profile_freq: int = 10
+    """Trace the last ``profiler_active`` steps of every ``profile_freq`` steps."""
+    profiler_warmup: int = 3
+    """Steps the profiler runs untraced before each traced window."""
+    profiler_active: int = 1
+    """Steps traced per window."""
+    enable_memory_snapshot: bool = False
+    """Record the device allocator's history and dump snapshots (CUDA only; on other devices
+    a note says it is unavailable)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder in the run folder for the snapshots (``iteration_N/rankR_memory_snapshot.pickle``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("profile_freq", "profiler_active"):
+            if getattr(self, name) < 1:
+                _fail("profiling", name, getattr(self, name), "an integer >= 1")
+        if self.profiler_warmup < 0:
+            _fail("profiling", "profiler_warmup", self.profiler_warmup, "an integer >= 0")
+        if self.profiler_warmup + self.profiler_active > self.profile_freq:
+            _fail(
+                "profiling",
+                "profile_freq",
+                self.profile_freq,
+                f">= profiler_warmup + profiler_active = "
+                f"{self.profiler_warmup + self.profiler_active}",
+            )
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """Distributed checkpointing with the checkpoint manager (``hp_trainer.CheckpointManager``).
 
@@ -482,6 +523,8 @@ class JobConfig:
     """Checkpointing."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     """Validation loop."""
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    """Profiler traces and memory snapshots."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as nested plain dictionaries.

@@ -36,6 +36,7 @@ from hp_trainer.model_spec import ModelSpec, get_model_spec
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
 from hp_trainer.parallel_dims import _parallel_dims_from_config
 from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
+from hp_trainer.profiling import StepProfiler
 from hp_trainer.validation import Validator
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
@@ -248,6 +249,8 @@ class Trainer:
         self.grad_norms: list[float] = []
         self._stop_requested = False
         self._last_saved_step = -1
+        self.profiler: StepProfiler | None = None
+        """The profiler of the last :meth:`train` (``[profiling]``), or None."""
         self.stop_status: str | None = None
         """None when the run reached ``training.steps``; after a SIGTERM, ``"saved"`` when a
         checkpoint of the last completed step exists (resume by running again), else
@@ -483,6 +486,9 @@ class Trainer:
             gc.disable()
             gc.collect(1)
         start = time.perf_counter()
+        profiling = self.job_config.profiling
+        if profiling.enable_profiling or profiling.enable_memory_snapshot:
+            self.profiler = StepProfiler(profiling, self.run_folder, self.rank)
         try:
             batches = self._batches()
             while self.step < cfg.steps:
@@ -502,6 +508,8 @@ class Trainer:
                     gc.collect(1)
                 lr = self.lr_schedulers.get_last_lr()
                 loss, norm = self.train_step(next(batches))
+                if self.profiler is not None:
+                    self.profiler.step()
                 self.losses.append(loss)
                 self.grad_norms.append(norm)
                 self.metrics.observe_loss(self.step, loss)
@@ -514,6 +522,8 @@ class Trainer:
                 if self.checkpointer.save(self.step, last_step=self.step == cfg.steps):
                     self._last_saved_step = self.step
         finally:
+            if self.profiler is not None:
+                self.profiler.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             if gc_enabled:
