@@ -26,7 +26,11 @@ __all__ = ["Action", "ActionType", "ScheduleTable"]
 
 
 class ActionType(str, Enum):
-    """What an action does. The value is its suffix in the compact notation."""
+    """What an action does. The value is its suffix in the compact notation.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._ComputationType``
+    """
 
     FORWARD = "F"
     FULL_BACKWARD = "B"
@@ -105,6 +109,9 @@ class Action:
         microbatch_index: The micro-batch, for per-micro-batch kinds; ``None`` for
             ``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD`` and ``OVERLAP_F_B``.
         sub_actions: For ``OVERLAP_F_B`` only: the compute actions run together.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._Action``
     """
 
     stage_index: int

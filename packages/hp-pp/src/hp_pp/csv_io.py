@@ -25,6 +25,9 @@ def write_csv(table: ScheduleTable, path_or_file: str | Path | IO[str]) -> None:
 
     Raises:
         ValueError: the ranks are not ``0 .. len(table) - 1``.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime._dump_csv``
     """
     if sorted(table) != list(range(len(table))):
         raise ValueError(f"table ranks must be 0..{len(table) - 1}, got {sorted(table)}")
@@ -47,6 +50,9 @@ def read_csv(path_or_file: str | Path | IO[str]) -> ScheduleTable:
     Raises:
         ValueError: a cell is not an action in the compact notation; the message names the
             row (rank) and column.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules.PipelineScheduleMulti._load_csv``
     """
     if isinstance(path_or_file, (str, Path)):
         with open(path_or_file, newline="", encoding="utf-8") as handle:

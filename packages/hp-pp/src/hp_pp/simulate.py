@@ -53,6 +53,9 @@ class StageCosts:
         backward_weight: Cost of ``W`` (gradient of the parameters).
         full_backward: Cost of ``B``; ``backward_input + backward_weight`` when ``None``.
         activation_memory: Memory one micro-batch's activations of this stage hold.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._simulate_comms_compute`` (a dry run without costs)
     """
 
     forward: float = 1.0
@@ -114,6 +117,9 @@ class PipelineCosts:
             moves it to ``PRE_F`` for the transposed micro-batches.
         preprocess_backward: The part of stage 0's backward spent in the preprocess block.
             MPipe's ``PRE_B`` costs ``preprocess_forward + preprocess_backward`` (recompute).
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._simulate_comms_compute`` (a dry run without costs)
     """
 
     default: StageCosts = field(default_factory=StageCosts)
@@ -233,7 +239,11 @@ class PipelineCosts:
 
 @dataclass(frozen=True)
 class TimedAction:
-    """One action of the simulated run: where and when it ran."""
+    """One action of the simulated run: where and when it ran.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._simulate_comms_compute``
+    """
 
     rank: int
     action: Action
@@ -251,6 +261,9 @@ class SimulationResult:
         bubble_fraction: ``1 - sum(busy) / (pp_size * step_time)``.
         peak_activation_memory: Per rank, the most activation memory live at once.
         timeline: Every action that takes time, with start and end.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._simulate_comms_compute``
     """
 
     step_time: float

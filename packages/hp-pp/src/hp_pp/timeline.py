@@ -54,7 +54,11 @@ _LABELS = {
 def write_chrome_trace(
     result: SimulationResult, path: str | Path, *, name: str = "pipeline"
 ) -> None:
-    """Write the simulated step as a Chrome trace: one thread per rank, costs read as ms."""
+    """Write the simulated step as a Chrome trace: one thread per rank, costs read as ms.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._dump_chrometrace``
+    """
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": name}},
     ]
@@ -103,6 +107,9 @@ def write_timeline_png(
 
     Raises:
         ImportError: matplotlib is missing (the message names the pip command).
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._dump_chrometrace`` (PyTorch draws no picture)
     """
     plt = _pyplot()
     ranks = sorted(result.busy_time)

@@ -50,6 +50,9 @@ class ValidationReport:
         problems: One message per problem, each naming the rank and the action.
         deadlocked: Whether the simulation stopped with ranks waiting forever.
         peak_in_flight: Per rank, the most micro-batch activations alive at once.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._validate_schedule``
     """
 
     pp_size: int
@@ -84,6 +87,9 @@ def check_schedule(
     """Validate ``table`` and raise ValueError naming every problem; return the report if none.
 
     See :func:`validate_schedule` for the arguments.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules._validate_schedule``
     """
     report = validate_schedule(
         table, num_stages=num_stages, n_microbatches=n_microbatches, style=style

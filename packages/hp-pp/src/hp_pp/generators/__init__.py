@@ -61,6 +61,9 @@ def canonical_schedule_name(name: str) -> str:
 
     Raises:
         ValueError: ``name`` is no built-in schedule; the message lists the valid names.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules.get_schedule_class``
     """
     if not isinstance(name, str):
         raise TypeError(f"schedule name must be a str, got {type(name).__name__}")
@@ -103,7 +106,11 @@ def generate(name: str, *, pp_size: int, num_stages: int, n_microbatches: int) -
 
 
 class _StyleByName(Mapping[str, StageStyle]):
-    """Stage placement style of each built-in schedule; keys accept any spelling of a name."""
+    """Stage placement style of each built-in schedule; keys accept any spelling of a name.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping``
+    """
 
     def __init__(self, styles: dict[str, StageStyle]) -> None:
         self._styles = styles

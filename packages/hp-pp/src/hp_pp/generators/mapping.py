@@ -54,6 +54,9 @@ def rank_to_stages(rank: int, pp_size: int, num_stages: int, style: str = "loop"
 
     Raises:
         ValueError: see :func:`stage_to_rank`; also a rank outside ``[0, pp_size)``.
+
+    See Also:
+        ``torch.distributed.pipelining.schedules.generate_rank_to_stage_mapping``
     """
     if not 0 <= rank < pp_size:
         raise ValueError(f"rank must be in [0, {pp_size}), got {rank}")
