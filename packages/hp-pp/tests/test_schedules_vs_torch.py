@@ -190,3 +190,9 @@ def test_schedule_matches_one_process_and_torch_ws3(name: str) -> None:
 def test_schedule_diffs_reported() -> None:
     diffs = run_distributed(check_schedule, 2, "DualPipeV", 4, 2)
     assert all(d["vs_one_process"] <= 1e-6 for d in diffs)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "InterleavedZeroBubble", "DualPipeV"])
+@distributed(world_size=4)
+def test_schedule_matches_one_process_and_torch_ws4(name: str) -> None:
+    check_schedule(name, 8, _stages_per_rank(name))
