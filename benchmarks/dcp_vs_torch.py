@@ -3,8 +3,9 @@
 The state dict (a few hundred MB of fp32/bf16 tensors of mixed sizes, plus optimizer-style
 scalars) is saved to a fresh directory and loaded back into preallocated tensors, alternating
 implementations after a discarded warm-up, in one process (``no_dist``). hp-dcp does everything it
-does in production: CRC-32 per item while writing, the checksum sidecar, fsync, the commit by
-directory rename, and on load the allow-list unpickling and checksum verification. torch uses its
+does in production: CRC-32 per item while writing, the checksum sidecar, the save lock, fsync
+of files and directories, the commit by directory rename, and on load the allow-list unpickling,
+path and size checks and checksum verification. torch uses its
 default ``FileSystemWriter`` (fsync on) and ``FileSystemReader``. The median of each
 implementation is taken, the run is repeated with the order swapped, and each figure is the
 geometric mean of the two ``ours / torch`` ratios (below 1 means ours is faster). A
@@ -130,9 +131,10 @@ def main() -> None:
         "",
         f"State dict: {result['state_dict_mb']} MB in {result['tensors']} tensors plus scalars; "
         f"median of {args.reps} runs per implementation, order swapped, geometric mean.",
-        "hp-dcp includes CRC-32 per item, the checksum sidecar, the rename commit, and verified,",
-        f"allow-list loading (CRC-32 backend: {CRC32_BACKEND}). Rows ending in _cpu compare the",
-        "process CPU time instead of the wall clock (steadier on a shared machine).",
+        "hp-dcp includes CRC-32 per item, the checksum sidecar, the save lock, fsync of every file",
+        "and directory, the rename commit, and verified, path-confined, size-checked allow-list",
+        f"loading (CRC-32 backend: {CRC32_BACKEND}). Rows ending in _cpu compare the process CPU",
+        "time instead of the wall clock (steadier on a shared machine).",
         "",
         "| op | ours / torch | torch / torch (noise) | hp median s | torch median s |",
         "|---|---|---|---|---|",
