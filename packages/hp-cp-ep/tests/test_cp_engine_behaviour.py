@@ -269,7 +269,7 @@ def test_per_rank_memory_falls_with_cp_for_ring_not_for_allgathered_kv() -> None
     ring2, ring4 = _attention_peak(cp2, "ring", seq), _attention_peak(cp4, "ring", seq)
     gather4 = _attention_peak(cp4, "allgather", seq)
     # The ring holds a fixed number of K/V blocks of seq / cp rows: doubling cp about halves it
-    # (measured 0.62-0.64); all-gather keeps the whole K/V and its gradient on every rank
-    # (measured 1.31-1.37 x the ring's peak at cp 4).
+    # (measured 0.57-0.59); all-gather keeps the whole K/V and its gradient on every rank
+    # (measured 1.6-1.8 x the ring's peak at cp 4).
     assert ring4 < 0.7 * ring2, (ring2, ring4, gather4)
-    assert gather4 > 1.2 * ring4, (ring2, ring4, gather4)
+    assert gather4 > 1.4 * ring4, (ring2, ring4, gather4)
