@@ -9,7 +9,6 @@ that saw no key on either side (``l_a = l_b = -inf``) gives ``o = 0`` and ``l = 
 
 from __future__ import annotations
 
-import math
 from typing import Any, cast
 
 import torch
@@ -31,8 +30,9 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ..
     """Return ``(c_a, c_b, lse)`` with ``c_x = exp(lse_x - lse)``, 0 for rows with no key."""
     lse = torch.logaddexp(lse_a, lse_b)
     # A row empty on both sides has lse = -inf; subtracting 0 there instead keeps its weights
-    # exp(-inf) = 0 (rather than exp(-inf - -inf) = NaN) at the cost of one small pass.
-    safe = lse.masked_fill(lse == -math.inf, 0.0)
+    # exp(-inf) = 0 (rather than exp(-inf - -inf) = NaN), in one small pass. (A NaN lse, from
+    # NaN inputs, becomes 0 here but its weights stay NaN through lse_x.)
+    safe = torch.nan_to_num(lse, neginf=0.0)
     return torch.sub(lse_a, safe).exp_(), torch.sub(lse_b, safe).exp_(), lse
 
 
