@@ -1,0 +1,249 @@
+"""State-dict adapters for the MoE families (``qwen3_moe``, ``deepseek_v3``) and HuggingFace.
+
+Routed experts are one 3-D tensor per weight here (``moe.experts.w1`` is ``[E, hidden, dim]``)
+and one matrix per expert in HuggingFace checkpoints (``mlp.experts.{j}.gate_proj.weight``, the
+layout of the published files, which ``transformers`` fuses on load). Per-block key mapping on
+top of :class:`~hp_trainer.hf_adapters.DecoderStateDictAdapter`'s::
+
+    moe.router.gate.weight           mlp.gate.weight
+    moe.expert_bias                  mlp.gate.e_score_correction_bias   (DeepSeek-V3)
+    moe.experts.w1[j]                mlp.experts.{j}.gate_proj.weight
+    moe.experts.w2[j]                mlp.experts.{j}.down_proj.weight
+    moe.experts.w3[j]                mlp.experts.{j}.up_proj.weight
+    moe.shared_experts.w1/w2/w3      mlp.shared_experts.gate_proj/down_proj/up_proj.weight
+    attention.wq / wq_a / q_norm / wq_b / wkv_a / kv_norm / wkv_b / wo  (DeepSeek-V3)
+                                     self_attn.q_proj / q_a_proj / q_a_layernorm / q_b_proj /
+                                     kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj / o_proj
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from hp_trainer.hf_adapters import DecoderStateDictAdapter, _full
+
+__all__ = ["DeepSeekV3StateDictAdapter", "MoEStateDictAdapter", "Qwen3MoeStateDictAdapter"]
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
+_EXPERT_WEIGHTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_HF_EXPERT_WEIGHTS = {v: k for k, v in _EXPERT_WEIGHTS.items()}
+_MOE_KEYS = {
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+
+
+class MoEStateDictAdapter(DecoderStateDictAdapter):
+    """Adds the MoE keys (router, bias, stacked experts, shared experts) to the dense adapter.
+
+    The conversion is exact (renames, slicing and stacking), so a round trip gives back the
+    same tensors.
+
+    Args:
+        model_args: The model's :class:`~hp_trainer.models._moe_block.MoEDecoderArgs`.
+        hf_assets_path: Folder of HF assets; kept for reference.
+
+    See Also:
+        ``torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter`` (MoE keys).
+    """
+
+    extra_block_keys: ClassVar[dict[str, str]] = {}
+    """Family-specific per-block names, ours -> HF's, converted without permutation."""
+
+    def _block_to_hf(self, rest: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """HF entries of one of our per-block keys, or None when the dense adapter handles it."""
+        if rest in self.extra_block_keys:
+            return {self.extra_block_keys[rest]: value}
+        if rest in _MOE_KEYS:
+            return {_MOE_KEYS[rest]: value}
+        if rest.startswith("moe.experts.") and rest[len("moe.experts.") :] in _EXPERT_WEIGHTS:
+            hf_name = _EXPERT_WEIGHTS[rest[len("moe.experts.") :]]
+            return {
+                f"mlp.experts.{j}.{hf_name}.weight": value[j].clone() for j in range(value.shape[0])
+            }
+        return None
+
+    def to_hf(self, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Convert our state dict to HuggingFace names (one matrix per expert).
+
+        Args:
+            state_dict: Our model state dict (DTensors are gathered: a collective).
+
+        Returns:
+            The HuggingFace state dict.
+
+        Raises:
+            KeyError: For a key this adapter does not know.
+
+        See Also:
+            ``torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter``.
+        """
+        out: dict[str, torch.Tensor] = {}
+        dense: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            m = _LAYER.match(key)
+            converted = None
+            if m is not None:
+                converted = self._block_to_hf(m.group(2), _full(value, key))
+            if converted is None:
+                dense[key] = value
+                continue
+            out.update({f"model.layers.{m.group(1)}.{k}": v for k, v in converted.items()})  # type: ignore[union-attr]
+        out.update(super().to_hf(dense))
+        return out
+
+    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Convert a HuggingFace state dict to ours (per-expert matrices stacked).
+
+        Args:
+            hf_state_dict: The HuggingFace state dict.
+
+        Returns:
+            Our state dict.
+
+        Raises:
+            KeyError: For a key this adapter does not know, or missing experts.
+
+        See Also:
+            ``torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter``.
+        """
+        hf_extra = {v: k for k, v in self.extra_block_keys.items()}
+        hf_moe = {v: k for k, v in _MOE_KEYS.items()}
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        dense: dict[str, torch.Tensor] = {}
+        for key, value in hf_state_dict.items():
+            m = _HF_LAYER.match(key)
+            if m is None:
+                dense[key] = value
+                continue
+            block, rest = m.group(1), m.group(2)
+            if rest in hf_extra:
+                out[f"layers.{block}.{hf_extra[rest]}"] = value
+            elif rest in hf_moe:
+                out[f"layers.{block}.{hf_moe[rest]}"] = value
+            elif (e := _HF_EXPERT.match(rest)) is not None:
+                name = _HF_EXPERT_WEIGHTS[e.group(2)]
+                experts.setdefault((block, name), {})[int(e.group(1))] = value
+            else:
+                dense[key] = value
+        for (block, name), by_index in experts.items():
+            count = len(by_index)
+            if sorted(by_index) != list(range(count)):
+                raise KeyError(
+                    f"{type(self).__name__}.from_hf: layer {block} has experts "
+                    f"{sorted(by_index)} for {_EXPERT_WEIGHTS[name]}, expected 0..{count - 1}"
+                )
+            out[f"layers.{block}.moe.experts.{name}"] = torch.stack(
+                [by_index[j] for j in range(count)]
+            )
+        out.update(super().from_hf(dense))
+        return out
+
+    def _moe_hf_config(self) -> dict[str, Any]:
+        args: Any = self.args
+        return {
+            "moe_intermediate_size": args.moe_hidden_dim,
+            "num_experts_per_tok": args.moe_args.top_k,
+            "norm_topk_prob": args.moe_args.route_norm,
+            "output_router_logits": False,
+        }
+
+
+class Qwen3MoeStateDictAdapter(MoEStateDictAdapter):
+    """HF ``Qwen3MoeForCausalLM`` <-> our Qwen 3 MoE (rotary rows and QK-norms permuted).
+
+    Args:
+        model_args: The model's arguments.
+        hf_assets_path: Folder of HF assets; kept for reference.
+
+    See Also:
+        ``torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter``.
+    """
+
+    model_type: ClassVar[str] = "qwen3_moe"
+    architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+
+    def hf_config(self) -> dict[str, Any]:
+        """Return the ``config.json`` contents for ``transformers``.
+
+        See Also:
+            ``transformers.Qwen3MoeConfig``.
+        """
+        args: Any = self.args
+        config = super().hf_config()
+        config.update(self._moe_hf_config())
+        config.update(
+            {
+                "num_experts": args.moe_args.num_experts,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": list(range(args.n_dense_layers)),
+                "router_aux_loss_coef": args.moe_args.aux_loss_coeff,
+            }
+        )
+        return config
+
+
+class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
+    """HF ``DeepseekV3ForCausalLM`` <-> our DeepSeek-V3 (rotary parts stay interleaved).
+
+    Args:
+        model_args: The model's :class:`~hp_trainer.models.deepseek_v3.DeepSeekV3Args`.
+        hf_assets_path: Folder of HF assets; kept for reference.
+
+    See Also:
+        ``torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter``.
+    """
+
+    model_type: ClassVar[str] = "deepseek_v3"
+    architecture: ClassVar[str] = "DeepseekV3ForCausalLM"
+    extra_block_keys: ClassVar[dict[str, str]] = {
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+        "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+        "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+    }
+
+    def hf_config(self) -> dict[str, Any]:
+        """Return the ``config.json`` contents for ``transformers``.
+
+        See Also:
+            ``transformers.DeepseekV3Config``.
+        """
+        args: Any = self.args
+        moe = args.moe_args
+        config = super().hf_config()
+        config.update(self._moe_hf_config())
+        config.update(
+            {
+                "num_key_value_heads": args.n_heads,
+                "head_dim": args.qk_rope_head_dim,
+                "n_routed_experts": moe.num_experts,
+                "n_shared_experts": moe.num_shared_experts,
+                "routed_scaling_factor": moe.route_scale,
+                "n_group": moe.num_expert_groups or 1,
+                "topk_group": moe.num_limited_groups or 1,
+                "first_k_dense_replace": args.n_dense_layers,
+                "q_lora_rank": args.q_lora_rank or None,
+                "kv_lora_rank": args.kv_lora_rank,
+                "qk_nope_head_dim": args.qk_nope_head_dim,
+                "qk_rope_head_dim": args.qk_rope_head_dim,
+                "v_head_dim": args.v_head_dim,
+                "rope_interleave": True,
+                "num_nextn_predict_layers": 0,
+            }
+        )
+        return config

@@ -1,0 +1,249 @@
+"""DeepSeek-V3: multi-head latent attention, dense first blocks, shared + routed experts.
+
+The router scores experts with a sigmoid, limits each token to its best expert groups, picks the
+top k by ``score + expert_bias`` (the auxiliary-loss-free balancing bias, updated after every
+optimizer step from the step's global expert load) and weights the experts' outputs by the
+unbiased scores, renormalized and scaled. Queries and keys keep their rotary part interleaved
+(HF's ``rope_interleave``), so an export needs no permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_cp_ep import MoEArgs
+from hp_trainer.hf_moe_adapters import DeepSeekV3StateDictAdapter
+from hp_trainer.model_spec import ModelSpec, register_model_spec
+from hp_trainer.models._moe_block import MoEDecoder, MoEDecoderArgs
+from hp_trainer.models.decoder import RMSNorm, _apply_rope
+
+if TYPE_CHECKING:
+    from hp_trainer.config import JobConfig
+    from hp_trainer.parallel_dims import ParallelDims
+
+__all__ = [
+    "DeepSeekV3",
+    "DeepSeekV3Args",
+    "MLAttention",
+    "deepseek_v3_flavors",
+    "parallelize_deepseek_v3",
+]
+
+
+@dataclass(kw_only=True)
+class DeepSeekV3Args(MoEDecoderArgs):
+    """:class:`~hp_trainer.models._moe_block.MoEDecoderArgs` plus the latent-attention sizes.
+
+    ``head_dim`` is set to ``qk_nope_head_dim + qk_rope_head_dim`` (the query/key size).
+
+    See Also:
+        ``torchtitan.models.deepseek_v3.model.args.DeepSeekV3ModelArgs``.
+    """
+
+    q_lora_rank: int = 0
+    """Rank of the low-rank query projection (0: a full ``wq``)."""
+    kv_lora_rank: int = 512
+    """Rank of the compressed key/value latent."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key size without rotary embedding."""
+    qk_rope_head_dim: int = 64
+    """Per-head query/key size with rotary embedding (the key part is shared by all heads)."""
+    v_head_dim: int = 128
+    """Per-head value size."""
+
+    def __post_init__(self) -> None:
+        self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        super().__post_init__()
+        if self.qk_rope_head_dim % 2 != 0:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), causal, with a shared rotary key.
+
+    Queries: ``wq`` (or ``wq_b(q_norm(wq_a x))`` with a query LoRA rank); keys and values from
+    one latent ``wkv_a x = [c, k_rope]``: ``wkv_b(kv_norm(c))`` gives every head's ``k_nope``
+    and ``v``, and ``k_rope`` is rotated once and shared by all heads.
+
+    Args:
+        args: Model arguments.
+
+    See Also:
+        ``torchtitan.models.deepseek_v3.model.model.Attention``;
+        ``transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention``.
+    """
+
+    def __init__(self, args: MoEDecoderArgs) -> None:
+        super().__init__()
+        if not isinstance(args, DeepSeekV3Args):
+            raise TypeError(f"MLAttention needs DeepSeekV3Args, got {type(args).__name__}")
+        self.n_heads = args.n_heads
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.v_head_dim = args.v_head_dim
+        qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+        self.wq: nn.Linear | None = None
+        self.wq_a: nn.Linear | None = None
+        self.q_norm: RMSNorm | None = None
+        self.wq_b: nn.Linear | None = None
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, args.n_heads * qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(
+            self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Attend causally over the sequence.
+
+        Args:
+            x: ``(batch, seq, dim)`` input.
+            rope: RoPE table of ``qk_rope_head_dim``.
+
+        Returns:
+            ``(batch, seq, dim)`` output.
+
+        See Also:
+            ``torch.nn.functional.scaled_dot_product_attention`` (scale
+            ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``).
+        """
+        B, S, _ = x.shape
+        if self.wq is not None:
+            q = self.wq(x)
+        else:
+            assert self.wq_a is not None
+            assert self.q_norm is not None
+            assert self.wq_b is not None
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, _apply_rope(q_rope, rope)], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = _apply_rope(k_rope.unsqueeze(2), rope)
+        kv = self.wkv_b(self.kv_norm(latent)).view(
+            B, S, -1, self.qk_nope_head_dim + self.v_head_dim
+        )
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        return result
+
+    def init_weights(self, init_std: float) -> None:
+        """Truncated-normal projections (``wo`` with ``init_std``, the others 0.02); norms 1.
+
+        See Also:
+            ``torchtitan.models.deepseek_v3.model.model.Attention.init_weights``.
+        """
+        for lin in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
+            if lin is not None:
+                nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.kv_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+
+def _routing(
+    num_experts: int, top_k: int, shared: int, groups: int | None, limited: int | None, scale: float
+) -> MoEArgs:
+    return MoEArgs(
+        num_experts=num_experts,
+        num_shared_experts=shared,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=scale,
+        score_before_experts=False,
+        num_expert_groups=groups,
+        num_limited_groups=limited,
+        top_k=top_k,
+        load_balance_coeff=1e-3,
+    )
+
+
+deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
+    "tiny": DeepSeekV3Args(dim=64, n_layers=2, n_dense_layers=1, n_heads=4, vocab_size=2048,
+                           ffn_hidden_dim=128, moe_hidden_dim=32, norm_eps=1e-6,
+                           rope_theta=10000.0, max_seq_len=512, q_lora_rank=0, kv_lora_rank=32,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                           moe_args=_routing(8, 2, 1, 2, 1, 2.5)),
+    "debugmodel": DeepSeekV3Args(dim=256, n_layers=6, n_dense_layers=1, n_heads=16,
+                                 vocab_size=2048, ffn_hidden_dim=1024, moe_hidden_dim=256,
+                                 norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096,
+                                 q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
+                                 qk_rope_head_dim=64, v_head_dim=128,
+                                 moe_args=_routing(8, 3, 2, None, None, 1.0)),
+    "671B": DeepSeekV3Args(dim=7168, n_layers=61, n_dense_layers=3, n_heads=128,
+                           vocab_size=129280, ffn_hidden_dim=18432, moe_hidden_dim=2048,
+                           norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096,
+                           q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                           qk_rope_head_dim=64, v_head_dim=128,
+                           moe_args=_routing(256, 8, 1, 8, 4, 2.5)),
+}  # fmt: skip
+"""DeepSeek-V3 sizes: ``tiny`` (tests: one dense and one MoE block, 8 experts in 2 groups),
+``debugmodel`` (CPU runs) and ``671B`` (the published model at its 4096-token pre-training
+context: 61 blocks, 3 dense, 256 routed experts in 8 groups of which 4 are reachable, top 8,
+1 shared expert, routed scale 2.5, query rank 1536, KV rank 512). YaRN context extension is
+not part of this release."""
+
+
+class DeepSeekV3(MoEDecoder):
+    """The DeepSeek-V3 decoder: latent attention, dense first blocks, then MoE blocks.
+
+    Args:
+        args: Model arguments (a :data:`deepseek_v3_flavors` entry).
+
+    See Also:
+        ``torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model``;
+        ``transformers.DeepseekV3ForCausalLM``.
+    """
+
+    def __init__(self, args: DeepSeekV3Args) -> None:
+        super().__init__(args, MLAttention, rope_dim=args.qk_rope_head_dim)
+
+
+def parallelize_deepseek_v3(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+) -> nn.Module:
+    """Apply TP, EP, AC, compile and FSDP (experts on the ``efsdp`` mesh) to DeepSeek-V3.
+
+    Args:
+        model: The DeepSeek-V3 decoder.
+        parallel_dims: Degrees and meshes (``build_mesh`` done).
+        job_config: The job configuration.
+
+    Returns:
+        The parallelized model (modified in place).
+
+    See Also:
+        ``torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3``.
+    """
+    from hp_trainer.distributed.expert_parallel import parallelize_moe_decoder
+
+    return parallelize_moe_decoder(model, parallel_dims, job_config)
+
+
+register_model_spec(
+    ModelSpec(
+        name="deepseek_v3",
+        flavors=dict(deepseek_v3_flavors),
+        model_cls=DeepSeekV3,
+        parallelize_fn=parallelize_deepseek_v3,
+        state_dict_adapter=DeepSeekV3StateDictAdapter,
+    )
+)
