@@ -126,10 +126,12 @@ def _per_choice(
     permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, topk: int
 ) -> torch.Tensor:
     """``[T, k, ...]`` view of the rows back in (token, choice) order."""
-    inverse = torch.empty_like(sorted_indices)
-    inverse[sorted_indices] = torch.arange(
-        sorted_indices.numel(), device=sorted_indices.device, dtype=sorted_indices.dtype
-    )
+    # The inverse permutation by one integer scatter (the tensor op, not ``inverse[idx] = ...``
+    # indexing, whose Python path costs more here), then one row gather (faster on CPU than a
+    # row ``index_copy_`` scatter).
+    n = sorted_indices.numel()
+    positions = torch.arange(n, device=sorted_indices.device, dtype=sorted_indices.dtype)
+    inverse = torch.empty_like(sorted_indices).scatter_(0, sorted_indices, positions)
     rows = permuted_tokens.index_select(0, inverse)
     return rows.view(permuted_tokens.shape[0] // topk, topk, *permuted_tokens.shape[1:])
 
