@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -18,9 +19,11 @@ from hp_trainer.preflight import preflight
 __all__ = [
     "EXIT_STOPPED_SAVED",
     "EXIT_STOPPED_UNSAVED",
+    "LaunchOptions",
     "main",
     "needs_launcher",
     "nproc_for",
+    "split_launch_options",
 ]
 
 # Variables torch's launchers (torchrun / elastic agent) and Slurm-style setups export.
@@ -48,6 +51,93 @@ def _stop_status(run_folder: Path, since: float) -> int | None:
     except (OSError, ValueError):
         return None
     return _STOP_STATUS.get(status)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """torchrun's rendezvous options that ``hp-train`` accepts for a multi-node job.
+
+    Attributes:
+        nnodes: Number of nodes (launcher processes) that form the job.
+        node_rank: This node's index (optional with the c10d rendezvous).
+        rdzv_endpoint: ``host:port`` of the rendezvous (needed when ``nnodes > 1``).
+        rdzv_id: Job id shared by the nodes.
+    """
+
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "hp-train"
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether rendezvous options were given (else a standalone single-node job)."""
+        return self.nnodes > 1 or self.rdzv_endpoint is not None
+
+
+_LAUNCH_FLAGS = {
+    "nnodes": "nnodes",
+    "node_rank": "node_rank",
+    "rdzv_endpoint": "rdzv_endpoint",
+    "rdzv_id": "rdzv_id",
+}
+
+
+def split_launch_options(args: list[str]) -> tuple[LaunchOptions, list[str]]:
+    """Take torchrun's rendezvous options out of ``args``.
+
+    Args:
+        args: ``hp-train`` arguments.
+
+    Returns:
+        The launch options and the remaining (config) arguments.
+
+    Raises:
+        ValueError: For a missing or invalid value, or ``--nnodes > 1`` without
+            ``--rdzv-endpoint``.
+
+    See Also:
+        ``torch.distributed.run``: ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``.
+    """
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        key, eq, inline = args[i].removeprefix("--").partition("=")
+        name = _LAUNCH_FLAGS.get(key.replace("-", "_")) if args[i].startswith("--") else None
+        if name is None:
+            rest.append(args[i])
+            i += 1
+            continue
+        if eq:
+            found[name] = inline
+            i += 1
+        elif i + 1 < len(args):
+            found[name] = args[i + 1]
+            i += 2
+        else:
+            raise ValueError(f"option {args[i]} needs a value")
+    try:
+        nnodes = int(found.get("nnodes", "1"))
+        node_rank = int(found["node_rank"]) if "node_rank" in found else None
+    except ValueError:
+        raise ValueError(
+            f"--nnodes / --node-rank need integers, got {found.get('nnodes')!r} / "
+            f"{found.get('node_rank')!r}"
+        ) from None
+    endpoint = found.get("rdzv_endpoint")
+    if nnodes < 1 or (node_rank is not None and not 0 <= node_rank < nnodes):
+        raise ValueError(
+            f"--nnodes {nnodes} / --node-rank {node_rank}: expected 0 <= rank < nnodes"
+        )
+    if nnodes > 1 and endpoint is None:
+        raise ValueError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)"
+        )
+    if endpoint is not None and not endpoint.rpartition(":")[2].isdigit():
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT")
+    options = LaunchOptions(nnodes, node_rank, endpoint, found.get("rdzv_id", "hp-train"))
+    return options, rest
 
 
 def nproc_for(config: JobConfig) -> int:
@@ -94,12 +184,21 @@ def needs_launcher(config: JobConfig) -> bool:
     return not under_launcher and nproc_for(config) > 1
 
 
-def _launch(nproc: int, argv: list[str], run_folder: Path) -> int:
+def _launch(nproc: int, argv: list[str], run_folder: Path, launch: LaunchOptions) -> int:
     from torch.distributed.run import get_args_parser, run
 
+    rendezvous = ["--standalone"]
+    if launch.multi_node:
+        rendezvous = [
+            f"--nnodes={launch.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={launch.rdzv_endpoint}",
+            f"--rdzv-id={launch.rdzv_id}",
+        ]
+        # the c10d rendezvous numbers the nodes itself (torchrun ignores --node-rank with it)
     launcher_args = get_args_parser().parse_args(
         [
-            "--standalone",
+            *rendezvous,
             f"--nproc-per-node={nproc}",
             "--local-ranks-filter=0",
             "--module",
@@ -123,6 +222,19 @@ def _launch(nproc: int, argv: list[str], run_folder: Path) -> int:
     return _stop_status(run_folder, started) or 0
 
 
+def _nproc_per_node(config: JobConfig, nnodes: int) -> int:
+    """Local ranks per node: ``job.nproc_per_node``, else the job's ranks split over nodes."""
+    if config.job.nproc_per_node > 0:
+        return config.job.nproc_per_node
+    total = nproc_for(config)
+    if total % nnodes != 0:
+        raise ValueError(
+            f"the parallel degrees need {total} ranks, which {nnodes} nodes cannot share "
+            "equally: set --nproc (ranks per node)"
+        )
+    return total // nnodes
+
+
 def _describe_failure(exc: Exception) -> str:
     """One line naming the failed rank(s) of a ``ChildFailedError`` (else the exception)."""
     failures = getattr(exc, "failures", None)
@@ -137,6 +249,14 @@ def _describe_failure(exc: Exception) -> str:
             how = f"killed by signal {failure.signal_name()}"
         parts.append(f"rank {rank} (pid {getattr(failure, 'pid', '?')}) failed: {how}")
     return "; ".join(parts) + "; the other ranks were stopped"
+
+
+_LAUNCH_HELP = """
+[launch] multi-node jobs (torchrun's rendezvous options; not needed under torchrun or Slurm)
+  --nnodes N                number of nodes; run hp-train once per node with the same options
+  --node-rank R             this node's index (optional)
+  --rdzv-endpoint HOST:PORT rendezvous address, the same on every node (needed with --nnodes > 1)
+  --rdzv-id ID              job id shared by the nodes (default: hp-train)"""
 
 
 def _quiet_known_warnings() -> None:
@@ -186,12 +306,18 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
         print(ConfigManager().help_text())
+        print(_LAUNCH_HELP)
         return 0
     rank = int(os.environ.get("RANK", "0"))
     try:
+        launch_options, args = split_launch_options(args)
         config = ConfigManager().parse_args(args)
-        launch = needs_launcher(config)
-        world = nproc_for(config) if launch else int(os.environ.get("WORLD_SIZE", "1"))
+        launch = needs_launcher(config) or launch_options.multi_node
+        if launch_options.multi_node and any(name in os.environ for name in _LAUNCHER_ENV):
+            raise ValueError("--nnodes/--rdzv-endpoint given, but already under a launcher")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if launch:
+            world = _nproc_per_node(config, launch_options.nnodes) * launch_options.nnodes
         report = preflight(config, world)
     except (ValueError, ImportError, FileNotFoundError) as exc:
         if rank == 0:
@@ -202,10 +328,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hp-train: note: {note}", file=sys.stderr, flush=True)
     args += report.overrides
     if launch:
-        nproc = nproc_for(config)
-        print(f"hp-train: starting {nproc} local ranks with torch.distributed.run", flush=True)
+        nproc = _nproc_per_node(config, launch_options.nnodes)
+        where = ""
+        if launch_options.multi_node:
+            where = f" (node {launch_options.node_rank} of {launch_options.nnodes}, rendezvous "
+            where += f"at {launch_options.rdzv_endpoint})"
+        print(
+            f"hp-train: starting {nproc} local ranks with torch.distributed.run{where}",
+            flush=True,
+        )
         start = time.perf_counter()
-        status = _launch(nproc, args, config.run_folder)
+        status = _launch(nproc, args, config.run_folder, launch_options)
         print(f"hp-train: finished in {time.perf_counter() - start:.1f} s", flush=True)
         return status
     if report.overrides:

@@ -1,0 +1,94 @@
+"""Multi-node launch: two hp-train "nodes" of 2 ranks on 127.0.0.1 form one 4-rank job."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_trainer import ConfigManager, Trainer, load_documents
+from hp_trainer.cli import LaunchOptions, main, split_launch_options
+
+_ARGS = [
+    "--config", "debug", "--model.flavor", "tiny", "--training.steps", "5",
+    "--training.seq_len", "32", "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "float32", "--parallelism.tensor_parallel_degree", "1",
+    "--metrics.log_freq", "1", "--metrics.enable_plot", "false",
+    "--metrics.enable_progress_bar", "false", "--training.seed", "0",
+]  # fmt: skip
+
+
+def _hp_train(folder: Path, run: str, *extra: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [
+        sys.executable, "-m", "hp_trainer.cli", *_ARGS,
+        "--parallelism.data_parallel_shard_degree", "4", "--data.dataset",
+        str(folder / "corpus.txt"), "--job.dump_folder", str(folder), "--job.run_name", run,
+        *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _losses(folder: Path, run: str) -> list[float]:
+    lines = (folder / run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_like_one(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_text(
+        "\n".join(load_documents("tiny_stories_synth")[:200]) + "\n"
+    )
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdzv = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t"]
+    nodes = [_hp_train(tmp_path, "two", *rdzv, "--node-rank", str(r)) for r in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, out in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, out[-4000:]
+        assert "starting 2 local ranks" in out
+        assert "rendezvous at 127.0.0.1" in out
+    assert any("world 4 on cpu" in out for out in outputs)  # one job of 4 ranks
+    # the oracle: one process with the whole global batch (a one-node 4-rank run equals it to
+    # float rounding, see test_trainer_parity), built from the same options
+    config = ConfigManager().parse_args(
+        [*_ARGS, "--data.dataset", str(tmp_path / "corpus.txt"), "--job.dump_folder",
+         str(tmp_path), "--job.run_name", "one", "--training.local_batch_size", "8",
+         "--parallelism.data_parallel_shard_degree", "1"]
+    )  # fmt: skip
+    trainer = Trainer(config)
+    try:
+        one = trainer.train()
+    finally:
+        trainer.close()
+    two = _losses(tmp_path, "two")
+    assert len(two) == 5
+    torch.testing.assert_close(two, one, rtol=1e-5, atol=0)
+
+
+def test_rendezvous_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    options, rest = split_launch_options(
+        ["--nnodes=2", "--config", "debug", "--rdzv-endpoint", "h:29500", "--node-rank", "1"]
+    )
+    assert options == LaunchOptions(2, 1, "h:29500", "hp-train")
+    assert rest == ["--config", "debug"]
+    assert main(["--config", "debug", "--nnodes", "2"]) == 2
+    assert "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in capsys.readouterr().err
+    assert main(["--config", "debug", "--nnodes", "3", "--rdzv-endpoint", "h:1"]) == 2
+    assert "4 ranks, which 3 nodes cannot share equally" in capsys.readouterr().err
+    assert main(["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"]) == 2
+    assert "expected 0 <= rank < nnodes" in capsys.readouterr().err
