@@ -46,9 +46,14 @@ def data(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
 
 
-def _run(schedule: str) -> None:
+def _run(schedule: str, api: str = "hp_fsdp") -> None:
+    import torch.distributed as dist
+    import torch.distributed.fsdp as torch_fsdp
+
     import hp_fsdp
     import hp_fsdp.param_group as pg
+
+    fsdp: Any = hp_fsdp if api == "hp_fsdp" else torch_fsdp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -56,8 +61,8 @@ def _run(schedule: str) -> None:
     keep = {str(i) for i in range(pp_rank * BLOCKS_PER_STAGE, (pp_rank + 1) * BLOCKS_PER_STAGE)}
     stage_mod = Chain(nn.ModuleDict({k: b for k, b in model.blocks.items() if k in keep}))
     for block in stage_mod.blocks.values():
-        hp_fsdp.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-    hp_fsdp.fully_shard(stage_mod, mesh=mesh["dp"], reshard_after_forward=False)
+        fsdp.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+    fsdp.fully_shard(stage_mod, mesh=mesh["dp"], reshard_after_forward=False)
     stage = hp_pp.PipelineStage(
         stage_mod, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group()
     )
@@ -68,7 +73,19 @@ def _run(schedule: str) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    originals = {"all_gather": pg.issue_all_gather, "reduce_scatter": pg.issue_reduce_scatter}
+    # Where each FSDP issues its collectives (torch's FSDP2: the c10d functions).
+    where: dict[str, tuple[Any, str]] = (
+        {
+            "all_gather": (pg, "issue_all_gather"),
+            "reduce_scatter": (pg, "issue_reduce_scatter"),
+        }
+        if api == "hp_fsdp"
+        else {
+            "all_gather": (dist, "all_gather_single"),
+            "reduce_scatter": (dist, "reduce_scatter_single"),
+        }
+    )
+    originals = {kind: getattr(obj, name) for kind, (obj, name) in where.items()}
 
     def spy(kind: str) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -77,8 +94,8 @@ def _run(schedule: str) -> None:
 
         return wrapped
 
-    pg.issue_all_gather = spy("all_gather")
-    pg.issue_reduce_scatter = spy("reduce_scatter")
+    for kind, (obj, name) in where.items():
+        setattr(obj, name, spy(kind))
     try:
         for step in range(3):
             counts.update(all_gather=0, reduce_scatter=0)
@@ -118,11 +135,17 @@ def _run(schedule: str) -> None:
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
                 torch.testing.assert_close(full, ref_params[name], rtol=1e-5, atol=1e-5)
     finally:
-        pg.issue_all_gather = originals["all_gather"]
-        pg.issue_reduce_scatter = originals["reduce_scatter"]
+        for kind, (obj, name) in where.items():
+            setattr(obj, name, originals[kind])
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 @distributed(world_size=4)
 def test_pp_x_fsdp_equals_one_process(schedule: str) -> None:
     _run(schedule)
+
+
+@distributed(world_size=4)
+def test_pp_x_torch_fsdp2_equals_one_process() -> None:
+    # torch's FSDPModule has the same control methods: recognised by protocol too.
+    _run("1F1B", "torch")
