@@ -453,7 +453,7 @@ def test_symlink_inside_the_directory_is_followed(ckpt: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
-        (lambda b: b[:-10], "has .* bytes, the save wrote"),
+        (lambda b: b[:-10], "has .* bytes, its items end at byte"),
         (lambda b: b + b"\0" * 64, "has .* bytes, the save wrote"),
         (lambda b: b"", "has 0 bytes"),
         (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "checksum mismatch"),
@@ -546,6 +546,7 @@ def _chunk_edit(size: tuple[int, ...], chunk: tuple[int, ...], offs: tuple[int, 
         (_chunk_edit((2**40,), (2**40,), (0,)), "needs 4398046511104 bytes"),
         (_chunk_edit((2**20, 2**20), (2**20, 2**20), (0, 0)), "needs"),
         (_chunk_edit((6, 5), (6, 9), (0, 0)), "exceeds its shape"),
+        (_chunk_edit((2**40, 5), (6, 5), (0, 0)), "hold 30 of its 5497558138880 elements"),
         (_chunk_edit((6, 5), (6,), (0,)), "has 1 dims"),
         (_chunk_edit((1,) * 100, (1,) * 100, (0,) * 100), "tuple of non-negative ints"),
         (_chunk_edit((6, -5), (6, -5), (0, 0)), "non-negative ints"),
@@ -564,6 +565,7 @@ def _chunk_edit(size: tuple[int, ...], chunk: tuple[int, ...], offs: tuple[int, 
         "2**40_elements",
         "2**40_elements_2d",
         "chunk_past_shape",
+        "shape_larger_than_chunks",
         "chunk_rank",
         "100_dims",
         "negative_dim",
@@ -578,6 +580,17 @@ def _chunk_edit(size: tuple[int, ...], chunk: tuple[int, ...], offs: tuple[int, 
 def test_metadata_sizes_that_lie(ckpt: Path, edit: Callable[[Any], None], match: str) -> None:
     _edit_metadata(ckpt, edit)
     _load_rejected(ckpt, hp_dcp.CheckpointCorruptionError, match)
+
+
+def test_offline_tools_refuse_shapes_the_files_cannot_back(ckpt: Path, tmp_path: Path) -> None:
+    """dcp_to_hf and extract_tensor allocate from the metadata: they must refuse first."""
+    _edit_metadata(ckpt, _chunk_edit((2**40, 5), (6, 5), (0, 0)))
+    for tool in (
+        lambda: hp_dcp.extract_tensor(ckpt, "a"),
+        lambda: hp_dcp.dcp_to_hf(ckpt, tmp_path / "hf", progress=False),
+        lambda: hp_dcp.describe_checkpoint(ckpt),
+    ):
+        _rejected(tool, hp_dcp.CheckpointCorruptionError, "elements")
 
 
 def test_shape_mismatch_with_callers_tensor(ckpt: Path) -> None:

@@ -113,6 +113,13 @@ def validate_metadata(md: object, source: str) -> Metadata:
             raise _fail(source, f"entry {key!r} is a {type(entry).__name__}")
         _check_tensor(key, entry, source)
         itemsize = entry.properties.dtype.itemsize
+        covered = sum(_numel(tuple(chunk.sizes)) for chunk in entry.chunks)
+        if covered < _numel(tuple(entry.size)):
+            raise _fail(
+                source,
+                f"the chunks of {key!r} hold {covered} of its {_numel(tuple(entry.size))} "
+                "elements (a shape larger than the stored data)",
+            )
         for chunk in entry.chunks:
             info = storage.get(MetadataIndex(key, chunk.offsets))
             if info is None:

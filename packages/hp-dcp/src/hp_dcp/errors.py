@@ -17,9 +17,18 @@ class CheckpointCorruptionError(RuntimeError):
     The message names the file (and the byte range inside it) whose contents changed after the
     save committed: a flipped bit on disk, a truncated copy, or a file edited by hand.
 
+    Attributes:
+        file: the damaged file, relative to the checkpoint, when known.
+        item: the damaged item (its state-dict key), when known.
+
     See Also:
         ``torch.distributed.checkpoint.CheckpointException``: PyTorch's DCP error wrapper.
     """
+
+    def __init__(self, message: str, *, file: str | None = None, item: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+        self.item = item
 
 
 class IncompleteCheckpointError(RuntimeError):

@@ -808,6 +808,7 @@ class FileSystemReader(StorageReader):
             if expected is None or expected.get("crc32") != crc32(blob):
                 raise _crc_mismatch(md_path, 0, len(blob), "the DCP metadata")
         metadata = validate_metadata(load_metadata(blob, str(md_path)), str(md_path))
+        _check_extents(path, metadata)
         meta = metadata.storage_meta
         if meta is not None and not isinstance(meta, StorageMeta):
             raise CheckpointCorruptionError(f"{md_path} has storage_meta {meta!r:.80}")
@@ -933,6 +934,29 @@ class FileSystemReader(StorageReader):
             ``torch.distributed.checkpoint.FileSystemReader.validate_checkpoint_id``.
         """
         return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+def _check_extents(root: Path, metadata: Metadata) -> None:
+    """Every stored item must lie inside its (confined, regular) file: checked before planning,
+    so nothing is allocated from sizes the files cannot back."""
+    ends: dict[str, tuple[int, str]] = {}
+    for index, info in metadata.storage_data.items():
+        end = info.offset + info.length
+        if end > ends.get(info.relative_path, (-1, ""))[0]:
+            ends[info.relative_path] = (end, index.fqn)
+    for rel, (end, fqn) in sorted(ends.items()):
+        fd = open_member(root, rel, f"{root}/.metadata")
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if end > size:
+            raise CheckpointCorruptionError(
+                f"checkpoint file {root / rel} has {size} bytes, its items end at byte {end} "
+                f"(item {fqn!r}): the file was truncated or the metadata lies about sizes",
+                file=rel,
+                item=fqn,
+            )
 
 
 def _deliver_bytes(planner: LoadPlanner, req: ReadItem, value: Any, data: bytes) -> None:

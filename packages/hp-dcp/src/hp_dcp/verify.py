@@ -103,6 +103,8 @@ class _Checker:
 
     def fail(self, exc: BaseException, file: str | None, item: str | None) -> VerificationReport:
         status = next(s for cls, s in _STATUS_OF.items() if isinstance(exc, cls))
+        file = getattr(exc, "file", None) or file
+        item = getattr(exc, "item", None) or item
         return VerificationReport(
             self.root, status, tuple(self.files), self.items, file, item, str(exc)
         )
