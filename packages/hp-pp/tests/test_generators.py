@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from hp_pp.actions import Action, ActionType
-from hp_pp.comm_lowering import add_communication
+from hp_pp.comm_lowering import add_communication, add_reduce_grad, add_unshard_reshard
 from hp_pp.generators import (
     SCHEDULE_NAMES,
     STYLE,
@@ -277,3 +277,17 @@ def test_mpipe_lowering_ships_the_preprocess_to_stage_zero() -> None:
     # Stage 0's forward of a transposed micro-batch comes after its preprocess output arrived.
     for mb in (1, 2):
         assert rank0.index(f"0RECV_PRE{mb}") < rank0.index(f"0F{mb}")
+
+
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"])
+def test_fsdp_lowering_equals_torch(name: str) -> None:
+    p = 3
+    stages = p if name == "1F1B" else 2 * p
+    m = 2 * p
+    table = generate(name, pp_size=p, num_stages=stages, n_microbatches=m)
+    ours = add_unshard_reshard(add_reduce_grad(table, n_microbatches=m))
+    assert add_reduce_grad(add_unshard_reshard(table), n_microbatches=m) == ours
+    for rank, acts in table.items():
+        as_torch = [None if a is None else torch_schedules._Action.from_str(str(a)) for a in acts]
+        theirs = torch_schedules._add_reduce_grad(torch_schedules._add_unshard_reshard(as_torch), m)
+        assert [str(a) for a in ours[rank]] == [repr(a) for a in theirs], (name, rank)

@@ -246,6 +246,8 @@ def add_unshard_reshard(table: ScheduleTable, *, max_active_stages: int = 3) -> 
     Each rank keeps at most ``max_active_stages`` stages unsharded: before each compute action
     it looks at the next stages it will use, reshards the active ones not among them and
     unshards (prefetches) the missing ones, in use order. Everything is resharded at the end.
+    Other actions (transfers, ``REDUCE_GRAD``) pass through, so the two FSDP passes compose in
+    either order.
 
     Raises:
         ValueError: ``max_active_stages < 1``.
@@ -257,25 +259,29 @@ def add_unshard_reshard(table: ScheduleTable, *, max_active_stages: int = 3) -> 
         raise ValueError(f"max_active_stages must be >= 1, got {max_active_stages}")
     result: ScheduleTable = {}
     for rank, actions in table.items():
-        compute = [a for a in actions if a is not None]
-        active: list[int] = []
+        present = [a for a in actions if a is not None]
+        active: set[int] = set()
         out: list[Action | None] = []
-        for index, action in enumerate(compute):
+        for index, action in enumerate(present):
+            if not (action.type.is_compute or action.type is ActionType.OVERLAP_F_B):
+                out.append(action)  # transfers, REDUCE_GRAD, MPipe's preprocess: no change
+                continue
             upcoming: list[int] = []
-            for later in compute[index:]:
+            for later in present[index:]:
                 for leaf in leaf_actions(later):
                     if leaf.type.is_compute and leaf.stage_index not in upcoming:
                         upcoming.append(leaf.stage_index)
                 if len(upcoming) >= max_active_stages:
                     break
             upcoming = upcoming[:max_active_stages]
-            for stage in [s for s in active if s not in upcoming]:
-                active.remove(stage)
+            for stage in sorted(active - set(upcoming)):
+                active.discard(stage)
                 out.append(Action(stage, ActionType.RESHARD))
-            for stage in [s for s in upcoming if s not in active]:
-                active.append(stage)
-                out.append(Action(stage, ActionType.UNSHARD))
+            for stage in upcoming:
+                if stage not in active:
+                    active.add(stage)
+                    out.append(Action(stage, ActionType.UNSHARD))
             out.append(action)
-        out.extend(Action(stage, ActionType.RESHARD) for stage in active)
+        out.extend(Action(stage, ActionType.RESHARD) for stage in sorted(active))
         result[rank] = out
     return result
