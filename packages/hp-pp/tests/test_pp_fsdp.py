@@ -149,3 +149,39 @@ def test_pp_x_fsdp_equals_one_process(schedule: str) -> None:
 def test_pp_x_torch_fsdp2_equals_one_process() -> None:
     # torch's FSDPModule has the same control methods: recognised by protocol too.
     _run("1F1B", "torch")
+
+
+def _run_multi(schedule: str) -> None:
+    """Two stages per rank, backward split into I and W: FSDP reduces at each stage's last W."""
+    import hp_fsdp
+    from hp_pp import generators
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    model, ref = full_model(), full_model()
+    blocks = list(model.blocks.values())
+    indices = generators.rank_to_stages(pp_rank, 2, 4, generators.STYLE[schedule])
+    stages = []
+    for s in indices:
+        hp_fsdp.fully_shard(blocks[s], mesh=mesh["dp"], reshard_after_forward=False)
+        stages.append(
+            hp_pp.PipelineStage(blocks[s], s, 4, torch.device("cpu"), group=mesh["pp"].get_group())
+        )
+    sched = hp_pp.get_schedule_class(schedule)(stages, N_MB, loss_fn=nn.functional.mse_loss)
+    x, y = data(0, dp_rank)
+    sched.step(*((x,) if 0 in indices else ()), target=y if 3 in indices else None)
+    for d in range(2):
+        xd, yd = data(0, d)
+        for xm, ym in zip(xd.chunk(N_MB), yd.chunk(N_MB), strict=True):
+            (nn.functional.mse_loss(ref(xm), ym) / (N_MB * 2)).backward()
+    ref_blocks = list(ref.blocks.values())
+    for s in indices:
+        for p, q in zip(blocks[s].parameters(), ref_blocks[s].parameters(), strict=True):
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble"])
+@distributed(world_size=4)
+def test_pp_x_fsdp_with_split_backward(schedule: str) -> None:
+    _run_multi(schedule)
