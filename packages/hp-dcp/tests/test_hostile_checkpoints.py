@@ -709,6 +709,7 @@ def test_hf_checksums_stripped_from_index(hf: Path) -> None:
     ("target", "error", "match"),
     [
         ("missing.safetensors", FileNotFoundError, "does not exist"),
+        ("foreign.safetensors", hp_dcp.CheckpointCorruptionError, "no valid checksum"),
         ("../outside.safetensors", hp_dcp.UnsafeCheckpointError, "outside the checkpoint"),
         ("/etc/passwd", hp_dcp.UnsafeCheckpointError, "outside the checkpoint"),
         (7, hp_dcp.UnsafeCheckpointError, "not a file name"),
@@ -718,6 +719,7 @@ def test_hf_index_pointing_elsewhere(
     hf: Path, target: Any, error: type[BaseException], match: str
 ) -> None:
     save_file({"w": torch.ones(1)}, str(hf.parent / "outside.safetensors"))
+    save_file({"w": torch.ones(1)}, str(hf / "foreign.safetensors"))
     index = _index(hf)
     index["weight_map"]["w"] = target
     _set_index(hf, index)

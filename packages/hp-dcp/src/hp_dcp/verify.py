@@ -54,7 +54,7 @@ class CheckpointStatus(Enum):
     CORRUPT = 3
     """A file is missing, truncated, changed, or not what the metadata says."""
     INCOMPLETE = 4
-    """Not a committed checkpoint: an interrupted save, or no ``.metadata``."""
+    """The directory is not a committed checkpoint (an interrupted save, or no ``.metadata``)."""
     UNSAFE = 5
     """Loading would need code from the checkpoint, or a path leaves the directory."""
 
