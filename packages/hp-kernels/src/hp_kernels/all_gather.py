@@ -68,13 +68,19 @@ def _all_gather_copy_out_op(
     world_size: int,
     out: list[torch.Tensor],
 ) -> None:
-    with torch.no_grad():
+    # Grad mode off around the out= copy (outputs may be storage of parameters that require
+    # grad), switched directly: the ``no_grad`` context object costs more than the switch.
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
         torch.split_with_sizes_copy(
             all_gather_output.view(world_size, -1),
-            list(input_split_sizes),
+            input_split_sizes,
             dim=1,
             out=[o.view(world_size, -1) for o in out],
         )
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
 
 
 @_all_gather_copy_out_op.register_fake
