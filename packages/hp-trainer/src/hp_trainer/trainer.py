@@ -190,6 +190,13 @@ class Trainer:
         self.model = model
         self.model_parts = [model]
         self.loss_parallel_enabled = dims.tp_enabled and not par.disable_loss_parallel
+        # mixed precision: FSDP/HSDP gather parameters in the compute dtype; without them the
+        # parameters stay float32 (master weights) and autocast computes in that dtype
+        compute = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            training.mixed_precision_param
+        )
+        sharded = dims.dp_enabled or dims.cp_enabled
+        self._autocast_dtype: torch.dtype | None = None if sharded else compute
 
         # -- optimizer, schedule, data, metrics -------------------------------------------------
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
@@ -333,6 +340,12 @@ class Trainer:
             )
         return prepared
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16/fp16 compute without FSDP (which casts parameters itself); else nothing."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
         return loss_parallel() if self.loss_parallel_enabled else contextlib.nullcontext()
 
@@ -366,7 +379,8 @@ class Trainer:
             ``torchtitan.train.Trainer.forward_backward_step``.
         """
         with self._loss_context():
-            logits = self.model(inputs)
+            with self._autocast():
+                logits = self.model(inputs)
             loss = F.cross_entropy(
                 logits.flatten(0, 1).float(),
                 labels.flatten(0, 1),
