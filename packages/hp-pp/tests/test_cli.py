@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -181,3 +182,12 @@ def test_console_script_is_declared() -> None:
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "hp-pp"]
     assert script.value == "hp_pp.cli:main"
     assert script.load() is main
+
+
+def test_pictures_without_matplotlib_exit_2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["simulate", "--schedule", "1F1B", "--stages", "2", "--microbatches", "2"]
+    assert main([*argv, "--no-compare", "--out", str(tmp_path)]) == 2
+    assert "pip install 'hp-pp[plot]'" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,13 @@ def test_mpipe_moves_the_preprocess_off_stage_zero() -> None:
     too_big = PipelineCosts(preprocess_forward=5.0)
     with pytest.raises(ValueError, match="preprocess part of stage 0"):
         simulate_schedule(generate("MPipe", pp_size=2, num_stages=4, n_microbatches=4), too_big)
+
+
+def test_missing_matplotlib_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = simulate_schedule(generate("GPipe", pp_size=2, num_stages=2, n_microbatches=2))
+    with pytest.raises(ImportError, match=r"pip install 'hp-pp\[plot\]'"):
+        write_timeline_png(result, tmp_path / "x.png")
+    write_chrome_trace(result, tmp_path / "x.json")  # needs nothing
