@@ -25,7 +25,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, Event
+from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, Event, Stream
 from hp_dtensor.device import stream as device_stream
 from hp_fsdp.collectives import (
     AllGatherResult,
@@ -188,6 +188,22 @@ class _PostBackwardTrigger(torch.autograd.Function):
     def jvp(ctx: Any, group_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # The group is not differentiable: forward-mode tangents pass straight through.
         return tangents
+
+
+def _pack_layouts(
+    stream: Stream, params: list[ShardedParam], grads: list[torch.Tensor]
+) -> list[int]:
+    """Put each gradient in its reduce-scatter layout, in place in ``grads``; the shard dims.
+
+    The gradients are produced on the compute stream and read on ``stream``. No reference to
+    them outlives this call (the caller's list is the only one, cleared by the collective's
+    copy-in), so each is freed as soon as it is packed.
+    """
+    for grad in grads:
+        stream.record_tensor(grad)
+    layouts = [p.reduce_scatter_layout(g) for p, g in zip(params, grads, strict=True)]
+    grads[:] = [t for t, _ in layouts]
+    return [d for _, d in layouts]
 
 
 class PendingReduction:
@@ -938,6 +954,7 @@ class ParamGroup:
             with record_function(f"FSDP::post_backward_rs_wait ({self.fqn})"):
                 ctx.advance_reductions(self.options.max_inflight_reductions)
         with_grad, grads = taken
+        del taken  # ``grads`` is the only reference: the copy-in frees each gradient
         if not grads:
             return
         with self.profile_range("FSDP::post_backward_reduce"):
@@ -980,8 +997,10 @@ class ParamGroup:
             kept = [
                 (p, g) for p, g in zip(with_grad, grads, strict=True) if p not in self._replicated
             ]
+            grads.clear()  # the caller's list: keep one reference per gradient
             with_grad = [p for p, _ in kept]
             grads = [g for _, g in kept]
+            del kept
         if not grads:
             reductions = []
         elif self.options.comm_fusion:
@@ -1028,14 +1047,10 @@ class ParamGroup:
         )
         with device_stream(rs_stream):
             streams.mark("reduce_scatter")
-            for grad in grads:  # produced on the compute stream, read here
-                rs_stream.record_tensor(grad)
-            layouts = [p.reduce_scatter_layout(g) for p, g in zip(params, grads, strict=True)]
-            grads.clear()
-            grads.extend(t for t, _ in layouts)
+            shard_dims = _pack_layouts(rs_stream, params, grads)
             rs_input, rs_output, work = issue_reduce_scatter(
                 grads,
-                [d for _, d in layouts],
+                shard_dims,
                 reduce_dtype,
                 self.options.reduce_scatter_group or mesh_info.shard_group,
                 mesh_info.shard_size,
