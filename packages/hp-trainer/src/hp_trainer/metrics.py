@@ -13,6 +13,7 @@ import torch
 
 from hp_dtensor import device as hp_device
 from hp_trainer.config import MetricsConfig
+from hp_trainer.expert_load import format_expert_load
 
 __all__ = ["MetricsProcessor", "get_peak_flops", "logger"]
 
@@ -318,7 +319,7 @@ class MetricsProcessor:
                 f"step {step:5d}  loss {loss:8.4f}  grad_norm {grad_norm:7.4f}  lr {lr:.2e}  "
                 f"tps {tps:,.0f}  tflops {flops / 1e12:.3f}  mfu {mfu_text}  "
                 f"{mem_name} {peak_mem / 2**30:.2f}GiB"
-            )
+            ) + format_expert_load(record)
             if self.config.enable_progress_bar:
                 line = f"{_bar(step / self.total_steps)} {line}"
             prefix = "" if self.config.rank_0_only else f"[rank{self.rank}] "

@@ -30,6 +30,7 @@ from hp_trainer.data import (
     build_tokenizer,
     load_documents,
 )
+from hp_trainer.expert_load import ExpertLoadTracker
 from hp_trainer.hf_config import resolve_model_args
 from hp_trainer.metrics import MetricsProcessor, logger
 from hp_trainer.model_spec import ModelSpec, get_model_spec
@@ -70,12 +71,25 @@ def clip_grad_norm_(
         ``torch.nn.utils.clip_grad_norm_``: PyTorch's clipping;
         ``torchtitan.distributed.utils.clip_grad_norm_``: TorchTitan's DTensor-aware one.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # DTensor gradients on different meshes (experts on the expert mesh under EP) are normed
+    # per mesh, then combined: the p-norm of the per-mesh p-norms is the total p-norm
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        group_grads = [p.grad for p in group if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(group_grads, norm_type, error_if_nonfinite, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        total = norms[0]
+    else:
+        total = torch.nn.utils.get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+        for group in by_mesh.values():  # one mesh per call (foreach ops need one)
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
 
 
@@ -110,7 +124,6 @@ class Trainer:
         unsupported = {
             "context_parallel_degree": par.context_parallel_degree,
             "pipeline_parallel_degree": par.pipeline_parallel_degree,
-            "expert_parallel_degree": par.expert_parallel_degree,
         }
         for name, value in unsupported.items():
             if value != 1:
@@ -201,6 +214,10 @@ class Trainer:
         # -- optimizer, schedule, data, metrics -------------------------------------------------
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, training.steps, cfg.lr_scheduler)
+        # MoE: routing-bias update and expert-load metrics, counts summed over dp x cp
+        self.expert_load = ExpertLoadTracker(
+            self.model_parts, dims.get_mesh("dp_cp").get_group() if self.world_size > 1 else None
+        )
         self.dataset = self._build_dataset(cfg.data.dataset, args.vocab_size)
         self.dataloader = ParallelAwareDataloader(
             self.dataset,
@@ -428,6 +445,7 @@ class Trainer:
         # a background checkpoint stager may still be copying the weights of the previous step
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
+        self.expert_load.step()
         self.lr_schedulers.step()
         return loss, norm
 
@@ -528,7 +546,7 @@ class Trainer:
                 self.grad_norms.append(norm)
                 self.metrics.observe_loss(self.step, loss)
                 if self.metrics.should_log(self.step):
-                    self.metrics.log(self.step, loss, norm, lr)
+                    self.metrics.log(self.step, loss, norm, lr, extra=self.expert_load.metrics())
                 last = self.step == cfg.steps
                 if self.validator is not None and self.validator.should_validate(self.step, last):
                     val_loss, perplexity = self.validator.validate(self.model)

@@ -1,0 +1,141 @@
+"""MoE models under expert parallel x FSDP train like one process; expert-load metrics are exact."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hp_cp_ep import MoE
+from hp_dtensor.testing import run_distributed
+from hp_trainer import ConfigManager, JobConfig, Trainer, load_documents
+from hp_trainer.expert_load import ExpertLoadTracker, format_expert_load
+from hp_trainer.model_spec import get_model_spec
+
+
+def _corpus(folder: Path) -> str:
+    path = folder / "corpus.txt"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"corpus.{os.getpid()}.tmp"
+        tmp.write_text("\n".join(load_documents("tiny_stories_synth")[:200]) + "\n")
+        os.replace(tmp, path)
+    return str(path)
+
+
+def _config(folder: Path, model: str, local_bs: int, par: dict[str, Any], run: str) -> JobConfig:
+    return ConfigManager().from_dict(
+        {
+            "job": {"run_name": run, "dump_folder": str(folder)},
+            "model": {"name": model, "flavor": "tiny"},
+            "training": {
+                "local_batch_size": local_bs,
+                "seq_len": 32,
+                "steps": 3,
+                "seed": 0,
+                "max_norm": 1.0,
+                "mixed_precision_param": "float32",
+                "mixed_precision_reduce": "float32",
+            },
+            "parallelism": par,
+            # Adam divides by sqrt(v) + eps: with eps 1e-8 a near-zero gradient whose last bits
+            # differ (another reduction order) moves its weight by up to lr; 1e-6 bounds that
+            "optimizer": {"lr": 5e-3, "eps": 1e-6},
+            "lr_scheduler": {"warmup_steps": 1},
+            "metrics": {"log_freq": 1, "enable_plot": False, "enable_progress_bar": False},
+            "data": {"dataset": _corpus(folder)},
+        }
+    )
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # every rank gathers every DTensor in the same order (collectives)
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+
+
+def _train(folder: str, model: str, local_bs: int, par: dict[str, Any], run: str) -> Any:
+    trainer = Trainer(_config(Path(folder), model, local_bs, par, run))
+    try:
+        losses = trainer.train()
+        state = _full_state(trainer.model)
+        return losses, trainer.grad_norms, state, trainer.metrics.history
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_ep2_x_dp_matches_single_process(tmp_path: Path, model: str) -> None:
+    """ep 2 borrowed from dp_shard 4 (efsdp 2): experts sharded over ep, then FSDP over efsdp."""
+    par = {"data_parallel_shard_degree": 4, "expert_parallel_degree": 2}
+    results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "ep", timeout=180)
+    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 8, {}, "ref")
+    assert len(ref_losses) == 3
+    for losses, norms, state, _ in results:
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-5
+        )
+        assert set(state) == set(ref_state)
+        for key, value in ref_state.items():
+            torch.testing.assert_close(
+                state[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+            )
+    # the routing bias moved (deepseek_v3) identically; load metrics are the global counts
+    if model == "deepseek_v3":
+        assert ref_state["layers.1.moe.expert_bias"].abs().sum() > 0
+    record = results[0][3][-1]
+    ref_record = ref_history[-1]
+    assert record["moe_layers"] == ref_record["moe_layers"]
+    total = 8 * 32 * 2  # tokens of the step x top_k, per MoE layer
+    for layer in record["moe_layers"].values():
+        assert sum(layer["tokens_per_expert"]) == total
+    lines = (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["moe_imbalance"] == record["moe_imbalance"]
+
+
+def _known_routing(rank_tokens: list[int]) -> Any:
+    """deepseek_v3 tiny with a zero gate and a bias that sends every token to experts 6 and 7."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    model = get_model_spec("deepseek_v3").build("tiny")
+    model.init_weights()  # type: ignore[operator]
+    moe = model.layers["1"].moe
+    assert isinstance(moe, MoE)
+    assert moe.expert_bias is not None
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()  # every score 0.5: the bias decides
+        moe.expert_bias.copy_(torch.tensor([0, 0, 0.1, 0, 0, 0, 0.3, 0.2]))
+    bias_before = moe.expert_bias.clone()
+    tracker = ExpertLoadTracker([model], None)
+    model(torch.randint(0, 2048, (1, rank_tokens[rank])))
+    loads = tracker.step()
+    return loads["layers.1.moe"], tracker.metrics(), bias_before, moe.expert_bias.clone()
+
+
+def test_expert_load_of_a_known_routing_equals_hand_counts() -> None:
+    rank_tokens = [5, 11]  # different batches on the two ranks
+    results = run_distributed(_known_routing, 2, rank_tokens, timeout=60)
+    # group limit: group 1 (experts 4..7) scores 0.8 + 0.7 > group 0's 0.6 + 0.5; top 2: 6, 7
+    counts = [0, 0, 0, 0, 0, 0, 16, 16]
+    for load, metrics, before, after in results:
+        assert load.tokens_per_expert.tolist() == counts
+        assert (load.min, load.max, load.mean) == (0.0, 16.0, 4.0)
+        assert load.imbalance == 4.0
+        assert metrics["moe_tokens_per_expert_min"] == 0.0
+        assert metrics["moe_tokens_per_expert_max"] == 16.0
+        assert metrics["moe_imbalance"] == 4.0
+        assert format_expert_load(metrics) == "  experts min 0 max 16 imbalance 4.00"
+        # overloaded experts lose 1e-3, the others gain it (centred): the update is over dp
+        step = torch.tensor([1, 1, 1, 1, 1, 1, -1, -1], dtype=torch.float32) * 1e-3
+        torch.testing.assert_close(after - before, step - step.mean())
