@@ -328,6 +328,10 @@ class MetricsConfig:
     """Peak FLOP/s of one device for MFU (0 looks the device up; unknown devices show n/a)."""
     rank_0_only: bool = True
     """Log on rank 0 only (otherwise every rank prints its own line)."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases from rank 0 (needs ``wandb``: ``pip install 'hp-trainer[wandb]'``;
+    ``WANDB_PROJECT`` names the project, default ``hp-trainer``; ``WANDB_MODE=offline`` writes
+    ``wandb/`` in the run folder without a network). A resumed run continues the same W&B run."""
 
     def __post_init__(self) -> None:
         if self.log_freq < 1:

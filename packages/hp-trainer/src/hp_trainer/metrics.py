@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -61,6 +63,29 @@ def _device_name() -> str:
     module = getattr(torch, kind, None)
     get_name = getattr(module, "get_device_name", None)
     return str(get_name()) if get_name is not None else kind
+
+
+def _start_wandb(run_folder: Path, resume_step: int) -> Any:
+    """A W&B run in ``run_folder/wandb``; a resumed run continues the id kept in the folder."""
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError(
+            "metrics.enable_wandb needs Weights & Biases: pip install 'hp-trainer[wandb]'"
+        ) from exc
+    id_file = run_folder / "wandb_run_id"
+    if resume_step > 0 and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = uuid.uuid4().hex[:8]  # W&B's id format: 8 lowercase alphanumerics
+        id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "hp-trainer"),
+        name=run_folder.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_folder),
+    )
 
 
 def _parse_loss_line(line: str) -> tuple[int, float]:
@@ -148,6 +173,7 @@ class MetricsProcessor:
         self.peak_flops = config.peak_flops or get_peak_flops(self.device_name)
         self._jsonl: TextIO | None = None
         self._tb: Any = None
+        self._wandb: Any = None
         self._closed = False
         self._tokens_since_log = 0
         self._time_last_log = time.perf_counter()
@@ -217,6 +243,8 @@ class MetricsProcessor:
 
             purge = {"purge_step": resume_step + 1} if resume_step > 0 else {}
             self._tb = SummaryWriter(log_dir=str(self.run_folder / "tb"), **purge)
+        if self.config.enable_wandb:
+            self._wandb = _start_wandb(self.run_folder, resume_step)
 
     def should_log(self, step: int) -> bool:
         """Whether ``step`` (1-based) is logged.
@@ -312,6 +340,9 @@ class MetricsProcessor:
             if self._tb is not None:
                 for key in ("loss", "grad_norm", "lr", "tokens_per_second", "tflops"):
                     self._tb.add_scalar(key, record[key], step)
+            if self._wandb is not None:
+                numbers = {k: v for k, v in record.items() if isinstance(v, int | float)}
+                self._wandb.log({f"train/{k}": v for k, v in numbers.items()}, step=step)
         if self.is_logging_rank:
             mfu_text = f"{mfu:.2f}%" if mfu is not None else "n/a"
             mem_name = "peak_rss" if not hp_device.is_accelerator() else "peak_mem"
@@ -354,6 +385,9 @@ class MetricsProcessor:
             if self._tb is not None:
                 self._tb.add_scalar("validation/loss", loss, step)
                 self._tb.add_scalar("validation/perplexity", perplexity, step)
+            if self._wandb is not None:
+                values = {"validation/loss": loss, "validation/perplexity": perplexity}
+                self._wandb.log(values, step=step)
         if self.is_logging_rank:
             prefix = "" if self.config.rank_0_only else f"[rank{self.rank}] "
             line = f"validate step {step:5d}  loss {loss:8.4f}  perplexity {perplexity:10.3f}"
@@ -379,6 +413,9 @@ class MetricsProcessor:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self.rank != 0 or not self.config.enable_plot or not self.loss_curve:
             return None
         try:

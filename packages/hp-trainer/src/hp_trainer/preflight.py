@@ -59,6 +59,8 @@ def missing_optional_dependencies(config: JobConfig) -> list[OptionalDependency]
         wanted.append(
             OptionalDependency("metrics.enable_tensorboard", "tensorboard", "tensorboard", True)
         )
+    if config.metrics.enable_wandb:
+        wanted.append(OptionalDependency("metrics.enable_wandb", "wandb", "wandb", True))
     if config.metrics.enable_plot:
         wanted.append(OptionalDependency("metrics.enable_plot", "matplotlib", "plot", False))
     return [dep for dep in wanted if importlib.util.find_spec(dep.module) is None]
