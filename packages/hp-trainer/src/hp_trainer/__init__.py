@@ -42,7 +42,13 @@ from hp_trainer.data import (
     build_tokenizer,
     load_documents,
 )
-from hp_trainer.distributed.activation_checkpoint import apply_ac
+from hp_trainer.distributed.activation_checkpoint import (
+    apply_ac,
+    checkpoint,
+    checkpoint_wrapper,
+    swap,
+    swap_wrapper,
+)
 from hp_trainer.distributed.compile import apply_compile
 from hp_trainer.distributed.fsdp import (
     apply_fsdp_to_decoder,
@@ -50,6 +56,7 @@ from hp_trainer.distributed.fsdp import (
     enable_fsdp_symm_mem,
     get_fsdp_reshard_after_forward_policy,
 )
+from hp_trainer.distributed.swap import CheckpointPolicy, HostBufferPool, SwapManager
 from hp_trainer.distributed.tensor_parallel import apply_tp
 from hp_trainer.hf_adapters import (
     DecoderStateDictAdapter,
@@ -86,12 +93,14 @@ __all__ = [
     "BaseTrainer",
     "CheckpointConfig",
     "CheckpointManager",
+    "CheckpointPolicy",
     "CompileConfig",
     "ConfigManager",
     "DataConfig",
     "Decoder",
     "DecoderArgs",
     "DecoderStateDictAdapter",
+    "HostBufferPool",
     "HuggingFaceTokenizer",
     "HyperTrainerConfig",
     "JobConfig",
@@ -116,6 +125,7 @@ __all__ = [
     "Qwen3StateDictAdapter",
     "RNGState",
     "StateDictAdapter",
+    "SwapManager",
     "TokenizedDataset",
     "Trainer",
     "TrainingConfig",
@@ -129,6 +139,8 @@ __all__ = [
     "build_optimizers",
     "build_tokenizer",
     "builtin_config_names",
+    "checkpoint",
+    "checkpoint_wrapper",
     "clip_grad_norm_",
     "disable_fsdp_gradient_division",
     "enable_fsdp_symm_mem",
@@ -143,4 +155,6 @@ __all__ = [
     "parse_args",
     "register_model_spec",
     "register_spec",
+    "swap",
+    "swap_wrapper",
 ]

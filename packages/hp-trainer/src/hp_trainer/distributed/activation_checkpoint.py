@@ -1,8 +1,13 @@
-"""Activation checkpointing of transformer blocks: full, every N-th block, or per op."""
+"""Activation checkpointing and swap of transformer blocks: full, every N-th block, per op, swap.
+
+Also HyperParallel's function-level API: :func:`checkpoint`, :func:`checkpoint_wrapper`,
+:func:`swap` and :func:`swap_wrapper`.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,10 +16,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from hp_trainer.config import ActivationCheckpointConfig
+from hp_trainer.distributed.swap import CheckpointPolicy as HPCheckpointPolicy
+from hp_trainer.distributed.swap import SwapManager
 
-__all__ = ["apply_ac"]
+__all__ = ["apply_ac", "checkpoint", "checkpoint_wrapper", "swap", "swap_wrapper"]
 
 # Ops whose outputs selective per-op AC keeps: compute-heavy kernels and communication.
 _SAVE_LIST = {
@@ -83,3 +91,187 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
     for i, (name, block) in enumerate(list(layers.items())):
         if (i + 1) % every == 0 or every == 1:
             layers.register_module(name, _wrap(block, ac_config))
+
+
+def _torch_policy_fn(policy_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        value = policy_fn(ctx, func, *args, **kwargs)
+        if isinstance(value, CheckpointPolicy):
+            return value
+        value = HPCheckpointPolicy(value)
+        if value is HPCheckpointPolicy.MUST_SWAP:
+            raise NotImplementedError(
+                f"checkpoint(): policy_fn returned MUST_SWAP for {func}; outputs kept by a "
+                "checkpointed region cannot be swapped, wrap the region with swap() instead"
+            )
+        return value.to_torch()
+
+    return policy
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    swap_inputs: bool = False,
+    policy_fn: Callable[..., Any] | None = None,
+    context_fn: Callable[[], Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args)`` without keeping its activations; recompute them in backward.
+
+    Non-reentrant PyTorch checkpointing. ``policy_fn`` makes it selective: it is called as
+    ``policy_fn(ctx, op, *op_args, **op_kwargs)`` and returns a :class:`CheckpointPolicy`.
+
+    Args:
+        fn: The function to checkpoint.
+        *args: Its arguments.
+        swap_inputs: HyperParallel's flag for swapping the region's inputs; not supported (the
+            inputs are held by the recompute closure, not by saved-tensor hooks).
+        policy_fn: Selective-checkpoint policy (PyTorch's four values; ``MUST_SWAP`` belongs
+            to :func:`swap`).
+        context_fn: PyTorch's ``context_fn`` (exclusive with ``policy_fn``).
+        **kwargs: Passed to ``torch.utils.checkpoint.checkpoint`` (e.g. ``preserve_rng_state``).
+
+    Returns:
+        ``fn(*args)``.
+
+    Raises:
+        NotImplementedError: For ``swap_inputs=True`` or a policy returning ``MUST_SWAP``.
+        ValueError: If both ``policy_fn`` and ``context_fn`` are given.
+
+    See Also:
+        ``torch.utils.checkpoint.checkpoint`` and ``create_selective_checkpoint_contexts``;
+        HyperParallel's ``checkpoint``.
+    """
+    if swap_inputs:
+        raise NotImplementedError(
+            "checkpoint(swap_inputs=True) is not supported: use swap()/swap_wrapper() to move "
+            "a layer's saved activations to host memory"
+        )
+    if policy_fn is not None and context_fn is not None:
+        raise ValueError("checkpoint(): give policy_fn or context_fn, not both")
+    if policy_fn is not None:
+        torch_policy = _torch_policy_fn(policy_fn)
+
+        def policy_context() -> Any:
+            return create_selective_checkpoint_contexts(torch_policy)  # type: ignore[no-untyped-call]
+
+        context_fn = policy_context
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    kwargs.setdefault("use_reentrant", False)
+    return torch_checkpoint(fn, *args, **kwargs)
+
+
+class _CheckpointedModule(nn.Module):
+    """Runs the wrapped module through :func:`checkpoint` (state-dict keys unchanged)."""
+
+    def __init__(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._checkpoint_kwargs = kwargs
+        self._register_state_dict_hook(_strip_prefix)  # type: ignore[no-untyped-call]
+        self._register_load_state_dict_pre_hook(_add_prefix)  # type: ignore[no-untyped-call]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.module, *args, **kwargs, **self._checkpoint_kwargs)
+
+
+class _SwappedModule(nn.Module):
+    """Runs the wrapped module through :meth:`SwapManager.swap_region`."""
+
+    def __init__(
+        self, module: nn.Module, manager: SwapManager, policy_fn: Callable[..., Any] | None
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.swap_manager = manager
+        self._policy_fn = policy_fn
+        self._register_state_dict_hook(_strip_prefix)  # type: ignore[no-untyped-call]
+        self._register_load_state_dict_pre_hook(_add_prefix)  # type: ignore[no-untyped-call]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def call(*a: Any) -> Any:
+            return self.module(*a, **kwargs)
+
+        return self.swap_manager.swap_region(call, *args, policy_fn=self._policy_fn)
+
+
+def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner) :]] = state.pop(key)
+
+
+def _add_prefix(state: dict[str, Any], prefix: str, *_: Any) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix) :]] = state.pop(key)
+
+
+def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """Wrap a module so that its forward runs under :func:`checkpoint`.
+
+    Args:
+        module: The module.
+        **kwargs: :func:`checkpoint` options (``policy_fn``, ``context_fn``, ...).
+
+    Returns:
+        The wrapper (its state-dict keys are the wrapped module's).
+
+    See Also:
+        ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``;
+        HyperParallel's ``checkpoint_wrapper``.
+    """
+    return _CheckpointedModule(module, kwargs)
+
+
+def swap(
+    fn: Callable[..., Any],
+    *args: Any,
+    policy_fn: Callable[..., Any] | None = None,
+    manager: SwapManager | None = None,
+) -> Any:
+    """Run ``fn(*args)`` with its saved activations moved to host memory until backward.
+
+    Args:
+        fn: The function.
+        *args: Its arguments.
+        policy_fn: ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``: only outputs of ops
+            returning ``MUST_SWAP`` are swapped; ``None`` swaps every saved activation.
+        manager: Keyword-only extension: the :class:`SwapManager` that orders and prefetches
+            consecutive calls (a new one per call by default, which prefetches nothing).
+
+    Returns:
+        ``fn(*args)``.
+
+    See Also:
+        ``torch.autograd.graph.save_on_cpu``; HyperParallel's ``swap``. On CPU this is a
+        pass-through in memory terms (see :mod:`hp_trainer.distributed.swap`).
+    """
+    mgr = manager if manager is not None else SwapManager()
+    return mgr.swap_region(fn, *args, policy_fn=policy_fn)
+
+
+def swap_wrapper(
+    module: nn.Module,
+    policy_fn: Callable[..., Any] | None = None,
+    *,
+    manager: SwapManager | None = None,
+) -> nn.Module:
+    """Wrap a module so that its forward's saved activations are swapped to host memory.
+
+    Args:
+        module: The module.
+        policy_fn: See :func:`swap`.
+        manager: Keyword-only extension: share one :class:`SwapManager` between the blocks of
+            a model so that each block's activations are prefetched during the backward of the
+            block after it.
+
+    Returns:
+        The wrapper (its state-dict keys are the wrapped module's).
+
+    See Also:
+        HyperParallel's ``swap_wrapper``.
+    """
+    return _SwappedModule(module, manager if manager is not None else SwapManager(), policy_fn)
