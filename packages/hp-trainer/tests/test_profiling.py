@@ -19,11 +19,11 @@ def test_profiler_writes_chrome_traces_of_the_window(
         {
             "job": {"dump_folder": str(tmp_path)},
             "model": {"flavor": "tiny"},
-            "training": {"local_batch_size": 2, "seq_len": 32, "steps": 6,
+            "training": {"local_batch_size": 2, "seq_len": 32, "steps": 4,
                          "mixed_precision_param": "float32"},
             "metrics": {"enable_plot": False, "enable_progress_bar": False},
             "data": {"dataset": str(tmp_path / "c.txt")},
-            "profiling": {"enable_profiling": True, "profile_freq": 3, "profiler_warmup": 1,
+            "profiling": {"enable_profiling": True, "profile_freq": 2, "profiler_warmup": 1,
                           "enable_memory_snapshot": True},
         }
     )  # fmt: skip
@@ -35,10 +35,10 @@ def test_profiler_writes_chrome_traces_of_the_window(
             trainer.close()
     assert trainer.profiler is not None
     traces = sorted(p.relative_to(tmp_path / "run") for p in trainer.profiler.traces)
-    # steps 1-3 and 4-6: one waits, one warms up, one is traced
+    # steps 1-2 and 3-4: one warms up, one is traced
     assert [str(p) for p in traces] == [
-        "profile_traces/iteration_3/rank0_trace.json",
-        "profile_traces/iteration_6/rank0_trace.json",
+        "profile_traces/iteration_2/rank0_trace.json",
+        "profile_traces/iteration_4/rank0_trace.json",
     ]
     events = json.loads((tmp_path / "run" / traces[0]).read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}

@@ -68,27 +68,27 @@ def _run(cfg: JobConfig, stop_after: int | None = None) -> Trainer:
     return trainer
 
 
-_CKPT = {"enable": True, "interval": 3, "keep_latest_k": 0, "last_save_model_only": False}
+_CKPT = {"enable": True, "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
 
 
 def test_resumed_run_appends_its_history_without_duplicates(tmp_path: Path) -> None:
-    # a run that got to step 6 (checkpoints 3 and 6), then lost step-6: it resumes from step 3
-    # while its files already hold steps 4-6, which are computed again
-    first = _run(_config(tmp_path, "run", 6, _CKPT))
-    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
+    # a run that got to step 4 (checkpoints 2 and 4), then lost step-4: it resumes from step 2
+    # while its files already hold steps 3-4, which are computed again
+    first = _run(_config(tmp_path, "run", 4, _CKPT))
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-4")
     (tmp_path / "run" / "loss.png").unlink()
-    resumed = _run(_config(tmp_path, "run", 6, _CKPT))
-    assert resumed.checkpointer.loaded_step == 3
-    assert resumed.losses == first.losses[3:]  # the same numbers as the uninterrupted run
+    resumed = _run(_config(tmp_path, "run", 4, _CKPT))
+    assert resumed.checkpointer.loaded_step == 2
+    assert resumed.losses == first.losses[2:]  # the same numbers as the uninterrupted run
 
     records = [
         json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")[:-1]
     ]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["loss"] for r in records] == first.losses  # the whole run, in order, once
     curve = (tmp_path / "run" / "loss_curve.tsv").read_text().splitlines()
     assert [float(line.split("\t")[1]) for line in curve] == first.losses
-    # the plot of the resumed process shows the whole run, not only steps 4-6
+    # the plot of the resumed process shows the whole run, not only steps 3-4
     assert resumed.metrics.loss_curve == list(enumerate(first.losses, start=1))
     assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
 
@@ -130,24 +130,24 @@ def test_tensorboard_continues_with_later_events_purged(
 
 
 def test_sigterm_stop_status_saved_or_unsaved(tmp_path: Path) -> None:
-    saved = _run(_config(tmp_path, "saved", 6, _CKPT), stop_after=2)
+    saved = _run(_config(tmp_path, "saved", 4, _CKPT), stop_after=1)
     assert saved.stop_status == "saved"
-    assert (tmp_path / "saved" / "checkpoint" / "step-2").is_dir()
-    unsaved = _run(_config(tmp_path, "unsaved", 6, {}), stop_after=2)
+    assert (tmp_path / "saved" / "checkpoint" / "step-1").is_dir()
+    unsaved = _run(_config(tmp_path, "unsaved", 4, {}), stop_after=1)
     assert unsaved.stop_status == "unsaved"
 
     # what hp-train's launcher reads back from the ranks (its exit status)
     assert json.loads(saved.stop_record_path.read_text()) == {
-        "step": 2,
+        "step": 1,
         "status": "saved",
-        "checkpoint": str(tmp_path / "saved" / "checkpoint" / "step-2"),
+        "checkpoint": str(tmp_path / "saved" / "checkpoint" / "step-1"),
     }
     assert _stop_status(saved.run_folder, 0.0) == EXIT_STOPPED_SAVED == 75
     assert _stop_status(unsaved.run_folder, 0.0) == EXIT_STOPPED_UNSAVED == 143
     # a record older than this launch is not this launch's
     assert _stop_status(saved.run_folder, saved.stop_record_path.stat().st_mtime + 1) is None
     # a resumed run removes the record of the stop it resumes from
-    again = _run(_config(tmp_path, "saved", 3, _CKPT))
+    again = _run(_config(tmp_path, "saved", 2, _CKPT))
     assert again.stop_status is None
     assert not again.stop_record_path.exists()
     assert _stop_status(again.run_folder, 0.0) is None
