@@ -273,6 +273,8 @@ class PipelineExecutor:
                 for sub in subs:
                     self._run_compute(sub, pos)
                     pos += 1
+                for stage in self.stages.values():
+                    stage.reap_sends()
             else:
                 self._run_other(action)
         for stage in self.stages.values():
@@ -429,6 +431,7 @@ class PipelineExecutor:
             if not stage.is_first:
                 if stage.is_local(s - 1):
                     self.stages[s - 1].set_local_output_grads(mb, stage.input_grads_of(mb))
+                    stage.drop_input_grads(mb)
                 elif not self.explicit_comm:
                     self.events.append(("send_b", s, mb))
                     stage.send_grads(mb)

@@ -152,6 +152,14 @@ def _normalize_output(output: Any) -> tuple[Any, ...]:
     return tuple(output) if isinstance(output, tuple | list) else (output,)
 
 
+def _detach_output(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, tuple | list):
+        return type(output)(_detach_output(o) for o in output)
+    return output
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).contiguous()
 
@@ -332,6 +340,16 @@ class PipelineStage:
         sends, self._sends = self._sends, []
         for work, _keepalive, peer in sends:
             self._wait(work, "a send", peer)
+
+    def reap_sends(self) -> None:
+        """Forget completed sends, so their tensors can be freed before the step ends.
+
+        nccl/hccl report completion as it happens; gloo only once a send was waited for (its
+        sends are waited at the end of the step: waiting earlier could block on a receiver that
+        has not posted its receive yet).
+        """
+        if self._sends:
+            self._sends = [entry for entry in self._sends if not entry[0].is_completed()]
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
         try:
@@ -544,7 +562,8 @@ class PipelineStage:
         ]
         state.outputs = flat
         if self.is_last:
-            self.output_chunks[mb] = output
+            # Merged for the user after the step; detached so the graph does not outlive backward.
+            self.output_chunks[mb] = _detach_output(output)
         return output
 
     def outputs_of(self, mb: int) -> tuple[Any, ...]:
@@ -739,6 +758,11 @@ class PipelineStage:
             self._peer(self.stage_index - 1),
             self._tag(_KIND_GRAD, self.stage_index, mb, _PART_DATA),
         )
+        self.drop_input_grads(mb)
+
+    def drop_input_grads(self, mb: int) -> None:
+        """Forget micro-batch ``mb``'s input gradients once they were handed on."""
+        self._state(mb).input_grads = None
 
     def post_recv_grads(self, mb: int) -> None:
         """Post the receives of micro-batch ``mb``'s output gradients from the next stage."""
