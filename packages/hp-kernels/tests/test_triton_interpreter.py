@@ -280,3 +280,22 @@ def test_kernels_are_autotuned() -> None:
         assert isinstance(kernel, triton.runtime.Autotuner)
         # One config under the interpreter (nothing to benchmark on a CPU).
         assert len(kernel.configs) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_aligned_permute_and_combine(dtype: torch.dtype, rng: random.Random) -> None:
+    for case in range(3):
+        tokens = _randn((rng.randint(1, 11), rng.choice([1, 6, 40])), dtype, case)
+        topk, experts, alignment = rng.choice([(1, 3, 4), (2, 4, 8), (3, 5, 3)])
+        gen = torch.Generator().manual_seed(case)
+        idx = torch.randint(0, experts, (tokens.shape[0], topk), generator=gen)
+        ours = launcher("permute_tokens_aligned")(tokens, idx, experts, alignment)
+        ref = REF("permute_tokens_aligned")(tokens, idx, experts, alignment)
+        for a, b in zip(ours, ref, strict=True):
+            assert torch.equal(a, b)
+        probs = torch.rand(tokens.shape[0], topk, generator=gen)
+        for weights in (None, probs):
+            out = launcher("combine_tokens")(ref[0], ref[1], weights, topk)
+            expected = REF("combine_tokens")(ref[0], ref[1], weights, topk)
+            tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
+            torch.testing.assert_close(out, expected, **tol)

@@ -7,7 +7,8 @@ reference kernel (any device), a fake (meta) kernel and, where differentiable, a
   :func:`unpadded_views`;
 - FSDP reduce-scatter path: :func:`reduce_scatter_copy_in` (PyTorch FSDP2's exact layout),
   :func:`post_reduce`, :func:`gradient_divide_factors`, :func:`reduce_scatter_numel`;
-- expert parallel: :func:`permute_tokens`, :func:`unpermute_tokens`;
+- expert parallel: :func:`permute_tokens`, :func:`unpermute_tokens`, and the grouped-GEMM
+  layout :func:`permute_tokens_aligned` / :func:`unpermute_tokens_aligned`;
 - ring attention: :func:`merge_attention_partials`.
 
 Communication interfaces with PyTorch FSDP2's call contract: :class:`AllGather`,
@@ -40,6 +41,7 @@ from hp_kernels.device_kernels import (
     shipped_device_kernels,
 )
 from hp_kernels.moe import permute_tokens, unpermute_tokens
+from hp_kernels.moe_aligned import permute_tokens_aligned, unpermute_tokens_aligned
 from hp_kernels.reduce_scatter import (
     gradient_divide_factors,
     post_reduce,
@@ -67,6 +69,7 @@ __all__ = [
     "has_device_kernel",
     "merge_attention_partials",
     "permute_tokens",
+    "permute_tokens_aligned",
     "post_reduce",
     "reduce_scatter_copy_in",
     "reduce_scatter_numel",
@@ -75,4 +78,5 @@ __all__ = [
     "shipped_device_kernels",
     "unpadded_views",
     "unpermute_tokens",
+    "unpermute_tokens_aligned",
 ]

@@ -49,6 +49,8 @@ OP_NAMES: tuple[str, ...] = (
     "permute_tokens",
     "unpermute_tokens",
     "merge_attention_partials",
+    "permute_tokens_aligned",
+    "combine_tokens",
 )
 
 

@@ -33,6 +33,8 @@ LAUNCHER_MODULES: dict[str, str] = {
     "post_reduce_accumulate": "fsdp",
     "permute_tokens": "moe",
     "unpermute_tokens": "moe",
+    "permute_tokens_aligned": "moe",
+    "combine_tokens": "moe",
     "merge_attention_partials": "attention",
 }
 

@@ -29,14 +29,17 @@ from hp_kernels.triton_kernels._common import block_configs, cast, supported, to
 __all__: list[str] = []
 
 
-@triton.autotune(configs=block_configs((128, 512, 2048), 512), key=["width"])
+@triton.autotune(configs=block_configs((128, 512, 2048), 512), key=["width", "SCATTER"])
 @triton.jit
-def _gather_rows_kernel(src, rows, dst, width, topk, BLOCK: tl.constexpr):
+def _gather_rows_kernel(
+    src, rows, dest, dst, width, topk, SCATTER: tl.constexpr, BLOCK: tl.constexpr
+):
     j = tl.program_id(0).to(tl.int64)
     token = tl.load(rows + j) // topk
+    target = tl.load(dest + j) if SCATTER else j  # the aligned layout's row, else row j
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = c < width
-    tl.store(dst + j * width + c, tl.load(src + token * width + c, mask=mask), mask=mask)
+    tl.store(dst + target * width + c, tl.load(src + token * width + c, mask=mask), mask=mask)
 
 
 def permute_tokens(
@@ -55,8 +58,33 @@ def permute_tokens(
         def grid(cfg: dict[str, int]) -> tuple[int, int]:
             return (flat.numel(), triton.cdiv(width, cfg["BLOCK"]))
 
-        _gather_rows_kernel[grid](src, sorted_indices, permuted, width, topk)
+        _gather_rows_kernel[grid](
+            src, sorted_indices, sorted_indices, permuted, width, topk, SCATTER=False
+        )
     return permuted, sorted_indices, counts
+
+
+def permute_tokens_aligned(
+    tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int, alignment: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher of ``hp_kernels::permute_tokens_aligned`` (same result)."""
+    from hp_kernels.moe_aligned import aligned_capacity, aligned_layout
+
+    topk = expert_indices.shape[1]
+    sorted_indices, rows, padded = aligned_layout(expert_indices, num_experts, alignment)
+    n = rows.numel()
+    out = tokens.new_zeros((aligned_capacity(n, num_experts, alignment), *tokens.shape[1:]))
+    width = math.prod(tokens.shape[1:])
+    if n and width:
+
+        def grid(cfg: dict[str, int]) -> tuple[int, int]:
+            return (n, triton.cdiv(width, cfg["BLOCK"]))
+
+        _gather_rows_kernel[grid](
+            tokens.contiguous(), sorted_indices, rows, out, width, topk, SCATTER=True
+        )
+    positions = torch.empty_like(rows).scatter_(0, sorted_indices, rows)
+    return out, positions, padded
 
 
 @triton.autotune(configs=block_configs((128, 512, 2048), 512), key=["width", "TOPK"])
@@ -94,16 +122,33 @@ def unpermute_tokens(
     topk: int,
 ) -> torch.Tensor:
     """Triton launcher of ``hp_kernels::unpermute_tokens`` (same signature and result)."""
+    n = sorted_indices.numel()
+    positions = torch.arange(n, device=sorted_indices.device, dtype=torch.int64)
+    inverse = torch.empty_like(sorted_indices).scatter_(0, sorted_indices, positions)
+    return _combine(permuted_tokens, inverse, probs, topk, "unpermute_tokens", sorted_indices)
+
+
+def combine_tokens(
+    rows: torch.Tensor, positions: torch.Tensor, probs: torch.Tensor | None, topk: int
+) -> torch.Tensor:
+    """Triton launcher of ``hp_kernels::combine_tokens`` (same signature and result)."""
+    return _combine(rows, positions, probs, topk, "combine_tokens", positions)
+
+
+def _combine(
+    permuted_tokens: torch.Tensor,
+    inverse: torch.Tensor,
+    probs: torch.Tensor | None,
+    topk: int,
+    op_name: str,
+    index: torch.Tensor,
+) -> torch.Tensor:
     dtypes = [permuted_tokens.dtype] + ([] if probs is None else [probs.dtype])
     if not supported(*dtypes) or topk > 16:
-        result: torch.Tensor = REFERENCE_KERNELS["unpermute_tokens"](
-            permuted_tokens, sorted_indices, probs, topk
-        )
+        result: torch.Tensor = REFERENCE_KERNELS[op_name](permuted_tokens, index, probs, topk)
         return result
-    n = sorted_indices.numel()
+    n = inverse.numel()
     num_tokens = n // topk
-    inverse = torch.empty_like(sorted_indices)
-    inverse[sorted_indices] = torch.arange(n, device=sorted_indices.device, dtype=torch.int64)
     src = permuted_tokens.contiguous()
     width = math.prod(permuted_tokens.shape[1:])
     out = permuted_tokens.new_empty((num_tokens, *permuted_tokens.shape[1:]))
@@ -121,4 +166,9 @@ def unpermute_tokens(
 
 def launchers() -> dict[str, object]:
     """The launcher of every op this module implements, by op name."""
-    return {"permute_tokens": permute_tokens, "unpermute_tokens": unpermute_tokens}
+    return {
+        "permute_tokens": permute_tokens,
+        "unpermute_tokens": unpermute_tokens,
+        "permute_tokens_aligned": permute_tokens_aligned,
+        "combine_tokens": combine_tokens,
+    }
