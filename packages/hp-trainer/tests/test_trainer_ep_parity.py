@@ -72,12 +72,31 @@ def _train(folder: str, model: str, local_bs: int, par: dict[str, Any], run: str
         trainer.close()
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
-def test_ep2_x_dp_matches_single_process(tmp_path: Path, model: str) -> None:
-    """ep 2 borrowed from dp_shard 4 (efsdp 2): experts sharded over ep, then FSDP over efsdp."""
-    par = {"data_parallel_shard_degree": 4, "expert_parallel_degree": 2}
+_LAYOUTS = [
+    # ep 2 borrowed from dp_shard 4 (efsdp 2): experts over ep, then FSDP over efsdp
+    ("qwen3_moe", {"data_parallel_shard_degree": 4, "expert_parallel_degree": 2}, 4),
+    ("deepseek_v3", {"data_parallel_shard_degree": 4, "expert_parallel_degree": 2}, 4),
+    # ep 2 x tp 2: experts over [ep, tp] (ep borrowed from dp_shard 2), the rest TP x FSDP
+    (
+        "qwen3_moe",
+        {
+            "data_parallel_shard_degree": 2,
+            "tensor_parallel_degree": 2,
+            "expert_parallel_degree": 2,
+        },
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "par", "dp"), _LAYOUTS, ids=["qwen3_moe-ep2xdp", "deepseek_v3-ep2xdp", "ep2xtp2"]
+)
+def test_moe_layouts_match_single_process(
+    tmp_path: Path, model: str, par: dict[str, Any], dp: int
+) -> None:
     results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "ep", timeout=180)
-    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 8, {}, "ref")
+    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 2 * dp, {}, "ref")
     assert len(ref_losses) == 3
     for losses, norms, state, _ in results:
         torch.testing.assert_close(
@@ -97,7 +116,7 @@ def test_ep2_x_dp_matches_single_process(tmp_path: Path, model: str) -> None:
     record = results[0][3][-1]
     ref_record = ref_history[-1]
     assert record["moe_layers"] == ref_record["moe_layers"]
-    total = 8 * 32 * 2  # tokens of the step x top_k, per MoE layer
+    total = 2 * dp * 32 * 2  # tokens of the step x top_k, per MoE layer
     for layer in record["moe_layers"].values():
         assert sum(layer["tokens_per_expert"]) == total
     lines = (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 # the expert styles are torch ParallelStyles: torch's entry point applies them as they are
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hp_cp_ep import ExpertParallel, ExpertTensorParallel, TensorParallel
+from hp_tp import NoParallel
 from hp_trainer.distributed.activation_checkpoint import apply_ac
 from hp_trainer.distributed.compile import apply_compile
 from hp_trainer.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_gradient_division
@@ -19,7 +22,7 @@ if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
     from hp_trainer.parallel_dims import ParallelDims
 
-__all__ = ["apply_moe_ep_tp", "parallelize_moe_decoder"]
+__all__ = ["apply_moe_ep_tp", "apply_tp_to_moe_decoder", "parallelize_moe_decoder"]
 
 
 def apply_moe_ep_tp(
@@ -67,15 +70,134 @@ def apply_moe_ep_tp(
             parallelize_module(experts, tp_mesh, TensorParallel())
 
 
+def _replicate_tokens_for_moe(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Run ``moe`` on all tokens of the sequence on every TP rank; shard its output again.
+
+    The sequence-sharded input is all-gathered (backward: each rank keeps its chunk of the
+    replicated gradient), the MoE computes on plain tensors, and its replicated output is
+    sharded on the sequence and returned as the local chunk (backward: all-gather), so the
+    router's and shared experts' gradients are the full ones on every TP rank.
+    """
+
+    def gather(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(tp_mesh, [Replicate()]).to_local(), *args[1:])
+
+    def shard(_module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        full = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+        # the residual stream between blocks is the local sequence chunk (as the dense plan's)
+        return full.redistribute(tp_mesh, [Shard(1)]).to_local()
+
+    moe.register_forward_pre_hook(gather)
+    moe.register_forward_hook(shard)
+
+
+def apply_tp_to_moe_decoder(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Megatron-style TP with sequence parallel for a grouped-query-attention MoE decoder.
+
+    Embedding, norms, attention and dense feed-forwards as the dense plan
+    (:func:`~hp_trainer.distributed.tensor_parallel.apply_tp`); in MoE blocks the router gate and
+    shared experts are replicated (:class:`hp_tp.NoParallel`) and the MoE sees every token of the
+    sequence on each TP rank (the routed experts are then sharded by :func:`apply_moe_ep_tp`).
+
+    Args:
+        model: The MoE decoder (grouped-query attention: ``wq``/``wk``/``wv``/``wo``).
+        tp_mesh: 1-D tensor-parallel mesh.
+        loss_parallel: Keep the logits sharded on the vocabulary.
+
+    Raises:
+        ValueError: A head count not divisible by the TP degree, or tied embeddings.
+
+    See Also:
+        ``torchtitan.models.qwen3.infra.parallelize.apply_non_moe_tp`` and
+        ``torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp``.
+    """
+    from hp_trainer._parallel_api import (
+        ColwiseParallel,
+        ParallelStyle,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+    from hp_trainer._parallel_api import parallelize_module as tp_parallelize_module
+
+    tp = tp_mesh.size()
+    args = model.args
+    for name in ("n_heads", "n_kv_heads"):
+        if getattr(args, name) % tp != 0:
+            raise ValueError(
+                f"tensor parallel degree {tp} must divide model {name} = {getattr(args, name)}"
+            )
+    if getattr(model, "enable_weight_tying", False):
+        raise ValueError("tensor parallelism with tied embeddings is not supported")
+    top_plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    tp_parallelize_module(model, tp_mesh, top_plan)
+    for block in model.get_submodule("layers").children():
+        plan: dict[str, ParallelStyle] = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        }
+        if getattr(block.get_submodule("attention"), "q_norm", None) is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if not getattr(block, "moe_enabled", False):
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+            plan["feed_forward.w3"] = ColwiseParallel()
+        tp_parallelize_module(block, tp_mesh, plan)
+        if getattr(block, "moe_enabled", False):
+            moe = block.get_submodule("moe")
+            tp_parallelize_module(moe.get_submodule("router.gate"), tp_mesh, NoParallel())
+            if getattr(moe, "shared_experts", None) is not None:
+                tp_parallelize_module(moe.get_submodule("shared_experts"), tp_mesh, NoParallel())
+            _replicate_tokens_for_moe(moe, tp_mesh)
+
+
+def _expert_tp_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
+    """``([ep, tp] mesh, efsdp mesh)`` when experts are tensor parallel: ep borrows dp_shard."""
+    if dims.dp_shard % dims.ep != 0:
+        raise ValueError(
+            f"expert_parallel_degree = {dims.ep} with tensor_parallel_degree = {dims.tp}: the "
+            "experts are sharded over tp too, so ep borrows its ranks from FSDP alone and must "
+            f"divide data_parallel_shard_degree = {dims.dp_shard}"
+        )
+    world = dims.get_mesh("world")
+    split = world._unflatten(2, (dims.dp_shard // dims.ep, dims.ep), ("etp_efsdp", "etp_ep"))
+    return split["etp_ep", "tp"], split["etp_efsdp"]
+
+
 def parallelize_moe_decoder(
     model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    """Apply EP, activation checkpointing, compile and FSDP (experts on ``efsdp``) to a decoder.
+    """Apply TP, EP, activation checkpointing, compile and FSDP to an MoE decoder.
 
-    Experts are sharded over ``ep`` first; FSDP then shards every block over the data-parallel
-    mesh and the experts, as a second parameter group of the block's unit, over the
-    expert-data-parallel mesh ``efsdp`` (``dp_shard * cp // ep`` ranks holding the same experts).
-    FSDP's gradient division is off: the trainer divides the loss by the global token count.
+    Routed experts: over ``ep`` (:class:`hp_cp_ep.ExpertParallel`), with TP also over ``tp``
+    (:class:`hp_cp_ep.ExpertTensorParallel` on ``[ep, tp]``: ep then borrows from
+    ``dp_shard`` alone, TorchTitan's ``expert_tensor_parallel_degree = tp``), or with TP alone
+    over ``tp`` (:class:`hp_cp_ep.TensorParallel`). FSDP shards every block over the
+    data-parallel mesh and the experts, as a second parameter group of the block's unit, over
+    the expert-data-parallel mesh (the ranks holding the same experts). FSDP's gradient division
+    is off: the trainer divides the loss by the global token count.
 
     Args:
         model: A :class:`~hp_trainer.models._moe_block.MoEDecoder`.
@@ -86,23 +208,40 @@ def parallelize_moe_decoder(
         The model, parallelized in place.
 
     Raises:
-        ValueError: With tensor parallelism (not available for the MoE families in this
-            release: use expert and data parallelism), or context/pipeline parallelism.
+        ValueError: Context or pipeline parallelism (not available for the MoE families in
+            this release); tensor parallelism for multi-head latent attention (DeepSeek-V3);
+            an EP degree that does not divide ``dp_shard`` under TP.
 
     See Also:
         ``torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3`` and
         ``torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3``.
     """
     dims = parallel_dims
-    for name, degree in (("tensor", dims.tp), ("context", dims.cp), ("pipeline", dims.pp)):
+    for name, degree in (("context", dims.cp), ("pipeline", dims.pp)):
         if degree > 1:
             raise ValueError(
                 f"parallelism.{name}_parallel_degree = {degree}: the MoE models (qwen3_moe, "
-                "deepseek_v3) train with expert and data parallelism (FSDP/HSDP) in this "
-                f"release; use {name}_parallel_degree = 1"
+                "deepseek_v3) train with expert, tensor and data parallelism (FSDP/HSDP) in "
+                f"this release; use {name}_parallel_degree = 1"
             )
     par = job_config.parallelism
-    if dims.ep_enabled:
+    edp_mesh = dims.get_mesh("efsdp") if dims.ep_enabled else None
+    if dims.tp_enabled:
+        first = model.get_submodule("layers.0.attention")
+        if not hasattr(first, "wk"):
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree = {dims.tp}: tensor parallelism of "
+                f"{type(first).__name__} (multi-head latent attention) is not available in this "
+                "release; use expert and data parallelism for deepseek_v3"
+            )
+        tp_mesh = dims.get_mesh("tp")
+        apply_tp_to_moe_decoder(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
+        if dims.ep_enabled:
+            ep_tp_mesh, edp_mesh = _expert_tp_meshes(dims)
+            apply_moe_ep_tp(model, tp_mesh, ep_tp_mesh["etp_ep"], ep_tp_mesh, etp_enabled=True)
+        else:
+            apply_moe_ep_tp(model, tp_mesh, None)
+    elif dims.ep_enabled:
         apply_moe_ep_tp(model, None, dims.get_mesh("ep"))
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
@@ -121,7 +260,7 @@ def parallelize_moe_decoder(
             cpu_offload=training.enable_cpu_offload,
             reshard_after_forward_policy=par.fsdp_reshard_after_forward,
             ep_degree=dims.ep,
-            edp_mesh=dims.get_mesh("efsdp") if dims.ep_enabled else None,
+            edp_mesh=edp_mesh,
             enable_symm_mem=par.enable_symm_mem,
         )
         disable_fsdp_gradient_division(model)
