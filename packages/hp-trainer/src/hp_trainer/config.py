@@ -169,9 +169,28 @@ class ParallelismConfig:
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (Megatron-style column/row sharding with sequence parallel)."""
     context_parallel_degree: int = 1
-    """Context-parallel degree (sequence sharding of attention; wave 2 of hyper-parallel)."""
+    """Context-parallel degree: the sequence of each sample is split over this many ranks
+    (head-tail load balanced), attention runs context-parallel, FSDP shards over dp_shard x cp."""
+    context_parallel_rotate_method: Literal[
+        "allgather", "alltoall", "ring", "ulysses", "hybrid"
+    ] = "allgather"
+    """How attention reaches the other ranks' keys/values under CP: ``allgather`` (gather K/V),
+    ``alltoall`` or ``ring`` (pass K/V shards around a ring), ``ulysses`` (all-to-all from
+    sequence to heads) or ``hybrid`` (Ulysses inside groups of
+    ``context_parallel_ulysses_degree`` ranks, ring across them)."""
+    context_parallel_ulysses_degree: int = 1
+    """Ulysses group size of the ``hybrid`` rotate method (divides context_parallel_degree)."""
     pipeline_parallel_degree: int = 1
-    """Pipeline-parallel degree (wave 2 of hyper-parallel)."""
+    """Pipeline-parallel degree: the model is split into stages of consecutive blocks."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule by name: ``GPipe``, ``1F1B`` (one stage per rank), ``Interleaved1F1B``,
+    ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV`` (two stages per
+    rank)."""
+    pipeline_parallel_schedule_csv: str = ""
+    """A CSV file with a custom schedule (hp-pp's compact notation) run on the stages of
+    ``pipeline_parallel_schedule``'s placement; empty: the named schedule's own table."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Samples per pipeline micro-batch; ``local_batch_size`` / this = micro-batches per step."""
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE models; borrows ranks from dp_shard * cp * tp."""
     disable_loss_parallel: bool = False
@@ -192,9 +211,21 @@ class ParallelismConfig:
             "context_parallel_degree",
             "pipeline_parallel_degree",
             "expert_parallel_degree",
+            "context_parallel_ulysses_degree",
+            "pipeline_parallel_microbatch_size",
         ):
             if getattr(self, name) < 1:
                 _fail("parallelism", name, getattr(self, name), "an integer >= 1")
+        from hp_pp import get_schedule_class
+
+        try:
+            get_schedule_class(self.pipeline_parallel_schedule)
+        except ValueError as exc:
+            _fail("parallelism", "pipeline_parallel_schedule", self.pipeline_parallel_schedule,
+                  f"a schedule name ({exc})")  # fmt: skip
+        csv = self.pipeline_parallel_schedule_csv
+        if csv and not Path(csv).is_file():
+            _fail("parallelism", "pipeline_parallel_schedule_csv", csv, "an existing CSV file")
         if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
             _fail(
                 "parallelism",

@@ -35,8 +35,13 @@ class ModelSpec:
             ``num_flops_per_token(seq_len)``.
         parallelize_fn: ``fn(model, parallel_dims, job_config) -> model`` applying TP, AC,
             compile and FSDP in that order.
-        pipelining_fn: Pipeline splitter (wave 2; None: PP unsupported for this model).
+        pipelining_fn: Pipeline splitter ``fn(model, parallel_dims, job_config, device,
+            parallelize_fn, loss_fn) -> PipelineParts`` (e.g.
+            :func:`~hp_trainer.distributed.pipeline.pipeline_decoder`; None: the model cannot
+            be pipelined, which the config check reports up front).
         state_dict_adapter: HF <-> native state-dict adapter class (None: none).
+        extra: Further capabilities, e.g. ``{"context_parallel": True}`` when the attention
+            has a context-parallel path (SDPA and a ``rope_cache`` indexed by position).
 
     See Also:
         ``torchtitan.protocols.model_spec.ModelSpec``: TorchTitan's spec.

@@ -102,12 +102,12 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
     """
     from hp_trainer.data import BUILTIN_DATASETS, build_tokenizer
     from hp_trainer.hf_config import resolve_model_args
+    from hp_trainer.layout_validation import validate_parallel_layout
     from hp_trainer.model_spec import get_model_spec
-    from hp_trainer.parallel_dims import _parallel_dims_from_config
     from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
 
     args = resolve_model_args(get_model_spec(config.model.name), config)
-    _parallel_dims_from_config(config.parallelism, world_size)
+    validate_parallel_layout(config, world_size, args)
     dataset = config.data.dataset
     for option, value in (
         ("data.dataset", dataset),

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hp_dtensor import device as hp_device
@@ -30,8 +31,11 @@ from hp_trainer.data import (
     build_tokenizer,
     load_documents,
 )
+from hp_trainer.distributed.context_parallel import ContextParallelStep
+from hp_trainer.distributed.pipeline import PipelinedStep
 from hp_trainer.expert_load import ExpertLoadTracker
 from hp_trainer.hf_config import resolve_model_args
+from hp_trainer.layout_validation import validate_parallel_layout
 from hp_trainer.metrics import MetricsProcessor, logger
 from hp_trainer.model_spec import ModelSpec, get_model_spec
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
@@ -51,6 +55,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip gradients by their total norm; works for plain tensors and DTensors alike.
 
@@ -63,6 +68,8 @@ def clip_grad_norm_(
         norm_type: p of the p-norm.
         error_if_nonfinite: Raise on a NaN/inf norm.
         foreach: Use multi-tensor kernels (None: torch's choice).
+        pp_mesh: The pipeline mesh when each rank holds only some stages: the stages' norms
+            are combined over it (TorchTitan's argument).
 
     Returns:
         The total norm before clipping (a plain scalar tensor).
@@ -87,6 +94,14 @@ def clip_grad_norm_(
         total = norms[0]
     else:
         total = torch.nn.utils.get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        # each pipeline rank holds other stages' parameters: combine the per-stage norms
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, group=pp_mesh.get_group())
+            total = total ** (1.0 / norm_type)
     if max_norm > 0:
         for group in by_mesh.values():  # one mesh per call (foreach ops need one)
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
@@ -121,16 +136,9 @@ class Trainer:
         self.job_config = job_config
         cfg = job_config
         par = cfg.parallelism
-        unsupported = {
-            "context_parallel_degree": par.context_parallel_degree,
-            "pipeline_parallel_degree": par.pipeline_parallel_degree,
-        }
-        for name, value in unsupported.items():
-            if value != 1:
-                raise ValueError(
-                    f"parallelism.{name} = {value}: the hp-trainer 0.1 loop trains dense models "
-                    "with FSDP/HSDP and TP only (CP, PP and EP land in wave 2); use 1"
-                )
+        # every layout that cannot work fails here, before any process group exists
+        job_world = dist.get_world_size() if dist.is_initialized() else None
+        validate_parallel_layout(job_config, job_world or int(os.environ.get("WORLD_SIZE", "1")))
 
         # -- distributed ---------------------------------------------------------------------
         self._owns_process_group = False
@@ -192,17 +200,31 @@ class Trainer:
             model.init_weights()  # type: ignore[operator]
         self.num_params = sum(p.numel() for p in model.parameters())
         self.num_flops_per_token = int(model.num_flops_per_token(training.seq_len))  # type: ignore[operator]
-        model = self.model_spec.parallelize_fn(model, dims, cfg)
-        if init_meta:
-            model.to_empty(device=self.device)
-            torch.manual_seed(self.seed)
-            model.init_weights(buffer_device=self.device)  # type: ignore[operator]
-        else:
-            model.to(self.device)
-        model.train()
-        self.model = model
-        self.model_parts = [model]
         self.loss_parallel_enabled = dims.tp_enabled and not par.disable_loss_parallel
+        self._global_tokens = torch.ones((), device=self.device)
+        self.pipeline: PipelinedStep | None = None
+        if dims.pp_enabled:  # this rank's stages, FQNs unchanged (checkpoints load either way)
+            assert self.model_spec.pipelining_fn is not None  # checked up front
+            pipelined = self.model_spec.pipelining_fn(
+                model, dims, cfg, self.device, self.model_spec.parallelize_fn, self._stage_loss
+            )
+            self.pipeline = PipelinedStep(pipelined, dims.get_mesh("pp").get_group())
+            parts: list[nn.Module] = list(pipelined.model_parts)
+        else:
+            parts = [self.model_spec.parallelize_fn(model, dims, cfg)]
+        for part in parts:
+            if init_meta:
+                part.to_empty(device=self.device)
+                torch.manual_seed(self.seed)
+                part.init_weights(buffer_device=self.device)  # type: ignore[operator]
+            else:
+                part.to(self.device)
+            part.train()
+        self.model = parts[0]
+        self.model_parts = parts
+        self.cp: ContextParallelStep | None = None
+        if dims.cp_enabled:
+            self.cp = ContextParallelStep(dims.get_mesh("cp"), par)
         # mixed precision: FSDP/HSDP gather parameters in the compute dtype; without them the
         # parameters stay float32 (master weights) and autocast computes in that dtype
         compute = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
@@ -371,6 +393,33 @@ class Trainer:
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
+    def _all_reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over dp x cp: each CP rank holds the loss of its sequence shard."""
+        if self.world_size > 1 and self.parallel_dims.get_mesh("loss").size() > 1:
+            dist.all_reduce(tensor, group=self.parallel_dims.get_mesh("loss").get_group())
+        return tensor
+
+    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's loss of one micro-batch: token sum / step's tokens."""
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            labels.flatten(0, 1),
+            reduction="sum",
+            ignore_index=IGNORE_INDEX,
+        )
+        return loss / self._global_tokens
+
+    @contextlib.contextmanager
+    def _sequence_shard(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Under CP: this rank's sequence shards, RoPE sharded, attention context-parallel."""
+        if self.cp is None:
+            yield inputs, labels
+            return
+        with self.cp.sharded(self.model_parts, inputs, labels) as shards:
+            yield shards
+
     def _should_stop(self) -> bool:
         flag = torch.tensor([1 if self._stop_requested else 0], device=self.device)
         if dist.is_initialized() and self.world_size > 1:
@@ -395,6 +444,9 @@ class Trainer:
         See Also:
             ``torchtitan.train.Trainer.forward_backward_step``.
         """
+        if self.pipeline is not None:  # loss on the last stage, shared over the pipeline
+            self._global_tokens = global_valid_tokens
+            return self.pipeline.run(inputs, labels, self._loss_context)
         with self._loss_context():
             with self._autocast():
                 logits = self.model(inputs)
@@ -432,11 +484,13 @@ class Trainer:
         for inputs, labels in batches:
             inputs = inputs.to(self.device)
             labels = labels.to(self.device)
-            loss_sum += self.forward_backward_step(inputs, labels, global_tokens)
+            with self._sequence_shard(inputs, labels) as (local_inputs, local_labels):
+                loss_sum += self.forward_backward_step(local_inputs, local_labels, global_tokens)
             self.metrics.add_tokens(inputs.numel())
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm)
-        loss = float(self._all_reduce_dp(loss_sum).item())
+        pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
+        grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, pp_mesh=pp_mesh)
+        loss = float(self._all_reduce_loss(loss_sum).item())
         norm = float(grad_norm.item())
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
             raise RuntimeError(

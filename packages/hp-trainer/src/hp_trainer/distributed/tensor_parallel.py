@@ -76,6 +76,10 @@ def apply_tp(
             "tensor parallelism with tied embeddings is not supported: the embedding is sharded "
             "row-wise and the LM head column-wise; set enable_weight_tying=False or tp=1"
         )
+    # a pipeline stage holds some of the top-level parts (the others are None)
+    top_plan = {
+        name: style for name, style in top_plan.items() if getattr(model, name, None) is not None
+    }
     parallelize_module(model, tp_mesh, top_plan)
     layers = model.get_submodule("layers")
     for block in layers.children():

@@ -453,11 +453,14 @@ class Decoder(nn.Module):
         See Also:
             ``torchtitan.models.common.decoder.Decoder.forward``.
         """
-        h = self.tok_embeddings(tokens)
+        # a pipeline stage holds some of the parts: the others are None (hp-pp's splitter)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache
         for layer in self.layers.values():
             h = layer(h, rope)
-        return self.lm_head(self.norm(h))  # type: ignore[no-any-return]
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -480,11 +483,13 @@ class Decoder(nn.Module):
             self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.args.rope_scaling
         ).to(device)
         std_emb = 0.02 if self.enable_weight_tying else 1.0
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std_emb)
+        if self.tok_embeddings is not None:  # None in later pipeline stages
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std_emb)
         for layer in self.layers.values():
             layer.init_weights()  # type: ignore[operator]
-        self.norm.reset_parameters()
-        if not self.enable_weight_tying:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if not self.enable_weight_tying and self.lm_head is not None:
             cutoff = 3.0
             std_out = self.args.dim**-0.5
             nn.init.trunc_normal_(

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from hp_trainer.distributed.pipeline import pipeline_decoder
 from hp_trainer.hf_adapters import Qwen3StateDictAdapter
 from hp_trainer.model_spec import ModelSpec, register_model_spec
 from hp_trainer.models._common import parallelize_dense_decoder
@@ -80,6 +81,8 @@ register_model_spec(
         flavors=dict(qwen3_flavors),
         model_cls=Decoder,
         parallelize_fn=parallelize_qwen3,
+        pipelining_fn=pipeline_decoder,
+        extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
         state_dict_adapter=Qwen3StateDictAdapter,
     )
 )
