@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,35 @@ def test_a_damaged_prepared_corpus_is_refused_at_start_up(
     args = ["--model.flavor", "tiny", "--training.seq_len", "32", "--data.dataset", str(damaged)]
     assert hp_train(args) == 2
     assert "tokens-00001.bin is missing or not" in capsys.readouterr().err
+
+
+def test_parquet_through_datasets_and_hub_names_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = load_documents("tiny_stories_synth")[:60]
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as without the extra
+    (tmp_path / "x.parquet").write_bytes(b"")
+    assert main([str(tmp_path / "x.parquet"), "-o", str(tmp_path / "no"), "--quiet"]) == 2
+    assert "pip install 'hp-trainer[datasets]'" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "datasets")
+    pytest.importorskip("datasets")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"body": docs, "n": list(range(60))}), tmp_path / "x.parquet")
+    out = tmp_path / "from-parquet"
+    args = [str(tmp_path / "x.parquet"), "-o", str(out), "--text-field", "body", "--quiet"]
+    assert main([*args, "--workers", "1"]) == 0
+    reference = TokenizedDataset(docs, HuggingFaceTokenizer(), seq_len=32)
+    dataset = PreparedTokenDataset(out, seq_len=32)
+    assert len(dataset) == len(reference)
+    assert torch.equal(dataset.tokens(0, dataset.num_tokens), reference.tokens)
+    # an absent field is named with the fields there are
+    assert main([str(tmp_path / "x.parquet"), "-o", str(tmp_path / "f"), "--quiet"]) == 2
+    assert "record 1 has no field 'text' (fields: body, n)" in capsys.readouterr().err
+    # hub names need a network: offline they fail with a clear message
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert main(["someone/no-such-dataset", "-o", str(tmp_path / "h"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "could not read the dataset 'someone/no-such-dataset' from the HuggingFace hub" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -68,7 +69,8 @@ def _device_name() -> str:
 def _start_wandb(run_folder: Path, resume_step: int) -> Any:
     """A W&B run in ``run_folder/wandb``; a resumed run continues the id kept in the folder."""
     try:
-        import wandb
+        # by name: an optional package, whose types the type check must not need
+        wandb = importlib.import_module("wandb")
     except ImportError as exc:
         raise ImportError(
             "metrics.enable_wandb needs Weights & Biases: pip install 'hp-trainer[wandb]'"

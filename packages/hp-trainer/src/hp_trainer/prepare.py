@@ -1,7 +1,10 @@
 """``hp-train-prepare``: tokenize a corpus once, in parallel, into a prepared folder.
 
 Reads text files (``.txt``: one document per line; ``.jsonl``: one JSON object per line, the
-text under ``--text-field``; both optionally ``.gz``) or folders of them, encodes batches of
+text under ``--text-field``; both optionally ``.gz``) or folders of them, and, through
+HuggingFace ``datasets`` (the optional extra ``hp-trainer[datasets]``), local ``.parquet``,
+``.arrow`` and ``.json`` files and hub names (``org/name``; without a network they fail with a
+clear message), streamed; encodes batches of
 documents in worker processes (each loads the tokenizer once), and writes the shards and
 ``index.json`` of :mod:`hp_trainer.prepared` in document order, so the output does not depend
 on the number of workers. Memory stays bounded: at most ``2 x workers`` batches are in flight.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import array
 import gzip
+import importlib
 import json
 import multiprocessing
 import os
@@ -62,26 +66,92 @@ class PrepareOptions:
     progress: bool = True
 
 
-def _input_files(inputs: tuple[str, ...]) -> list[Path]:
-    files: list[Path] = []
+# read through HuggingFace ``datasets`` (the optional extra): builder name by file suffix
+_DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One input: a text/JSONL file read here, or a ``datasets`` source (file, folder, hub)."""
+
+    name: str
+    path: Path | None  # a local text/JSONL file, else None
+    builder: str | None = None  # datasets builder for local files ("parquet", ...), None: hub
+
+
+def _sources(inputs: tuple[str, ...]) -> list[_Source]:
+    sources: list[_Source] = []
     for name in inputs:
         path = Path(name)
         if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.name.endswith(_TEXT_SUFFIXES))
-            if not found:
-                raise ValueError(f"the folder {path} holds no {'/'.join(_TEXT_SUFFIXES)} files")
-            files += found
+            text = sorted(p for p in path.iterdir() if p.name.endswith(_TEXT_SUFFIXES))
+            other = sorted(p for p in path.iterdir() if p.suffix in _DATASETS_BUILDERS)
+            if not text and not other:
+                suffixes = [*_TEXT_SUFFIXES, *_DATASETS_BUILDERS]
+                raise ValueError(f"the folder {path} holds no {'/'.join(suffixes)} files")
+            sources += [_Source(str(p), p) for p in text]
+            sources += [_Source(str(p), None, _DATASETS_BUILDERS[p.suffix]) for p in other]
         elif path.is_file():
-            if not path.name.endswith(_TEXT_SUFFIXES):
-                raise ValueError(f"{path}: expected a file ending in {', '.join(_TEXT_SUFFIXES)}")
-            files.append(path)
+            if path.name.endswith(_TEXT_SUFFIXES):
+                sources.append(_Source(name, path))
+            elif path.suffix in _DATASETS_BUILDERS:
+                sources.append(_Source(name, None, _DATASETS_BUILDERS[path.suffix]))
+            else:
+                suffixes = [*_TEXT_SUFFIXES, *_DATASETS_BUILDERS]
+                raise ValueError(f"{path}: expected a file ending in {', '.join(suffixes)}")
+        elif "/" in name and not name.startswith((".", "/")) and name.count("/") == 1:
+            sources.append(_Source(name, None))  # a hub name such as "org/dataset"
         else:
-            raise ValueError(f"corpus input {name!r} does not exist")
-    return files
+            raise ValueError(
+                f"corpus input {name!r} does not exist (and is not a HuggingFace hub name "
+                "like 'org/dataset')"
+            )
+    return sources
 
 
-def _documents(files: list[Path], text_field: str, progress: _Progress) -> Iterator[str]:
-    for path in files:
+def _import_datasets(source: str) -> Any:
+    try:
+        # by name: an optional package, whose types the type check must not need
+        datasets = importlib.import_module("datasets")
+    except ImportError as exc:
+        raise ImportError(
+            f"reading {source} needs HuggingFace datasets: pip install 'hp-trainer[datasets]'"
+        ) from exc
+    return datasets
+
+
+def _dataset_records(source: _Source) -> Iterator[Any]:
+    datasets = _import_datasets(source.name)
+    try:
+        if source.builder is not None:
+            data = datasets.load_dataset(
+                source.builder, data_files=source.name, split="train", streaming=True
+            )
+        else:
+            data = datasets.load_dataset(source.name, split="train", streaming=True)
+        yield from data
+    except (OSError, ConnectionError, ValueError) as exc:
+        where = "the HuggingFace hub (offline?)" if source.builder is None else "disk"
+        raise ValueError(
+            f"could not read the dataset {source.name!r} from {where}: {exc}"
+        ) from None
+
+
+def _documents(sources: list[_Source], text_field: str, progress: _Progress) -> Iterator[str]:
+    for source in sources:
+        if source.path is None:
+            for number, record in enumerate(_dataset_records(source), 1):
+                if text_field not in record:
+                    raise ValueError(
+                        f"{source.name}: record {number} has no field {text_field!r} "
+                        f"(fields: {', '.join(record)})"
+                    )
+                text = str(record[text_field])
+                progress.bytes_read += len(text)
+                if text.strip():
+                    yield text
+            continue
+        path = source.path
         opener: Any = gzip.open if path.name.endswith(".gz") else open
         is_jsonl = ".jsonl" in path.name
         with opener(path, "rt", encoding="utf-8") as f:
@@ -227,7 +297,9 @@ def prepare_corpus(options: PrepareOptions, *, stream: TextIO | None = None) -> 
     See Also:
         ``torchtitan.hf_datasets``: TorchTitan tokenizes on the fly instead.
     """
-    files = _input_files(options.inputs)
+    sources = _sources(options.inputs)
+    if any(source.path is None for source in sources):
+        _import_datasets(", ".join(s.name for s in sources if s.path is None))
     out = Path(options.output)
     if (out / INDEX_FILE).exists():
         raise ValueError(f"{out} already holds a prepared corpus; choose another --output")
@@ -238,10 +310,12 @@ def prepare_corpus(options: PrepareOptions, *, stream: TextIO | None = None) -> 
     dtype = "int32" if tokenizer.vocab_size > 65536 else "uint16"
     writer = _ShardWriter(out, dtype, options.shard_tokens)
     progress = _Progress(
-        sum(f.stat().st_size for f in files), options.progress, stream or sys.stderr
+        sum(Path(s.name).stat().st_size for s in sources if Path(s.name).is_file()),
+        options.progress,
+        stream or sys.stderr,
     )
     workers = options.workers or min(os.cpu_count() or 1, 8)
-    batches = _batches(_documents(files, options.text_field, progress), options.batch_documents)
+    batches = _batches(_documents(sources, options.text_field, progress), options.batch_documents)
     # fork: a worker starts in milliseconds (spawn would import torch in each); nothing here
     # has started threads yet (the tokenizer has not encoded anything in this process)
     methods = multiprocessing.get_all_start_methods()
@@ -268,7 +342,7 @@ def prepare_corpus(options: PrepareOptions, *, stream: TextIO | None = None) -> 
         "eos_id": tokenizer.eos_id,
         "num_tokens": progress.tokens,
         "num_documents": progress.documents,
-        "inputs": [str(f) for f in files],
+        "inputs": [s.name for s in sources],
         "shards": writer.shards,
     }
     tmp = out / (INDEX_FILE + ".tmp")
@@ -303,7 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Tokenize a corpus once into memory-mapped shards for hp-train "
         "(then: hp-train --data.dataset OUTPUT).",
     )
-    parser.add_argument("inputs", nargs="+", help=".txt/.jsonl files (optionally .gz) or folders")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        help=".txt/.jsonl files (optionally .gz), folders of them; with the datasets extra also "
+        ".parquet/.arrow/.json files and hub names (org/name)",
+    )
     parser.add_argument("--output", "-o", required=True, help="folder to write")
     parser.add_argument("--tokenizer", default="builtin", help="tokenizer.json or its folder")
     parser.add_argument("--text-field", default="text", help="JSONL field holding the text")
@@ -328,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         index = prepare_corpus(options)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"hp-train-prepare: error: {exc}", file=sys.stderr)
         return 2
     print(
