@@ -192,6 +192,40 @@ def _cases(device: torch.device, dim: int, tokens_n: int, seq: int, ws: int) -> 
         _close,
     )
 
+    aligned, positions, _ = hk.reference_kernel("permute_tokens_aligned")(tokens, idx, 8, 16)
+    capacity = aligned.shape[0]
+
+    def perm_aligned_torch() -> torch.Tensor:
+        # TorchTitan's way: a zero row appended, then one gather by precomputed row indices.
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=8)
+        padded = (counts + 15) // 16 * 16
+        shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
+        rows = torch.arange(flat.numel(), device=device) + shift[flat[order]]
+        source = torch.full((capacity,), tokens.shape[0], device=device, dtype=torch.int64)
+        source[rows] = order // 2
+        padded_tokens = torch.vstack((tokens, tokens.new_zeros((1, tokens.shape[1]))))
+        return padded_tokens[source]
+
+    cases["permute_tokens_aligned (top-2 of 8, align 16, bf16)"] = (
+        lambda: launcher("permute_tokens_aligned")(tokens, idx, 8, 16),
+        perm_aligned_torch,
+        3 * _nbytes(tokens),
+        lambda a, b: _bitwise(a[0], b),
+    )
+
+    def combine_torch() -> torch.Tensor:
+        rows = aligned.index_select(0, positions).view(-1, 2, aligned.shape[1])
+        return (rows * probs.unsqueeze(-1).to(rows.dtype)).sum(1)
+
+    cases["combine_tokens (aligned layout, weighted, bf16)"] = (
+        lambda: launcher("combine_tokens")(aligned, positions, probs, 2),
+        combine_torch,
+        3 * _nbytes(tokens),
+        _close,
+    )
+
     oa, ob = (torch.randn(4, 16, seq, 128, generator=gen).to(device) for _ in range(2))
     la, lb = (torch.randn(4, 16, seq, generator=gen).to(device) for _ in range(2))
 
