@@ -75,6 +75,7 @@ from hp_trainer.model_spec import (
 from hp_trainer.models.decoder import Decoder, DecoderArgs
 from hp_trainer.models.llama3 import parallelize_llama
 from hp_trainer.models.qwen3 import parallelize_qwen3
+from hp_trainer.muon import Muon, get_hyper_optimizer
 from hp_trainer.optimizer import (
     LRSchedulersContainer,
     OptimizersContainer,
@@ -115,6 +116,7 @@ __all__ = [
     "ModelConfig",
     "ModelSpec",
     "ModelWrapper",
+    "Muon",
     "OptimizerConfig",
     "OptimizersContainer",
     "OptimizersWrapper",
@@ -145,6 +147,7 @@ __all__ = [
     "disable_fsdp_gradient_division",
     "enable_fsdp_symm_mem",
     "get_fsdp_reshard_after_forward_policy",
+    "get_hyper_optimizer",
     "get_model_spec",
     "get_peak_flops",
     "list_model_specs",

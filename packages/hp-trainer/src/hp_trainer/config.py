@@ -243,8 +243,9 @@ class OptimizerConfig:
         ``torchtitan.components.optimizer.OptimizersContainer``: TorchTitan's optimizer config.
     """
 
-    name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
-    """Optimizer class from ``torch.optim``."""
+    name: Literal["AdamW", "Adam", "SGD", "Muon"] = "AdamW"
+    """Optimizer class from ``torch.optim``, or ``Muon`` (``hp_trainer.Muon`` on the 2-D hidden
+    matrices, AdamW with ``beta1``/``beta2``/``eps`` on embeddings, heads and 1-D parameters)."""
     lr: float = 8e-4
     """Peak learning rate."""
     beta1: float = 0.9

@@ -11,6 +11,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from hp_trainer.config import LRSchedulerConfig, OptimizerConfig
+from hp_trainer.muon import get_hyper_optimizer
 
 __all__ = [
     "LRSchedulersContainer",
@@ -24,6 +25,9 @@ __all__ = [
 class OptimizersContainer:
     """One optimizer per model part, stepped and zeroed together.
 
+    ``optimizer.name = "Muon"`` builds :func:`~hp_trainer.muon.get_hyper_optimizer` per part
+    (Muon on hidden matrices, AdamW on the rest, in one optimizer).
+
     Args:
         model_parts: The model chunks (one for non-pipelined training).
         optimizer_config: The ``[optimizer]`` section.
@@ -35,6 +39,18 @@ class OptimizersContainer:
     def __init__(self, model_parts: Iterable[nn.Module], optimizer_config: OptimizerConfig) -> None:
         self.model_parts = list(model_parts)
         cfg = optimizer_config
+        if cfg.name == "Muon":
+            self.optimizers: list[torch.optim.Optimizer] = [
+                get_hyper_optimizer(
+                    part,
+                    lr=cfg.lr,
+                    weight_decay=cfg.weight_decay,
+                    adamw_betas=(cfg.beta1, cfg.beta2),
+                    adamw_eps=cfg.eps,
+                )
+                for part in self.model_parts
+            ]
+            return
         kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
         if cfg.implementation == "fused":
             kwargs["fused"] = True
@@ -48,7 +64,7 @@ class OptimizersContainer:
             cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
         else:
             cls = torch.optim.SGD
-        self.optimizers: list[torch.optim.Optimizer] = [
+        self.optimizers = [
             cls([p for p in part.parameters() if p.requires_grad], **kwargs)
             for part in self.model_parts
         ]
