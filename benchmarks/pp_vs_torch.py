@@ -27,6 +27,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import statistics
 import time
 import weakref
@@ -372,6 +373,8 @@ def main() -> None:
             "torch_median_s": [o["torch"] for o in orders],
             "ours_peak_bytes": orders[0]["ours_peak"],
             "torch_peak_bytes": orders[0]["torch_peak"],
+            # Other jobs on the machine make the figures noisy: the noise-floor row shows how much.
+            "load_average_1min": os.getloadavg()[0],
         }
         if profiles:
             predicted = _predict(row["schedule"], profiles)
@@ -397,8 +400,8 @@ def main() -> None:
         "profiled on the real stages (error = predicted / measured - 1).",
         "",
         "| schedule | step time ours/torch | peak tensor memory ours/torch | ours median (s) | "
-        "simulated (s) | simulator error |",
-        "|---|---|---|---|---|---|",
+        "simulated (s) | simulator error | load average |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in ROWS:
         entry = report["rows"].get(name)
@@ -412,7 +415,7 @@ def main() -> None:
             + ("-" if sim is None else f"{sim:.4f}")
             + " | "
             + ("-" if err is None else f"{100 * err:+.0f}%")
-            + " |"
+            + f" | {entry.get('load_average_1min', float('nan')):.1f} |"
         )
     lines.append("")
     (args.out / "pp_vs_torch.md").write_text("\n".join(lines))
