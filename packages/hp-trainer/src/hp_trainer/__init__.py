@@ -50,6 +50,7 @@ from hp_trainer.distributed.activation_checkpoint import (
     swap_wrapper,
 )
 from hp_trainer.distributed.compile import apply_compile
+from hp_trainer.distributed.expert_parallel import apply_moe_ep_tp
 from hp_trainer.distributed.fsdp import (
     apply_fsdp_to_decoder,
     disable_fsdp_gradient_division,
@@ -58,12 +59,14 @@ from hp_trainer.distributed.fsdp import (
 )
 from hp_trainer.distributed.swap import CheckpointPolicy, HostBufferPool, SwapManager
 from hp_trainer.distributed.tensor_parallel import apply_tp
+from hp_trainer.expert_load import ExpertLoadTracker
 from hp_trainer.hf_adapters import (
     DecoderStateDictAdapter,
     Llama3StateDictAdapter,
     Qwen3StateDictAdapter,
     StateDictAdapter,
 )
+from hp_trainer.hf_moe_adapters import DeepSeekV3StateDictAdapter, Qwen3MoeStateDictAdapter
 from hp_trainer.metrics import MetricsProcessor, get_peak_flops
 from hp_trainer.model_spec import (
     ModelSpec,
@@ -72,9 +75,12 @@ from hp_trainer.model_spec import (
     register_model_spec,
     register_spec,
 )
+from hp_trainer.models._moe_block import MoEDecoderArgs
 from hp_trainer.models.decoder import Decoder, DecoderArgs
+from hp_trainer.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Args, parallelize_deepseek_v3
 from hp_trainer.models.llama3 import parallelize_llama
 from hp_trainer.models.qwen3 import parallelize_qwen3
+from hp_trainer.models.qwen3_moe import Qwen3MoE, parallelize_qwen3_moe
 from hp_trainer.muon import Muon, get_hyper_optimizer
 from hp_trainer.optimizer import (
     LRSchedulersContainer,
@@ -101,6 +107,10 @@ __all__ = [
     "Decoder",
     "DecoderArgs",
     "DecoderStateDictAdapter",
+    "DeepSeekV3",
+    "DeepSeekV3Args",
+    "DeepSeekV3StateDictAdapter",
+    "ExpertLoadTracker",
     "HostBufferPool",
     "HuggingFaceTokenizer",
     "HyperTrainerConfig",
@@ -113,6 +123,7 @@ __all__ = [
     "Llama3StateDictAdapter",
     "MetricsConfig",
     "MetricsProcessor",
+    "MoEDecoderArgs",
     "ModelConfig",
     "ModelSpec",
     "ModelWrapper",
@@ -124,6 +135,8 @@ __all__ = [
     "ParallelDims",
     "ParallelismConfig",
     "ProfilingConfig",
+    "Qwen3MoE",
+    "Qwen3MoeStateDictAdapter",
     "Qwen3StateDictAdapter",
     "RNGState",
     "StateDictAdapter",
@@ -136,6 +149,7 @@ __all__ = [
     "apply_ac",
     "apply_compile",
     "apply_fsdp_to_decoder",
+    "apply_moe_ep_tp",
     "apply_tp",
     "build_lr_schedulers",
     "build_optimizers",
@@ -153,8 +167,10 @@ __all__ = [
     "list_model_specs",
     "load_documents",
     "lr_factor",
+    "parallelize_deepseek_v3",
     "parallelize_llama",
     "parallelize_qwen3",
+    "parallelize_qwen3_moe",
     "parse_args",
     "register_model_spec",
     "register_spec",
