@@ -307,16 +307,30 @@ class ActivationCheckpointConfig:
         ``torchtitan.config.job_config.ActivationCheckpoint``: TorchTitan's AC section.
     """
 
-    mode: Literal["none", "full", "selective"] = "none"
-    """``none``, ``full`` (recompute every block) or ``selective`` (see ``selective_ac_option``)."""
+    mode: Literal["none", "full", "selective", "swap", "memory_budget"] = "none"
+    """``none``, ``full`` (recompute every block), ``selective`` (see ``selective_ac_option``),
+    ``swap`` (saved activations to host memory, prefetched back for backward) or
+    ``memory_budget`` (``torch.compile``'s min-cut partitioner keeps ``memory_budget`` of the
+    activations; needs ``compile.enable``)."""
     selective_ac_option: str = "2"
     """For ``selective``: an integer N checkpoints every N-th block; ``op`` saves the outputs of
     compute-heavy ops (matmuls, attention) and recomputes the rest."""
     preserve_rng_state: bool = False
     """Restore the RNG state for recomputation (needed with dropout)."""
+    memory_budget: float = 0.5
+    """For ``memory_budget``: fraction in [0, 1] of the activation memory to keep (0 recomputes
+    everything that can be recomputed, 1 saves like no checkpointing)."""
+    every_n_layers: int = 1
+    """For ``swap`` and ``memory_budget``: apply to every N-th block (1 = every block)."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "activation_checkpoint")
+        if isinstance(self.memory_budget, bool) or not 0.0 <= self.memory_budget <= 1.0:
+            _fail(
+                "activation_checkpoint", "memory_budget", self.memory_budget, "a number in [0, 1]"
+            )
+        if self.every_n_layers < 1:
+            _fail("activation_checkpoint", "every_n_layers", self.every_n_layers, "an integer >= 1")
         opt = self.selective_ac_option
         if opt != "op" and not (opt.isdigit() and int(opt) >= 1):
             _fail("activation_checkpoint", "selective_ac_option", opt, "'op' or an integer >= 1")
@@ -563,6 +577,16 @@ class JobConfig:
     """Validation loop."""
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     """Profiler traces and memory snapshots."""
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
+            _fail(
+                "activation_checkpoint",
+                "mode",
+                "memory_budget",
+                "a mode other than memory_budget unless compile.enable = true (the budget is "
+                "applied by torch.compile's partitioner)",
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as nested plain dictionaries.

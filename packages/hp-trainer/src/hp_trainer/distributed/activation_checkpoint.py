@@ -63,12 +63,48 @@ def _wrap(block: nn.Module, config: ActivationCheckpointConfig) -> nn.Module:
     return ptd_checkpoint_wrapper(block, preserve_rng_state=config.preserve_rng_state)
 
 
+class _MemoryBudgetScope:
+    """Sets the partitioner's activation memory budget while one block runs (and compiles).
+
+    AOT autograd partitions the joint graph when the block's forward is compiled, i.e. inside
+    the block's call; scoping the setting to the call leaves other blocks and models alone.
+    """
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self._previous: list[float] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        config = _functorch_config()
+        self._previous.append(config.activation_memory_budget)
+        config.activation_memory_budget = self.budget
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        _functorch_config().activation_memory_budget = self._previous.pop()
+
+
+def _functorch_config() -> Any:
+    config = getattr(getattr(torch, "_functorch", None), "config", None)
+    if config is None or not hasattr(config, "activation_memory_budget"):
+        raise RuntimeError(
+            "activation_checkpoint.mode = 'memory_budget' needs "
+            "torch._functorch.config.activation_memory_budget (torch >= 2.4); "
+            f"torch {torch.__version__} lacks it"
+        )
+    return config
+
+
 def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
-    """Wrap the blocks of ``model.layers`` with activation checkpointing (in place).
+    """Apply activation checkpointing, swap or a memory budget to ``model.layers`` (in place).
 
     ``full`` recomputes every block in backward; ``selective`` with an integer N wraps every
     N-th block; ``selective`` with ``op`` keeps the outputs of matmuls (every other one),
-    attention and communication ops and recomputes cheap element-wise ops.
+    attention and communication ops and recomputes cheap element-wise ops. ``swap`` moves the
+    saved activations of every ``every_n_layers``-th block to host memory (one
+    :class:`SwapManager` for the model, so each block's activations are prefetched during the
+    backward of the block after it). ``memory_budget`` makes ``torch.compile``'s min-cut
+    partitioner keep ``memory_budget`` of the activations of every ``every_n_layers``-th block
+    (the blocks must be compiled, :func:`~hp_trainer.distributed.compile.apply_compile`).
 
     Args:
         model: A model with a ``layers`` ``ModuleDict``.
@@ -78,7 +114,8 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
         ValueError: If ``mode`` is ``none`` (nothing to apply) or the model has no ``layers``.
 
     See Also:
-        ``torchtitan.distributed.activation_checkpoint.apply_ac``: TorchTitan's AC.
+        ``torchtitan.distributed.activation_checkpoint.apply_ac``: TorchTitan's AC (its
+        ``memory_budget`` mode sets ``torch._functorch.config.activation_memory_budget``).
     """
     if ac_config.mode == "none":
         raise ValueError("apply_ac() called with activation_checkpoint.mode = 'none'")
@@ -88,8 +125,19 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
     every = 1
     if ac_config.mode == "selective" and ac_config.selective_ac_option != "op":
         every = int(ac_config.selective_ac_option)
+    elif ac_config.mode in ("swap", "memory_budget"):
+        every = ac_config.every_n_layers
+    manager = SwapManager() if ac_config.mode == "swap" else None
     for i, (name, block) in enumerate(list(layers.items())):
-        if (i + 1) % every == 0 or every == 1:
+        if (i + 1) % every != 0 and every != 1:
+            continue
+        if manager is not None:
+            layers.register_module(name, swap_wrapper(block, manager=manager))
+        elif ac_config.mode == "memory_budget":
+            scope = _MemoryBudgetScope(ac_config.memory_budget)
+            block.register_forward_pre_hook(scope.enter)
+            block.register_forward_hook(scope.exit, always_call=True)
+        else:
             layers.register_module(name, _wrap(block, ac_config))
 
 
