@@ -95,9 +95,9 @@ def assert_matches_reference(results: list[Any], ref: tuple[list[float], list[fl
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5
         )
-        torch.testing.assert_close(
-            torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-5
-        )
+        # the global gradient norm sums squares in another order in each layout: it drifts
+        # by up to ~3e-5 relative (HSDP without CP/PP too), so it is checked at 1e-4
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=0)
         for key, value in state.items():
             torch.testing.assert_close(
                 value, ref_state[key], rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
