@@ -5,6 +5,7 @@ pipelined checkpoint resumes without PP (FQNs unchanged)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -131,4 +132,75 @@ def test_pipelined_training_matches_one_process(tmp_path: Path, case: str) -> No
     results = run_distributed(_train, ws, str(tmp_path), par, local_bs, timeout=150)
     ref = reference(tmp_path, local_bs * dp)
     assert ref[0][-1] < ref[0][0]  # it learns
+    assert_matches_reference(results, ref)
+
+
+_PP = {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}
+_CKPT = {"enable": True, "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
+
+
+def _stopped_at_2(cfg: JobConfig) -> tuple[list[float], Trainer]:
+    trainer = Trainer(cfg)
+    observe = trainer.metrics.observe_loss
+
+    def observe_then_stop(step: int, loss: float) -> None:  # what SIGTERM does, at step 2
+        observe(step, loss)
+        trainer._stop_requested = step == 2
+
+    trainer.metrics.observe_loss = observe_then_stop  # type: ignore[method-assign]
+    try:
+        return trainer.train(), trainer
+    finally:
+        trainer.close()
+
+
+def _run(cfg: JobConfig) -> tuple[list[float], Trainer]:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train(), trainer
+    finally:
+        trainer.close()
+
+
+def _stop_resume_under_pp(folder: str) -> Any:
+    """pp 2 x dp 2: 4 steps uninterrupted; stopped at 2 and resumed; resumed from the
+    single-process checkpoint in ``one``."""
+    root = Path(folder)
+    full, _ = _run(job(root, _PP, run="full", steps=4))
+    stopped, _ = _stopped_at_2(job(root, _PP, run="stop", steps=4, checkpoint=_CKPT))
+    resumed, trainer = _run(job(root, _PP, run="stop", steps=4, checkpoint=_CKPT))
+    from_one, one = _run(job(root, _PP, run="one", steps=4, checkpoint=_CKPT))
+    return full, stopped, resumed, trainer.checkpointer.loaded_step, from_one, one.step
+
+
+def test_stop_resume_under_pp_exact_and_across_pp(tmp_path: Path) -> None:
+    # a single-process run saves step-2 (then stops): the pipelined run resumes from it below
+    one_stopped, _ = _stopped_at_2(job(tmp_path, {}, run="one", local_bs=4, steps=4,
+                                       checkpoint=_CKPT))  # fmt: skip
+    results = run_distributed(_stop_resume_under_pp, 4, str(tmp_path), timeout=180)
+    full, stopped, resumed, loaded, from_one, one_step = results[0]
+    assert all(r == results[0] for r in results)  # every rank reports the global loss
+    assert loaded == 2
+    assert len(stopped) == len(resumed) == 2
+    assert stopped + resumed == full  # same layout: bitwise
+    torch.testing.assert_close(one_stopped, full[:2], rtol=1e-5, atol=1e-5)
+    assert one_step == 4
+    torch.testing.assert_close(from_one, full[2:], rtol=1e-5, atol=1e-5)  # no PP -> PP
+
+    # PP -> no PP: the pipelined step-2 (each stage saved its own FQNs) on one process
+    shutil.rmtree(tmp_path / "stop" / "checkpoint" / "step-4")
+    resumed_one, trainer = _run(job(tmp_path, {}, run="stop", local_bs=4, steps=4,
+                                    checkpoint=_CKPT))  # fmt: skip
+    assert trainer.checkpointer.loaded_step == 2
+    torch.testing.assert_close(resumed_one, full[2:], rtol=1e-5, atol=1e-5)
+
+
+def test_pp2_dp2_tp2_on_8_ranks_matches_one_process(tmp_path: Path) -> None:
+    par = {
+        "pipeline_parallel_degree": 2,
+        "data_parallel_shard_degree": 2,
+        "tensor_parallel_degree": 2,
+    }
+    results = run_distributed(_train, 8, str(tmp_path), par, 2, timeout=240)
+    ref = reference(tmp_path, 4)
     assert_matches_reference(results, ref)
