@@ -91,8 +91,15 @@ def test_table_must_cover_every_forward() -> None:
             0: [hp_pp.Action.parse(a) for a in ("0F0", "0B0")],
             1: [hp_pp.Action.parse(a) for a in ("1F0", "1B0")],
         }
-        with pytest.raises(ValueError, match="expected one per stage and micro-batch"):
+        # The whole table is validated offline before any communication.
+        with pytest.raises(ValueError, match="no forward 0F1"):
             hp_pp.PipelineScheduleRuntime([_stage(0, 2)], 2, actions=table)
+        stuck = {
+            0: [hp_pp.Action.parse(a) for a in ("0F0", "0B0")],
+            1: [hp_pp.Action.parse(a) for a in ("1B0", "1F0")],
+        }
+        with pytest.raises(ValueError, match="invalid pipeline schedule"):
+            hp_pp.PipelineScheduleRuntime([_stage(0, 2)], 1, actions=stuck)
         with pytest.raises(ValueError, match="names stage 1, but this rank holds stages"):
             hp_pp.PipelineScheduleRuntime([_stage(0, 2)], 1, actions={0: table[1]})
         with pytest.raises(ValueError, match="no row for pipeline rank 0"):

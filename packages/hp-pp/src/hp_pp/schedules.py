@@ -34,6 +34,7 @@ from hp_pp.csv_io import read_csv
 from hp_pp.executor import PipelineExecutor, TransposedPreprocess
 from hp_pp.microbatch import merge_chunks, split_args_kwargs_into_chunks
 from hp_pp.stage import PipelineStage
+from hp_pp.validate import check_schedule
 
 __all__ = [
     "PipelineScheduleMulti",
@@ -165,13 +166,23 @@ class PipelineScheduleRuntime:
             style: Keyword-only. A new stage placement (default: keep the current one).
 
         Raises:
-            ValueError: the table has no row for this rank, or names stages it lacks, or does
-                not run every micro-batch's forward on each of this rank's stages.
+            ValueError: the table has no row for this rank, names stages it lacks, or (checked
+                offline with ``check_schedule`` when it has a row per rank) deadlocks, has
+                unmatched transfers or misses work.
         """
         if style is not None and style != self._style:
             self._bind_stages(style)
         if self._rank not in actions:
             raise ValueError(f"the action table has no row for pipeline rank {self._rank}")
+        if len(actions) == self._pp_size:
+            # The whole table: deadlocks, unmatched transfers and missing work are found here,
+            # before any communication (every rank checks the same table).
+            check_schedule(
+                actions,
+                num_stages=self._num_stages,
+                n_microbatches=self._n_microbatches,
+                style=self._style,
+            )
         row = actions[self._rank]
         executor = PipelineExecutor(
             self._stages, row, lookahead=self._lookahead, preprocess=self._preprocess_for(actions)
