@@ -125,8 +125,9 @@ class Trainer:
         job_config: The configuration.
 
     Raises:
-        ValueError: For configurations this release cannot train (context/pipeline/expert
-            parallel degrees > 1) or inconsistent sizes.
+        ValueError: For a layout that cannot work (see
+            ``hp_trainer.layout_validation.validate_parallel_layout``), checked before
+            the process group is created, or inconsistent sizes.
 
     See Also:
         ``torchtitan.train.Trainer``: TorchTitan's trainer.
@@ -336,12 +337,15 @@ class Trainer:
         d = self.parallel_dims
         tokens = self.global_batch_size * cfg.training.seq_len
         logger.info(
-            "world %d on %s: dp_replicate %d x dp_shard %d x tp %d",
+            "world %d on %s: pp %d x dp_replicate %d x dp_shard %d x cp %d x tp %d (ep %d)",
             self.world_size,
             self.metrics.device_name,
+            d.pp,
             d.dp_replicate,
             d.dp_shard,
+            d.cp,
             d.tp,
+            d.ep,
         )
         logger.info(
             "model %s/%s: %s parameters, %.2f MFLOP per token",
