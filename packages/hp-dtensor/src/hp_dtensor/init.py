@@ -19,6 +19,7 @@ See Also:
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -262,9 +263,36 @@ def _local_shard(
     return local.clone(memory_format=torch.contiguous_format)
 
 
+def _tracks_elements(dtype: torch.dtype) -> bool:
+    """Whether scratch of ``dtype`` is NaN-filled, so unwritten elements can be found."""
+    return (dtype.is_floating_point and dtype.itemsize >= 2) or dtype.is_complex
+
+
 def _scratch(tensor: torch.Tensor) -> torch.Tensor:
-    """A full-size CPU tensor to run an initializer into."""
-    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=DEVICE_TYPE_CPU)
+    """A full-size CPU tensor to run an initializer into.
+
+    Floating scratch starts as NaN: after the initializer, a NaN left means an element it did not
+    write, whatever path the write took (in place, through ``.data``, or by assigning ``.data``).
+    """
+    shape, dtype = tuple(tensor.shape), tensor.dtype
+    if _tracks_elements(dtype):
+        return torch.full(shape, math.nan, dtype=dtype, device=DEVICE_TYPE_CPU)
+    return torch.zeros(shape, dtype=dtype, device=DEVICE_TYPE_CPU)
+
+
+def _unwritten(value: torch.Tensor, scratch: torch.Tensor, version: int, address: int) -> int:
+    """How many elements of ``value`` (a slot's content after the initializer) were not written.
+
+    A tensor assigned to the slot counts as written. For floating scratch the NaN sentinel is
+    counted; for other dtypes (no free sentinel value) any change of version, storage or content
+    counts as a complete write.
+    """
+    if value is not scratch:
+        return 0
+    if _tracks_elements(value.dtype):
+        return int(torch.isnan(value).sum())
+    changed = value._version != version or value.data_ptr() != address or bool(value.any())
+    return 0 if changed else value.numel()
 
 
 def _as_parameter(value: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
@@ -334,10 +362,16 @@ def init_parameters(
     Returns:
         ``module``.
 
+    **Writes.** An initializer may write in place, through ``.data`` (``w.data.normal_()``,
+    HuggingFace style), assign ``w.data = ...`` or assign a new tensor. Floating scratch starts as
+    NaN, so an element an initializer left unwritten is found, whichever path it took; for other
+    dtypes only "not written at all" is detected (no free sentinel value).
+
     Raises:
         ValueError: when a meta parameter or buffer has no initializer that writes it (naming
-            it), when an initializer touches another module's meta tensor, or when ``module``
-            holds no meta tensor at all and ``reinitialize`` is False.
+            it), when an initializer wrote a floating tensor only partly (naming it and the
+            count of unset elements), when an initializer touches another module's meta tensor,
+            or when ``module`` holds no meta tensor at all and ``reinitialize`` is False.
 
     See Also:
         ``torch.nn.Module.to_empty``: PyTorch's materialization (no values, unties tied
@@ -428,7 +462,8 @@ def _init_one(
         else:
             module._buffers[name] = s
         scratch[(kind, name)] = s
-    versions = {key: s._version for key, s in scratch.items()}
+    # .data writes bypass the version counter: remember storage addresses too.
+    versions = {key: (s._version, s.data_ptr()) for key, s in scratch.items()}
     try:
         with _ForbidMetaMode(prefix or type(module).__name__):
             if init_fn is not None:
@@ -440,15 +475,24 @@ def _init_one(
         for kind, name, _ in own:
             slots: dict[str, Any] = module._parameters if kind == "param" else module._buffers
             value = slots[name]
-            written = value is not scratch[(kind, name)] or value._version != versions[(kind, name)]
             results[(kind, name)] = value
             original = originals[(kind, name)]
-            if pending(original) and id(original) not in done and not written:
+            if not pending(original) or id(original) in done:
+                continue
+            missing = _unwritten(value, scratch[(kind, name)], *versions[(kind, name)])
+            if missing == value.numel():
                 raise ValueError(
                     f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} needs a "
                     "value but its module's initializer did not write it; register an "
                     f"initializer with hp_dtensor.register_init_fn (or {BUFFER_INIT_METHOD}() "
                     "for buffers)"
+                )
+            if missing:
+                raise ValueError(
+                    f"{kind} {_qualified(prefix, name)!r} of {type(module).__name__} was only "
+                    f"partly written by its module's initializer: {missing} of {value.numel()} "
+                    "elements were left unset (they would hold garbage); the initializer must "
+                    "write every element"
                 )
     finally:
         for (kind, name), original in originals.items():
