@@ -158,3 +158,27 @@ def test_expert_load_of_a_known_routing_equals_hand_counts() -> None:
         # overloaded experts lose 1e-3, the others gain it (centred): the update is over dp
         step = torch.tensor([1, 1, 1, 1, 1, 1, -1, -1], dtype=torch.float32) * 1e-3
         torch.testing.assert_close(after - before, step - step.mean())
+
+
+@pytest.mark.parametrize(
+    ("model", "par", "world", "match"),
+    [
+        ("qwen3_moe", {"context_parallel_degree": 2}, 2, "context_parallel_degree = 2"),
+        ("deepseek_v3", {"tensor_parallel_degree": 2}, 2, "latent attention"),
+        ("qwen3_moe", {"expert_parallel_degree": 3}, 3, "divide the model's 8 experts"),
+        (
+            "qwen3_moe",
+            {"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+            2,
+            "divide data_parallel_shard_degree = 1",
+        ),
+    ],
+)
+def test_moe_layouts_that_cannot_work_fail_up_front(
+    tmp_path: Path, model: str, par: dict[str, Any], world: int, match: str
+) -> None:
+    from hp_trainer.layout_validation import validate_parallel_layout
+
+    cfg = _config(tmp_path, model, 2, par, "bad")
+    with pytest.raises(ValueError, match=match):
+        validate_parallel_layout(cfg, world)

@@ -155,3 +155,9 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
             f"parallelism.expert_parallel_degree = {dims.ep} but {model} has no experts; use a "
             "mixture-of-experts model (qwen3_moe, deepseek_v3) or expert_parallel_degree = 1"
         )
+    if getattr(args, "moe_args", None) is not None:
+        from hp_trainer.distributed.expert_parallel import moe_layout_error
+
+        problem = moe_layout_error(dims, args)
+        if problem is not None:
+            _fail(f"{model}: {problem}")

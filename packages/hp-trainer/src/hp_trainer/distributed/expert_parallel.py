@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
     from hp_trainer.parallel_dims import ParallelDims
 
-__all__ = ["apply_moe_ep_tp", "apply_tp_to_moe_decoder", "parallelize_moe_decoder"]
+__all__ = [
+    "apply_moe_ep_tp",
+    "apply_tp_to_moe_decoder",
+    "moe_layout_error",
+    "parallelize_moe_decoder",
+]
 
 
 def apply_moe_ep_tp(
@@ -173,14 +178,55 @@ def apply_tp_to_moe_decoder(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel
             _replicate_tokens_for_moe(moe, tp_mesh)
 
 
-def _expert_tp_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
-    """``([ep, tp] mesh, efsdp mesh)`` when experts are tensor parallel: ep borrows dp_shard."""
-    if dims.dp_shard % dims.ep != 0:
-        raise ValueError(
+def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None:
+    """Why this layout cannot train this MoE model, or None when it can (checked up front).
+
+    Args:
+        parallel_dims: The degrees (no mesh needed).
+        model_args: The MoE model's arguments (``moe_args``, ``moe_hidden_dim``).
+
+    Returns:
+        A message naming the values, or None.
+
+    See Also:
+        :func:`hp_trainer.layout_validation.validate_parallel_layout`, which raises it.
+    """
+    dims = parallel_dims
+    for name, degree in (("context", dims.cp), ("pipeline", dims.pp)):
+        if degree > 1:
+            return (
+                f"parallelism.{name}_parallel_degree = {degree}: the MoE models (qwen3_moe, "
+                "deepseek_v3) train with expert, tensor and data parallelism (FSDP/HSDP) in "
+                f"this release; use {name}_parallel_degree = 1"
+            )
+    if dims.tp > 1 and getattr(model_args, "kv_lora_rank", None) is not None:
+        return (
+            f"parallelism.tensor_parallel_degree = {dims.tp}: tensor parallelism of multi-head "
+            "latent attention (deepseek_v3) is not available in this release; use expert and "
+            "data parallelism"
+        )
+    num_experts = model_args.moe_args.num_experts
+    if dims.ep > 1 and num_experts % dims.ep != 0:
+        return (
+            f"parallelism.expert_parallel_degree = {dims.ep} must divide the model's "
+            f"{num_experts} experts"
+        )
+    if dims.tp > 1 and model_args.moe_hidden_dim % dims.tp != 0:
+        return (
+            f"parallelism.tensor_parallel_degree = {dims.tp} must divide the experts' hidden "
+            f"size {model_args.moe_hidden_dim}"
+        )
+    if dims.tp > 1 and dims.ep > 1 and dims.dp_shard % dims.ep != 0:
+        return (
             f"expert_parallel_degree = {dims.ep} with tensor_parallel_degree = {dims.tp}: the "
             "experts are sharded over tp too, so ep borrows its ranks from FSDP alone and must "
             f"divide data_parallel_shard_degree = {dims.dp_shard}"
         )
+    return None
+
+
+def _expert_tp_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
+    """``([ep, tp] mesh, efsdp mesh)`` when experts are tensor parallel: ep borrows dp_shard."""
     world = dims.get_mesh("world")
     split = world._unflatten(2, (dims.dp_shard // dims.ep, dims.ep), ("etp_efsdp", "etp_ep"))
     return split["etp_ep", "tp"], split["etp_efsdp"]
@@ -208,32 +254,20 @@ def parallelize_moe_decoder(
         The model, parallelized in place.
 
     Raises:
-        ValueError: Context or pipeline parallelism (not available for the MoE families in
-            this release); tensor parallelism for multi-head latent attention (DeepSeek-V3);
-            an EP degree that does not divide ``dp_shard`` under TP.
+        ValueError: For a layout :func:`moe_layout_error` refuses (CP or PP; TP of latent
+            attention; degrees not dividing the experts, their hidden size or ``dp_shard``).
 
     See Also:
         ``torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3`` and
         ``torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3``.
     """
     dims = parallel_dims
-    for name, degree in (("context", dims.cp), ("pipeline", dims.pp)):
-        if degree > 1:
-            raise ValueError(
-                f"parallelism.{name}_parallel_degree = {degree}: the MoE models (qwen3_moe, "
-                "deepseek_v3) train with expert, tensor and data parallelism (FSDP/HSDP) in "
-                f"this release; use {name}_parallel_degree = 1"
-            )
+    problem = moe_layout_error(dims, model.args)
+    if problem is not None:
+        raise ValueError(problem)
     par = job_config.parallelism
     edp_mesh = dims.get_mesh("efsdp") if dims.ep_enabled else None
     if dims.tp_enabled:
-        first = model.get_submodule("layers.0.attention")
-        if not hasattr(first, "wk"):
-            raise ValueError(
-                f"parallelism.tensor_parallel_degree = {dims.tp}: tensor parallelism of "
-                f"{type(first).__name__} (multi-head latent attention) is not available in this "
-                "release; use expert and data parallelism for deepseek_v3"
-            )
         tp_mesh = dims.get_mesh("tp")
         apply_tp_to_moe_decoder(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
         if dims.ep_enabled:
