@@ -169,21 +169,21 @@ class ParallelismConfig:
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (Megatron-style column/row sharding with sequence parallel)."""
     context_parallel_degree: int = 1
-    """Context-parallel degree: the sequence of each sample is split over this many ranks
-    (head-tail load balanced), attention runs context-parallel, FSDP shards over dp_shard x cp."""
+    """Context-parallel degree (the sequence of each sample is split over this many ranks,
+    head-tail load balanced; attention runs context-parallel; FSDP shards over dp_shard x cp)."""
     context_parallel_rotate_method: Literal[
         "allgather", "alltoall", "ring", "ulysses", "hybrid"
     ] = "allgather"
-    """How attention reaches the other ranks' keys/values under CP: ``allgather`` (gather K/V),
+    """How attention reaches the other ranks' keys/values under CP, ``allgather`` (gather K/V),
     ``alltoall`` or ``ring`` (pass K/V shards around a ring), ``ulysses`` (all-to-all from
     sequence to heads) or ``hybrid`` (Ulysses inside groups of
     ``context_parallel_ulysses_degree`` ranks, ring across them)."""
     context_parallel_ulysses_degree: int = 1
     """Ulysses group size of the ``hybrid`` rotate method (divides context_parallel_degree)."""
     pipeline_parallel_degree: int = 1
-    """Pipeline-parallel degree: the model is split into stages of consecutive blocks."""
+    """Pipeline-parallel degree (the model is split into stages of consecutive blocks)."""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule by name: ``GPipe``, ``1F1B`` (one stage per rank), ``Interleaved1F1B``,
+    """Pipeline schedule by name, ``GPipe``, ``1F1B`` (one stage per rank), ``Interleaved1F1B``,
     ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV`` (two stages per
     rank)."""
     pipeline_parallel_schedule_csv: str = ""

@@ -37,7 +37,7 @@ class ModelSpec:
             compile and FSDP in that order.
         pipelining_fn: Pipeline splitter ``fn(model, parallel_dims, job_config, device,
             parallelize_fn, loss_fn) -> PipelineParts`` (e.g.
-            :func:`~hp_trainer.distributed.pipeline.pipeline_decoder`; None: the model cannot
+            ``hp_trainer.distributed.pipeline.pipeline_decoder``; None: the model cannot
             be pipelined, which the config check reports up front).
         state_dict_adapter: HF <-> native state-dict adapter class (None: none).
         extra: Further capabilities, e.g. ``{"context_parallel": True}`` when the attention
