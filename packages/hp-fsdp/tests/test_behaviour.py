@@ -218,7 +218,10 @@ def test_collective_counts_per_step() -> None:
 
 @distributed(world_size=2)
 def test_peak_tensor_memory_bounds() -> None:
-    """Unsharded parameter memory never exceeds the root plus two blocks; peak <= torch's."""
+    """Unsharded parameter memory never exceeds the root plus two blocks; peak <= torch's.
+
+    No slack: an in-flight reduce-scatter holds one buffer (in place), as torch's does.
+    """
     import torch.distributed.fsdp as torch_fsdp
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -263,9 +266,8 @@ def test_peak_tensor_memory_bounds() -> None:
     assert full_block > 0
     for sample in samples:
         assert sum(1 for s in sample[1:] if s > 0) <= 2, samples  # at most two blocks
-    block_bytes = sum(p.numel() * p.element_size() for p in base.layers[0].parameters())
     ours_peak, torch_peak = peaks
-    assert ours_peak <= torch_peak + block_bytes, (ours_peak, torch_peak, block_bytes)
+    assert ours_peak <= torch_peak, (ours_peak, torch_peak)
 
 
 @distributed(world_size=2)

@@ -200,3 +200,24 @@ def test_uneven_inner_dim_is_supported_where_torch_refuses() -> None:
         weight = shard(hp_fsdp).weight
         assert weight.placements == (Shard(1),)
         assert weight.to_local().shape == (8, 8)  # chunks of 9 and 8 columns
+
+
+class _AllGatherExtendedTensor(torch.Tensor):
+    """A tensor subclass opting into torch FSDP2's all-gather extension (methods unused)."""
+
+    def fsdp_pre_all_gather(self, *args: Any) -> Any:
+        raise AssertionError("hp-fsdp must refuse the extension before any all-gather")
+
+    def fsdp_post_all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("hp-fsdp must refuse the extension before any all-gather")
+
+
+def test_all_gather_extension_subclass_refused_not_silently_gathered() -> None:
+    """Until the protocol is implemented, such a parameter raises; it is never gathered whole."""
+    module = _Holder(nn.Parameter(torch.randn(4, 4).as_subclass(_AllGatherExtendedTensor)))
+    assert hasattr(module.weight, "fsdp_pre_all_gather")
+    with (
+        fake_world(2, rank=0),
+        pytest.raises(NotImplementedError, match="fsdp_pre_all_gather/fsdp_post_all_gather"),
+    ):
+        hp_fsdp.fully_shard(module, mesh=_mesh())

@@ -44,6 +44,7 @@ __all__ = [
     "divide_factors",
     "issue_all_gather",
     "issue_reduce_scatter",
+    "owned_storage",
     "pg_allocate",
     "pg_supports_alloc",
     "wait_all_gather",
@@ -244,7 +245,8 @@ def issue_reduce_scatter(
             provides the output buffer. None uses ``torch.distributed.reduce_scatter_single``.
 
     Returns:
-        ``(input, output, work)``: keep ``input`` alive until ``work`` completes.
+        ``(input, output, work)``: keep ``input`` alive until ``work`` completes. Without
+        ``comm``, ``output`` is this rank's row of ``input`` (see :func:`owned_storage`).
 
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce``.
@@ -257,12 +259,26 @@ def issue_reduce_scatter(
     if world_size == 1:
         return rs_input, rs_input.view(-1), None
     if comm is None:
-        rs_output = torch.empty(numel, dtype=reduce_dtype, device=rs_input.device)
+        # In place: this rank's row of the input receives the reduced shard (gloo and NCCL
+        # accept ``output == input + rank * numel``), so an in-flight reduction holds one
+        # buffer, as PyTorch's does once its post-reduce has run, not an input and an output.
+        rs_output = rs_input.view(world_size, numel)[dist.get_rank(group)]
         work = dist.reduce_scatter_single(rs_output, rs_input, group=group, op=op, async_op=True)
     else:
         rs_output = comm.allocate((numel,), dtype=reduce_dtype, device=rs_input.device)
         work = comm(rs_output, rs_input, group, op, True)
     return rs_input, rs_output, work
+
+
+def owned_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it spans its whole storage, else a copy (frees a larger buffer).
+
+    A reduced shard that outlives its reduction (a new ``.grad``, a partial reduction kept
+    across micro-batches) must not keep the whole in-place reduce-scatter buffer alive.
+    """
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
 
 
 def apply_gradient_scaling_factor(

@@ -175,7 +175,8 @@ class ShardedParam:
     Raises:
         ValueError: for a scalar parameter, a non-contiguous one, or an uneven split of a
             non-zero shard dim.
-        NotImplementedError: for a DTensor parameter (FSDP over tensor parallelism).
+        NotImplementedError: for a DTensor parameter (FSDP over tensor parallelism) on an
+            unsupported mesh, or a tensor subclass implementing ``fsdp_pre_all_gather``.
 
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``: PyTorch's class.
@@ -223,6 +224,14 @@ class ShardedParam:
             raise ValueError(
                 "fully_shard doesn't support scalar parameters: change "
                 f"{module_info.name!r} to a 1-D tensor with one element"
+            )
+        if hasattr(data, "fsdp_pre_all_gather") or hasattr(data, "fsdp_post_all_gather"):
+            # Not yet supported: all-gathering the full form instead would silently change
+            # the communicated bytes and the dtype the subclass expects after the all-gather.
+            raise NotImplementedError(
+                "fully_shard does not support the fsdp_pre_all_gather/fsdp_post_all_gather "
+                f"tensor-subclass extension yet: {module_info.name!r} is a "
+                f"{type(data).__name__}; use torch.distributed.fsdp.fully_shard for it"
             )
         if not data.is_contiguous():
             raise FSDPUnsupportedParamError(
@@ -624,15 +633,16 @@ class ShardedParam:
         Returns:
             A view of the sharded size.
         """
+        start = output.storage_offset() + offset  # ``output`` may be a row of a larger buffer
         if self.shard_dim == 0 or self.padded_sharded_size == self.sharded_size:
             return torch.as_strided(
-                output, self.sharded_size, self.sharded_stride, storage_offset=offset
+                output, self.sharded_size, self.sharded_stride, storage_offset=start
             )
         padded = torch.as_strided(
             output,
             self.padded_sharded_size,
             _contiguous_strides(self.padded_sharded_size),
-            storage_offset=offset,
+            storage_offset=start,
         )
         return padded.narrow(self.shard_dim, 0, self.sharded_size[self.shard_dim])
 

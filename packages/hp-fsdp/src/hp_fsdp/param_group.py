@@ -33,6 +33,7 @@ from hp_fsdp.collectives import (
     divide_factors,
     issue_all_gather,
     issue_reduce_scatter,
+    owned_storage,
     wait_all_gather,
 )
 from hp_fsdp.dynamo import run_eagerly
@@ -274,7 +275,7 @@ class PendingReduction:
                         output += group.partial_reduce_output
                     group.partial_reduce_output = None
                 if not self._do_all_reduce:
-                    group.partial_reduce_output = output
+                    group.partial_reduce_output = owned_storage(output)
                     self._stage = 2
                     return
                 assert mesh_info.replicate_group is not None
@@ -358,6 +359,8 @@ class PendingReduction:
             )
         elif post_divide is not None or float_scale is not None:
             output = post_reduce(output, divide_factor=post_divide, scale=float_scale, inplace=True)
+        if not main_grad and any(p.sharded_param.grad is None for p in self.params):
+            output = owned_storage(output)  # new gradients view it: free the reduction buffer
         offset = 0
         for param in self.params:
             new_grad = param.reduced_shard_view(output, offset)
