@@ -170,21 +170,118 @@ class _LinearLikeStyle(ParallelStyle):
         """Layout the module's input is redistributed to before the forward."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Goes through PyTorch's override points (_partition_*_fn, _prepare_*_fn), so that a
+        # subclass written for torch's ColwiseParallel/RowwiseParallel works on ours unchanged.
         _check_1d(device_mesh, type(self).__name__)
-        placements = self.param_placements(module)
-        desired = self.desired_input_layout(module)
+        # Other module types: their placements are asked first (an unsupported type fails there).
+        placements = None
+        if not isinstance(module, nn.Linear | nn.Embedding):
+            placements = self.param_placements(module)
+        desired = (self.desired_input_layout(module),)
+        if isinstance(module, nn.Linear):
+            self._partition_linear_fn("", module, device_mesh)
+        elif isinstance(module, nn.Embedding):
+            self._partition_embedding_fn("", module, device_mesh)
+        else:
+            assert placements is not None
+            _distribute_parameters(
+                module, device_mesh, placements, self.src_data_rank, type(self).__name__
+            )
+        input_layouts, output_layouts = self.input_layouts, self.output_layouts
+        use_local_output = self.use_local_output
+        prepare_input, prepare_output = self._prepare_input_fn, self._prepare_output_fn
+
+        def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> Any:
+            return prepare_input(input_layouts, desired, mod, args, device_mesh)
+
+        def post_hook(mod: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+            return prepare_output(output_layouts, use_local_output, mod, out, device_mesh)
+
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook)
+        return module
+
+    def _partition_by_placements(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         _distribute_parameters(
-            module, device_mesh, placements, self.src_data_rank, type(self).__name__
-        )
-        _register_linear_like_hooks(
             module,
             device_mesh,
-            self.input_layouts[0],
-            desired,
-            self.output_layouts[0],
-            self.use_local_output,
+            self.param_placements(module),
+            self.src_data_rank,
+            type(self).__name__,
         )
-        return module
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        """Distribute an ``nn.Linear``'s parameters (override point, as in PyTorch's styles).
+
+        Args:
+            name: the submodule's name relative to the styled module (``""``: the module itself).
+            module: the ``nn.Linear``.
+            device_mesh: the 1-D mesh.
+
+        See Also:
+            ``torch.distributed.tensor.parallel.ColwiseParallel._partition_linear_fn``.
+        """
+        self._partition_by_placements(module, device_mesh)
+
+    def _partition_embedding_fn(
+        self, name: str, module: nn.Module, device_mesh: DeviceMesh
+    ) -> None:
+        """Distribute an ``nn.Embedding``'s parameters (override point, as in PyTorch's styles).
+
+        Args:
+            name: the submodule's name relative to the styled module (``""``: the module itself).
+            module: the ``nn.Embedding``.
+            device_mesh: the 1-D mesh.
+
+        See Also:
+            ``torch.distributed.tensor.parallel.ColwiseParallel._partition_embedding_fn``.
+        """
+        self._partition_by_placements(module, device_mesh)
+
+    @staticmethod
+    def _prepare_input_fn(
+        input_layouts: tuple[Placement, ...],
+        desired_input_layouts: tuple[Placement, ...],
+        mod: nn.Module,
+        inputs: tuple[Any, ...],
+        device_mesh: DeviceMesh,
+    ) -> Any:
+        """Lay out the first positional input (override point, as in PyTorch's styles).
+
+        Returns:
+            The input DTensor when the module got one argument (as PyTorch's), else the argument
+            tuple with the first replaced.
+
+        See Also:
+            ``torch.distributed.tensor.parallel.ColwiseParallel._prepare_input_fn``.
+        """
+        name = type(mod).__name__
+        if not inputs:
+            raise TypeError(f"{name} under tensor parallel expects a positional input tensor")
+        x = _to_dtensor(inputs[0], device_mesh, input_layouts[0], f"the input of {name}")
+        x = _redistribute(x, desired_input_layouts[0], async_op=True)
+        return x if len(inputs) == 1 else (x, *inputs[1:])
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: tuple[Placement, ...],
+        use_local_output: bool,
+        mod: nn.Module,
+        outputs: Any,
+        device_mesh: DeviceMesh,
+    ) -> Any:
+        """Lay out the output (override point, as in PyTorch's styles).
+
+        See Also:
+            ``torch.distributed.tensor.parallel.ColwiseParallel._prepare_output_fn``.
+        """
+        if not isinstance(outputs, DTensor):
+            raise TypeError(
+                f"the output of {type(mod).__name__} under tensor parallel should be a DTensor, "
+                f"got {type(outputs).__name__}"
+            )
+        out = _redistribute(outputs, output_layouts[0], async_op=True)
+        return out.to_local() if use_local_output else out
 
     def __repr__(self) -> str:
         return (
@@ -355,37 +452,6 @@ class RowwiseParallel(_LinearLikeStyle):
             f"{type(self).__name__} has no input layout for {type(module).__name__}; "
             "override desired_input_layout() in a subclass"
         )
-
-
-def _register_linear_like_hooks(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    input_layout: Placement,
-    desired_input_layout: Placement,
-    output_layout: Placement,
-    use_local_output: bool,
-) -> None:
-    """Hooks of the column/row-wise styles: lay out the first input and the output."""
-    name = type(module).__name__
-
-    def pre_hook(_mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if not args:
-            raise TypeError(f"{name} under tensor parallel expects a positional input tensor")
-        x = _to_dtensor(args[0], mesh, input_layout, f"the input of {name}")
-        x = _redistribute(x, desired_input_layout, async_op=True)
-        return (x, *args[1:])
-
-    def post_hook(_mod: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
-        if not isinstance(out, DTensor):
-            raise TypeError(
-                f"the output of {name} under tensor parallel should be a DTensor, got "
-                f"{type(out).__name__}"
-            )
-        out = _redistribute(out, output_layout, async_op=True)
-        return out.to_local() if use_local_output else out
-
-    module.register_forward_pre_hook(pre_hook)
-    module.register_forward_hook(post_hook)
 
 
 class SequenceParallel(ParallelStyle):
