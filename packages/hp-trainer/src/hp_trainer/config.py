@@ -131,9 +131,9 @@ class TrainingConfig:
     deterministic: bool = False
     """Use deterministic algorithms only (``torch.use_deterministic_algorithms``)."""
     mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Compute dtype of forward/backward. With FSDP/HSDP: the dtype parameters are gathered in.
-    Without data parallelism (one process, TP only): ``torch.autocast`` to this dtype, with
-    float32 parameters, gradients and optimizer state (TorchTitan's choice)."""
+    """Compute dtype of forward/backward. With FSDP/HSDP it is the dtype parameters are
+    gathered in; without data parallelism (one process, TP only) ``torch.autocast`` computes in
+    it, with float32 parameters, gradients and optimizer state (TorchTitan's choice)."""
     mixed_precision_reduce: Literal["float32", "bfloat16", "float16"] = "float32"
     """FSDP gradient-reduction dtype."""
     enable_cpu_offload: bool = False
@@ -402,10 +402,11 @@ class DataConfig:
     tokenizer_path: str = "builtin"
     """``tokenizer.json`` file or folder holding one (``builtin``: the shipped 2K BPE)."""
     bos_token: str | None = None
-    """BOS token text (None: the ``bos_token`` of the tokenizer's ``tokenizer_config.json`` or
-    ``special_tokens_map.json``). Documents are framed by BOS/EOS; one of them must be known."""
+    """BOS token text; None takes the ``bos_token`` of the tokenizer's
+    ``tokenizer_config.json`` or ``special_tokens_map.json``. Documents are framed by BOS/EOS,
+    and one of them must be known."""
     eos_token: str | None = None
-    """EOS token text (None: the ``eos_token`` of the tokenizer's config files)."""
+    """EOS token text; None takes the ``eos_token`` of the tokenizer's config files."""
     shuffle: bool = True
     """Shuffle the global sample order every epoch (seeded, identical on every rank)."""
 
@@ -425,14 +426,14 @@ class ValidationConfig:
     enable: bool = False
     """Evaluate the model every ``freq`` steps and at the last step."""
     dataset: str = ""
-    """The held-out data: a built-in name, a text/JSONL file or folder, or a prepared folder
+    """The held-out data, a built-in name, a text/JSONL file or folder, or a prepared folder
     (``hp-train-prepare``); required when ``enable`` is set."""
     local_batch_size: int = 8
     """Samples per validation batch on each data-parallel rank."""
     freq: int = 100
     """Validate every this many training steps (and after the last one)."""
     steps: int = -1
-    """Batches per validation (-1: one pass over the whole dataset, in file order)."""
+    """Batches per validation; -1 makes one pass over the whole dataset, in file order."""
 
     def __post_init__(self) -> None:
         if self.enable and not self.dataset:

@@ -68,7 +68,7 @@ def missing_optional_dependencies(config: JobConfig) -> list[OptionalDependency]
 
 @dataclass(frozen=True)
 class PreflightReport:
-    """What :func:`preflight` found that does not stop the run.
+    """What ``preflight()`` found that does not stop the run.
 
     Attributes:
         notes: Lines to print once (an optional feature switched off, and why).

@@ -6,7 +6,7 @@ HuggingFace ``datasets`` (the optional extra ``hp-trainer[datasets]``), local ``
 ``.arrow`` and ``.json`` files and hub names (``org/name``; without a network they fail with a
 clear message), streamed; encodes batches of
 documents in worker processes (each loads the tokenizer once), and writes the shards and
-``index.json`` of :mod:`hp_trainer.prepared` in document order, so the output does not depend
+``index.json`` of ``hp_trainer.prepared`` in document order, so the output does not depend
 on the number of workers. Memory stays bounded: at most ``2 x workers`` batches are in flight.
 """
 
@@ -39,7 +39,7 @@ _TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """What :func:`prepare_corpus` reads and how it writes.
+    """What ``prepare_corpus()`` reads and how it writes.
 
     Attributes:
         inputs: Text/JSONL files or folders of them.

@@ -80,7 +80,7 @@ def read_index(folder: str | Path) -> dict[str, Any]:
         ValueError: If the index is not of this format or a shard file is missing or short.
 
     See Also:
-        :func:`is_prepared_corpus`.
+        ``is_prepared_corpus``.
     """
     root = Path(folder)
     file = root / INDEX_FILE

@@ -109,7 +109,7 @@ class DecoderArgs:
     rope_theta: float = 500000.0
     """RoPE base frequency."""
     rope_scaling: RopeScaling | None = None
-    """Llama 3.1-style RoPE scaling (None: plain RoPE, as Llama 3.0 and Qwen 3)."""
+    """Llama 3.1-style RoPE scaling, or None for plain RoPE (Llama 3.0, Qwen 3)."""
     max_seq_len: int = 2048
     """Longest sequence the RoPE table covers."""
     qk_norm: bool = False
