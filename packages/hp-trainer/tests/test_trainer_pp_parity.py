@@ -108,6 +108,8 @@ def assert_matches_reference(results: list[Any], ref: tuple[list[float], list[fl
 
 
 _CASES = {
+    # pp 2 x cp 2: the CP shards (inputs, RoPE) reach every stage, the loss the last one
+    "pp2xcp2": (4, {"pipeline_parallel_degree": 2, "context_parallel_degree": 2}, 1),
     # pp 2 x dp_shard 2, 1F1B over 2 micro-batches of 1 sample
     "pp2xdp2-1f1b": (4, {"pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2}, 2),
     # pp 2 x tp 2, interleaved (2 stages per rank: embedding+block 0 | block 1 | ...)
@@ -126,9 +128,7 @@ _CASES = {
 @pytest.mark.parametrize("case", list(_CASES))
 def test_pipelined_training_matches_one_process(tmp_path: Path, case: str) -> None:
     ws, par, dp = _CASES[case]
-    local_bs = 2
-    if case == "pp2xtp2-interleaved":
-        par = {**par, "pipeline_parallel_microbatch_size": 1}
+    local_bs = 2  # 2 micro-batches of 1 sample (pipeline_parallel_microbatch_size 1)
     results = run_distributed(_train, ws, str(tmp_path), par, local_bs, timeout=150)
     ref = reference(tmp_path, local_bs * dp)
     assert ref[0][-1] < ref[0][0]  # it learns
