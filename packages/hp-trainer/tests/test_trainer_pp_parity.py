@@ -204,3 +204,31 @@ def test_pp2_dp2_tp2_on_8_ranks_matches_one_process(tmp_path: Path) -> None:
     results = run_distributed(_train, 8, str(tmp_path), par, 2, timeout=240)
     ref = reference(tmp_path, 4)
     assert_matches_reference(results, ref)
+
+
+def _train_from_csv(folder: str) -> Any:
+    from hp_pp import generators, read_schedule_csv, write_schedule_csv
+
+    path = Path(folder) / f"gpipe{dist.get_rank()}.csv"
+    gpipe = generators.generate("GPipe", pp_size=2, num_stages=2, n_microbatches=2)
+    write_schedule_csv(gpipe, path)
+    par = {**_PP, "pipeline_parallel_schedule_csv": str(path)}
+    trainer = Trainer(job(Path(folder), par, run=f"csv{dist.get_rank()}"))
+    try:
+        assert trainer.pipeline is not None
+        schedule = trainer.pipeline.parts.schedule
+        # the CSV's table (GPipe's order), not the named schedule's (1F1B)
+        uses_file = schedule.pipeline_order == read_schedule_csv(path)
+        return trainer.train(), uses_file
+    finally:
+        trainer.close()
+
+
+def test_schedule_from_a_csv_file_trains_like_one_process(tmp_path: Path) -> None:
+    results = run_distributed(_train_from_csv, 4, str(tmp_path), timeout=150)
+    ref_losses = reference(tmp_path, 4)[0]
+    for losses, uses_file in results:
+        assert uses_file
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5
+        )
