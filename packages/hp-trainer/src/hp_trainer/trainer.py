@@ -450,7 +450,8 @@ class Trainer:
         """
         if self.pipeline is not None:  # loss on the last stage, shared over the pipeline
             self._global_tokens = global_valid_tokens
-            return self.pipeline.run(inputs, labels, self._loss_context)
+            with self._autocast():  # bf16/fp16 compute when no FSDP casts the parameters
+                return self.pipeline.run(inputs, labels, self._loss_context)
         with self._loss_context():
             with self._autocast():
                 logits = self.model(inputs)
