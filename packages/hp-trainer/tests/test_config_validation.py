@@ -85,6 +85,12 @@ def test_ulysses_degree_must_divide_the_heads() -> None:
         validate_parallel_layout(cfg, 3)
 
 
+def test_activation_checkpointing_with_cp_fails_up_front() -> None:
+    cfg = _cfg({"context_parallel_degree": 2}, activation_checkpoint={"mode": "full"})
+    with pytest.raises(ValueError, match=r"activation_checkpoint\.mode = 'full' with context_par"):
+        validate_parallel_layout(cfg, 2)
+
+
 def test_global_batch_not_a_multiple_fails_up_front() -> None:
     training = {"local_batch_size": 2, "global_batch_size": 6, "seq_len": 32}
     cfg = _cfg({"data_parallel_shard_degree": 2}, training=training)
