@@ -5,10 +5,12 @@ A small decoder (embedding, blocks, norm, head) is split into stages with
 modules (deep copies) run under hp-pp's schedule class and torch's class of the same name on
 2 pipeline ranks (1 stage per rank for GPipe/1F1B, 2 for the others) with 8 micro-batches. Both
 live in the same processes (gloo, one intra-op thread per rank) and are stepped alternately
-(schedule step, SGD) after a discarded warm-up; the median per implementation is taken on every
-rank (the slowest rank counts); the run is repeated with the build and call order swapped, and
-the figure is the geometric mean of the two ``ours / torch`` ratios (below 1: ours is faster).
-A ``torch vs torch`` row shows the noise floor.
+(schedule step, SGD) after a discarded warm-up; a step's time is its slowest rank's; the call
+order alternates every step and the run is repeated with the build order swapped
+(``--repeats`` times each). The figure is the median over all
+timed steps of ``ours / torch`` of the same step (below 1: ours is faster), with its
+quartiles beside it. A ``torch vs torch`` row shows the noise floor: on a loaded machine, a
+ratio inside that row's quartiles is not a difference.
 
 Peak tensor memory per rank (bytes of tensors allocated during one step and alive at once,
 tracked at the dispatcher) is measured over one step of each. The
@@ -18,7 +20,8 @@ activation transfer), and the prediction error against the measured median is re
 
 Usage::
 
-    python benchmarks/pp_vs_torch.py [--steps 6] [--warmup 2] [--out benchmarks/results]
+    python benchmarks/pp_vs_torch.py [--steps 6] [--warmup 2] [--repeats 1] [--rows ...]
+        [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import time
@@ -248,7 +250,8 @@ def _profile_costs(name: str, base: Decoder) -> dict[str, Any]:
         iw = _timed(input_then_weight) - f
         costs[s] = {
             "forward": 1e3 * f,
-            "full_backward": 1e3 * b,
+            # A loaded machine can time the difference below zero.
+            "full_backward": 1e3 * max(b, 0.0),
             "backward_input": 1e3 * max(i, 0.0),
             "backward_weight": 1e3 * max(iw - i, 0.0),
         }
@@ -292,7 +295,11 @@ def _predict(name: str, profiles: list[dict[str, Any]]) -> float:
 
 
 def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
-    """One order of one row, on every rank; returns this rank's medians and peaks."""
+    """One build order of one row, on every rank; returns this rank's step times and peaks.
+
+    The call order alternates every step, so neither implementation always runs right after
+    the other (a fixed order showed up as a few percent either way on a loaded machine).
+    """
     torch.manual_seed(0)
     base = Decoder()
     name = row["schedule"]
@@ -304,7 +311,7 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
     }
     times: dict[str, list[float]] = {key: [] for key in order}
     for i in range(warmup + steps):
-        for key in order:
+        for key in order if i % 2 == 0 else order[::-1]:
             dist.barrier()
             start = time.perf_counter()
             built[key][1](i)
@@ -312,6 +319,7 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
             if i >= warmup:
                 times[key].append(elapsed)
     result: dict[str, Any] = {key: statistics.median(ts) for key, ts in times.items()}
+    result.update({f"{key}_steps": ts for key, ts in times.items()})
     for key in order:
         step = built[key][1]
         result[f"{key}_peak"] = _peak_bytes(step, warmup + steps)
@@ -320,12 +328,20 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
     return result
 
 
+def _range(entry: dict[str, Any]) -> str:
+    if "step_time_ratio_quartiles" not in entry:
+        return "(ratio of medians, one run per order)"
+    low, high = entry["step_time_ratio_quartiles"]
+    return f"[{low:.2f}-{high:.2f}]"
+
+
 def main() -> None:
     from hp_dtensor.testing import run_distributed, shutdown_pool
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each build order")
     parser.add_argument("--rows", nargs="*", default=list(ROWS))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -349,8 +365,11 @@ def main() -> None:
     for name in args.rows:
         row = ROWS[name]
         orders = []
+        # ours / torch of the same step (the slowest rank of each): adjacent steps see the same
+        # load, so the median of these pairs is far steadier than a ratio of medians.
+        paired: list[float] = []
         profiles: list[dict[str, Any]] = []
-        for ours_first in (True, False):
+        for ours_first in (True, False) * args.repeats:
             per_rank = run_distributed(
                 run_row, 2, row, args.steps, args.warmup, ours_first, timeout=600
             )
@@ -362,13 +381,18 @@ def main() -> None:
                     "torch_peak": max(r["torch_peak"] for r in per_rank),
                 }
             )
-            if ours_first and not row.get("control"):
+            ours_steps = [max(s) for s in zip(*(r["ours_steps"] for r in per_rank), strict=True)]
+            torch_steps = [max(s) for s in zip(*(r["torch_steps"] for r in per_rank), strict=True)]
+            paired += [o / t for o, t in zip(ours_steps, torch_steps, strict=True)]
+            if ours_first and not row.get("control") and not profiles:
                 profiles = [r["profile"] for r in per_rank]
         time_ratios = [o["ours"] / o["torch"] for o in orders]
         mem_ratios = [o["ours_peak"] / o["torch_peak"] for o in orders]
         entry: dict[str, Any] = {
-            "step_time_ratio": math.sqrt(time_ratios[0] * time_ratios[1]),
-            "peak_memory_ratio": math.sqrt(mem_ratios[0] * mem_ratios[1]),
+            "step_time_ratio": statistics.median(paired),
+            "step_time_ratio_quartiles": statistics.quantiles(paired, n=4)[::2],
+            "ratio_of_medians_per_run": time_ratios,
+            "peak_memory_ratio": statistics.geometric_mean(mem_ratios),
             "ours_median_s": [o["ours"] for o in orders],
             "torch_median_s": [o["torch"] for o in orders],
             "ours_peak_bytes": orders[0]["ours_peak"],
@@ -396,11 +420,13 @@ def main() -> None:
         "",
         f"Decoder: vocab {VOCAB}, dim {DIM}, {BLOCKS} blocks, seq {SEQ}; 2 pipeline ranks, "
         f"{N_MB} micro-batches of {MB_ROWS} rows; {args.steps} timed steps after "
-        f"{args.warmup} warm-up, both build orders. Simulator: step time predicted from costs "
-        "profiled on the real stages (error = predicted / measured - 1).",
+        f"{args.warmup} warm-up, call order alternating, both build orders, "
+        f"{args.repeats} run(s) of each (step time: median of the per-step ratios, quartiles in "
+        "brackets). Simulator: step time predicted from costs profiled on the real stages "
+        "(error = predicted / measured - 1).",
         "",
-        "| schedule | step time ours/torch | peak tensor memory ours/torch | ours median (s) | "
-        "simulated (s) | simulator error | load average |",
+        "| schedule | step time ours/torch [quartiles] | peak tensor memory ours/torch | "
+        "ours median (s) | simulated (s) | simulator error | load average |",
         "|---|---|---|---|---|---|---|",
     ]
     for name in ROWS:
@@ -410,7 +436,8 @@ def main() -> None:
         sim = entry.get("simulated_step_s")
         err = entry.get("simulation_error")
         lines.append(
-            f"| {name} | {entry['step_time_ratio']:.3f} | {entry['peak_memory_ratio']:.3f} | "
+            f"| {name} | {entry['step_time_ratio']:.3f} {_range(entry)} | "
+            f"{entry['peak_memory_ratio']:.3f} | "
             f"{statistics.median(entry['ours_median_s']):.4f} | "
             + ("-" if sim is None else f"{sim:.4f}")
             + " | "
