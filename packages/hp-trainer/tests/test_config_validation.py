@@ -91,6 +91,12 @@ def test_activation_checkpointing_with_cp_fails_up_front() -> None:
         validate_parallel_layout(cfg, 2)
 
 
+def test_compile_with_cp_fails_up_front() -> None:
+    cfg = _cfg({"context_parallel_degree": 2}, compile={"enable": True})
+    with pytest.raises(ValueError, match=r"compile\.enable = true with context_parallel_degree"):
+        validate_parallel_layout(cfg, 2)
+
+
 def test_global_batch_not_a_multiple_fails_up_front() -> None:
     training = {"local_batch_size": 2, "global_batch_size": 6, "seq_len": 32}
     cfg = _cfg({"data_parallel_shard_degree": 2}, training=training)

@@ -24,12 +24,12 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
     Checked: the product of the degrees equals ``world_size`` (``dp_shard = -1`` inferred);
     pipeline parallel needs a model with a splitter (``ModelSpec.pipelining_fn``), untied
     embeddings, enough blocks for the stages, a micro-batch size dividing the local batch and no
-    validation loop; context parallel needs a model whose attention has a context-parallel path,
-    no activation checkpointing, and Ulysses/hybrid degrees dividing the heads; tensor parallel
-    must divide the query and key/value heads and cannot shard tied embeddings; expert parallel
-    needs a mixture-of-experts model; the sequence length must be a multiple of
-    ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size`` times the data-parallel
-    degree.
+    validation loop; context parallel needs a model whose attention has a context-parallel
+    path, no activation checkpointing or compile, and Ulysses/hybrid degrees dividing the
+    heads; tensor parallel must divide the query and key/value heads and cannot shard tied
+    embeddings; expert parallel needs a mixture-of-experts model; the sequence length must be
+    a multiple of ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size`` times
+    the data-parallel degree.
 
     Args:
         config: The job configuration.
@@ -135,6 +135,12 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
             _fail(
                 f"activation_checkpoint.mode = {ac_mode!r} with context_parallel_degree = "
                 f"{dims.cp}: recomputed attention is not context-parallel yet; use mode 'none'"
+            )
+        if config.compile.enable:
+            # the engine's collectives under Dynamo fail in the compiled blocks (tested)
+            _fail(
+                f"compile.enable = true with context_parallel_degree = {dims.cp}: compiled "
+                "blocks cannot call the context-parallel attention yet; disable one of them"
             )
         method = par.context_parallel_rotate_method
         local_heads = n_heads // dims.tp
