@@ -2,13 +2,16 @@
 
 A stage runs its submodule on one micro-batch at a time and keeps what backward needs (inputs
 and outputs per micro-batch). Between stages on different ranks, activations and gradients move
-with ``dist.batch_isend_irecv`` (gloo, nccl, hccl). What moves between two stages is described
-once, on the first step: the sending stage sends a small description of its outputs (shape,
-dtype, ``requires_grad``, DTensor placements, which outputs are not tensors); the receiving stage
-allocates its buffers from it and checks it against ``input_args`` when those were declared.
-Later steps reuse the description; a stage whose outputs change shape raises ``ValueError``
-before sending. Descriptions and non-tensor outputs travel as ``torch.save`` bytes read back
-with ``weights_only=True`` (plain Python values only).
+with ``dist.isend``/``dist.irecv`` (gloo, nccl, hccl); every batch of transfers goes one way, so
+they are posted one by one: ``batch_isend_irecv``'s coalescing context only adds a backend
+look-up per call (as in torch's schedules, which skip it for one-way batches).
+
+What moves between two stages is described once, on the first step: the sending stage sends a small
+description of its outputs (shape, dtype, ``requires_grad``, DTensor placements, which outputs are
+not tensors); the receiving stage allocates its buffers from it and checks it against ``input_args``
+when those were declared. Later steps reuse the description; a stage whose outputs change shape
+raises ``ValueError`` before sending. Descriptions and non-tensor outputs travel as ``torch.save``
+bytes read back with ``weights_only=True`` (plain Python values only).
 
 Every transfer has its own tag (stage, micro-batch, direction), so on gloo a receive matches its
 send whatever order the two ranks post them in.
@@ -368,9 +371,18 @@ class PipelineStage:
     def _isend(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
         if not tensors:
             return
-        ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t in tensors]
-        for work in dist.batch_isend_irecv(ops):
+        for t in tensors:
+            work = dist.isend(t, peer, self.group, tag)
+            assert work is not None  # this rank is in the group
             self._sends.append((work, tensors, peer))
+
+    def _irecv(self, buffers: list[torch.Tensor], peer: int, tag: int) -> list[Any]:
+        works = []
+        for b in buffers:
+            work = dist.irecv(b, peer, self.group, tag)
+            assert work is not None  # this rank is in the group
+            works.append(work)
+        return works
 
     def _send_object(self, obj: Any, peer: int, tag_len: int, tag_obj: int) -> None:
         payload = _to_bytes(obj)
@@ -447,21 +459,11 @@ class PipelineStage:
             if m.kind != "object"
         ]
         tag = self._tag(_KIND_ACT, src_stage, mb, _PART_DATA)
-        ops = [dist.P2POp(dist.irecv, b, peer, self.group, tag) for b in buffers]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        pending = _PendingRecv(list(works), buffers, peer=peer)
+        pending = _PendingRecv(self._irecv(buffers, peer, tag), buffers, peer=peer)
         if any(m.kind == "object" for m in self._input_meta):
             pending.object_len = torch.zeros(1, dtype=torch.int64)
-            pending.works += dist.batch_isend_irecv(
-                [
-                    dist.P2POp(
-                        dist.irecv,
-                        pending.object_len,
-                        peer,
-                        self.group,
-                        self._tag(_KIND_ACT, src_stage, mb, _PART_OBJ_LEN),
-                    )
-                ]
+            pending.works += self._irecv(
+                [pending.object_len], peer, self._tag(_KIND_ACT, src_stage, mb, _PART_OBJ_LEN)
             )
             pending.object_tag = self._tag(_KIND_ACT, src_stage, mb, _PART_OBJ)
         self._recv_fwd[mb] = pending
@@ -777,9 +779,7 @@ class PipelineStage:
         src_stage = self.stage_index + 1
         peer = self._peer(src_stage)
         tag = self._tag(_KIND_GRAD, src_stage, mb, _PART_DATA)
-        ops = [dist.P2POp(dist.irecv, b, peer, self.group, tag) for b in buffers]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self._recv_bwd[mb] = _PendingRecv(list(works), buffers, peer=peer)
+        self._recv_bwd[mb] = _PendingRecv(self._irecv(buffers, peer, tag), buffers, peer=peer)
 
     def has_posted_recv_grads(self, mb: int) -> bool:
         """Whether the receives of micro-batch ``mb``'s output gradients are posted."""
