@@ -255,7 +255,7 @@ def get_hyper_optimizer(
         adamw_betas: AdamW's betas.
         adamw_eps: AdamW's epsilon.
         adamw_weight_decay: AdamW's weight decay (``weight_decay`` by default).
-        **muon_kwargs: Other :class:`Muon` arguments (``momentum``, ``ns_steps``, ...).
+        **muon_kwargs: Other :class:`~hp_trainer.Muon` arguments (``momentum``, ``ns_steps``, ...).
 
     Returns:
         One optimizer over all trainable parameters.

@@ -25,7 +25,7 @@ __all__ = [
 class OptimizersContainer:
     """One optimizer per model part, stepped and zeroed together.
 
-    ``optimizer.name = "Muon"`` builds :func:`~hp_trainer.muon.get_hyper_optimizer` per part
+    ``optimizer.name = "Muon"`` builds :func:`~hp_trainer.get_hyper_optimizer` per part
     (Muon on hidden matrices, AdamW on the rest, in one optimizer).
 
     Args:

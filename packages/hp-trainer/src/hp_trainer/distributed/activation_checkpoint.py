@@ -1,7 +1,7 @@
 """Activation checkpointing and swap of transformer blocks: full, every N-th block, per op, swap.
 
-Also HyperParallel's function-level API: :func:`checkpoint`, :func:`checkpoint_wrapper`,
-:func:`swap` and :func:`swap_wrapper`.
+Also HyperParallel's function-level API: :func:`~hp_trainer.checkpoint`, :func:`checkpoint_wrapper`,
+:func:`~hp_trainer.swap` and :func:`swap_wrapper`.
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
     N-th block; ``selective`` with ``op`` keeps the outputs of matmuls (every other one),
     attention and communication ops and recomputes cheap element-wise ops. ``swap`` moves the
     saved activations of every ``every_n_layers``-th block to host memory (one
-    :class:`SwapManager` for the model, so each block's activations are prefetched during the
-    backward of the block after it). ``memory_budget`` makes ``torch.compile``'s min-cut
+    :class:`~hp_trainer.SwapManager` for the model, so each block's activations are prefetched
+    during the backward of the block after it). ``memory_budget`` makes ``torch.compile``'s min-cut
     partitioner keep ``memory_budget`` of the activations of every ``every_n_layers``-th block
-    (the blocks must be compiled, :func:`~hp_trainer.distributed.compile.apply_compile`).
+    (the blocks must be compiled, :func:`~hp_trainer.apply_compile`).
 
     Args:
         model: A model with a ``layers`` ``ModuleDict``.
@@ -168,7 +168,8 @@ def checkpoint(
     """Run ``fn(*args)`` without keeping its activations; recompute them in backward.
 
     Non-reentrant PyTorch checkpointing. ``policy_fn`` makes it selective: it is called as
-    ``policy_fn(ctx, op, *op_args, **op_kwargs)`` and returns a :class:`CheckpointPolicy`.
+    ``policy_fn(ctx, op, *op_args, **op_kwargs)`` and returns a
+    :class:`~hp_trainer.CheckpointPolicy`.
 
     Args:
         fn: The function to checkpoint.
@@ -176,7 +177,7 @@ def checkpoint(
         swap_inputs: HyperParallel's flag for swapping the region's inputs; not supported (the
             inputs are held by the recompute closure, not by saved-tensor hooks).
         policy_fn: Selective-checkpoint policy (PyTorch's four values; ``MUST_SWAP`` belongs
-            to :func:`swap`).
+            to :func:`~hp_trainer.swap`).
         context_fn: PyTorch's ``context_fn`` (exclusive with ``policy_fn``).
         **kwargs: Passed to ``torch.utils.checkpoint.checkpoint`` (e.g. ``preserve_rng_state``).
 
@@ -212,7 +213,7 @@ def checkpoint(
 
 
 class _CheckpointedModule(nn.Module):
-    """Runs the wrapped module through :func:`checkpoint` (state-dict keys unchanged)."""
+    """Runs the wrapped module through ``checkpoint`` (state-dict keys unchanged)."""
 
     def __init__(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
         super().__init__()
@@ -258,11 +259,11 @@ def _add_prefix(state: dict[str, Any], prefix: str, *_: Any) -> None:
 
 
 def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
-    """Wrap a module so that its forward runs under :func:`checkpoint`.
+    """Wrap a module so that its forward runs under :func:`~hp_trainer.checkpoint`.
 
     Args:
         module: The module.
-        **kwargs: :func:`checkpoint` options (``policy_fn``, ``context_fn``, ...).
+        **kwargs: :func:`~hp_trainer.checkpoint` options (``policy_fn``, ``context_fn``, ...).
 
     Returns:
         The wrapper (its state-dict keys are the wrapped module's).
@@ -287,15 +288,15 @@ def swap(
         *args: Its arguments.
         policy_fn: ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``: only outputs of ops
             returning ``MUST_SWAP`` are swapped; ``None`` swaps every saved activation.
-        manager: Keyword-only extension: the :class:`SwapManager` that orders and prefetches
-            consecutive calls (a new one per call by default, which prefetches nothing).
+        manager: Keyword-only extension: the :class:`~hp_trainer.SwapManager` that orders and
+            prefetches consecutive calls (a new one per call by default, which prefetches nothing).
 
     Returns:
         ``fn(*args)``.
 
     See Also:
         ``torch.autograd.graph.save_on_cpu``; HyperParallel's ``swap``. On CPU this is a
-        pass-through in memory terms (see :mod:`hp_trainer.distributed.swap`).
+        pass-through in memory terms (see :class:`~hp_trainer.SwapManager`).
     """
     mgr = manager if manager is not None else SwapManager()
     return mgr.swap_region(fn, *args, policy_fn=policy_fn)
@@ -311,10 +312,10 @@ def swap_wrapper(
 
     Args:
         module: The module.
-        policy_fn: See :func:`swap`.
-        manager: Keyword-only extension: share one :class:`SwapManager` between the blocks of
-            a model so that each block's activations are prefetched during the backward of the
-            block after it.
+        policy_fn: See :func:`~hp_trainer.swap`.
+        manager: Keyword-only extension: share one :class:`~hp_trainer.SwapManager` between the
+            blocks of a model so that each block's activations are prefetched during the
+            backward of the block after it.
 
     Returns:
         The wrapper (its state-dict keys are the wrapped module's).

@@ -1,7 +1,7 @@
 """Activation swap: saved activations moved to host memory in forward, loaded back before backward.
 
-A :class:`SwapManager` owns one side stream, one host-buffer pool and the ordered list of
-:class:`SwapGroup` objects (one per swapped layer call). Packing a saved tensor registers its
+A :class:`~hp_trainer.SwapManager` owns one side stream, one host-buffer pool and the ordered list
+of ``SwapGroup`` objects (one per swapped layer call). Packing a saved tensor registers its
 storage in the current group; when the layer's forward ends, the group copies each storage once to
 a pooled host buffer on the side stream and drops its device reference (the device storage is
 freed once autograd held the only other reference). In backward, the first unpack of a group
@@ -95,7 +95,7 @@ class HostBufferPool:
         """Give a buffer back for reuse.
 
         Args:
-            buffer: A buffer from :meth:`acquire`.
+            buffer: A buffer from :meth:`~hp_trainer.HostBufferPool.acquire`.
         """
         self._free.setdefault(buffer.numel(), []).append(buffer)
 
@@ -291,8 +291,9 @@ class _SwapMarker(TorchDispatchMode):
 class SwapManager:
     """Swaps saved activations of layer calls to host memory and prefetches them for backward.
 
-    Use :meth:`swap_region` around a layer's forward (``swap``/``swap_wrapper`` do). The group
-    of the layer that runs backward next is loaded when the current group's backward starts.
+    Use :meth:`~hp_trainer.SwapManager.swap_region` around a layer's forward (``swap`` and
+    ``swap_wrapper`` do). The group of the layer that runs backward next is loaded when the
+    current group's backward starts.
 
     Args:
         device_type: Device whose tensors are swapped; ``None`` asks ``hp_dtensor.device``.
@@ -309,7 +310,8 @@ class SwapManager:
         self.copy_stream = hp_device.Stream(self.device_type)
         self.groups: list[SwapGroup] = []
         self.log: list[tuple[str, int]] = []
-        """Events in order: ``pack``, ``offload``, ``load``, ``backward``, ``unpack``."""
+        """The ``(event, group index)`` pairs in order; events are ``pack``, ``offload``, ``load``,
+        ``backward`` (a group's first unpack) and ``unpack``."""
 
     def new_group(self) -> SwapGroup:
         """Start the group of the next layer call (groups of a finished step are dropped).
