@@ -6,6 +6,7 @@ Also HyperParallel's function-level API: :func:`~hp_trainer.checkpoint`, :func:`
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +84,22 @@ class _MemoryBudgetScope:
         _functorch_config().activation_memory_budget = self._previous.pop()
 
 
+class _SwapScope:
+    """Swaps one block's saved activations from module hooks (outside a compiled forward)."""
+
+    def __init__(self, manager: SwapManager) -> None:
+        self.manager = manager
+        self._open: list[contextlib.AbstractContextManager[Any]] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        region = self.manager.region()
+        region.__enter__()
+        self._open.append(region)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._open.pop().__exit__(None, None, None)
+
+
 def _functorch_config() -> Any:
     config = getattr(getattr(torch, "_functorch", None), "config", None)
     if config is None or not hasattr(config, "activation_memory_budget"):
@@ -132,7 +149,9 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
         if (i + 1) % every != 0 and every != 1:
             continue
         if manager is not None:
-            layers.register_module(name, swap_wrapper(block, manager=manager))
+            swap_scope = _SwapScope(manager)
+            block.register_forward_pre_hook(swap_scope.enter)
+            block.register_forward_hook(swap_scope.exit, always_call=True)
         elif ac_config.mode == "memory_budget":
             scope = _MemoryBudgetScope(ac_config.memory_budget)
             block.register_forward_pre_hook(scope.enter)

@@ -15,8 +15,9 @@ the same memory, so nothing is saved; streams and events are the device layer's 
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -350,6 +351,22 @@ class SwapManager:
         Returns:
             ``fn(*args)``.
         """
+        with self.region(policy_fn):
+            return fn(*args)
+
+    @contextlib.contextmanager
+    def region(self, policy_fn: Callable[..., Any] | None = None) -> Iterator[SwapGroup]:
+        """Swap the activations saved inside the block (one layer call, one group).
+
+        Unlike :meth:`swap_region`, the hooks can be entered from module hooks around a
+        ``torch.compile``'d forward (the compiled graph's saved tensors go through them).
+
+        Args:
+            policy_fn: See :meth:`swap_region` (eager only: it observes ops by dispatch).
+
+        Yields:
+            The group of this call.
+        """
         group = self.new_group()
         marked: dict[int, torch.UntypedStorage] = {}
 
@@ -367,16 +384,15 @@ class SwapManager:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             if policy_fn is None:
-                out = fn(*args)
+                yield group
             else:
                 with _SwapMarker(policy_fn, marked):
-                    out = fn(*args)
-        # the previous layer's copies had this whole layer's forward to finish
+                    yield group
         marked.clear()
+        # the previous layer's copies had this whole layer's forward to finish
         for previous in self.groups[:-1]:
             previous.wait_offload()
         group.launch_offload()
-        return out
 
     def wait_all_offloads(self) -> None:
         """Finish every pending device-to-host copy (frees the device storages)."""
