@@ -308,3 +308,42 @@ def test_a_failing_rank_makes_the_other_fail_naming_it() -> None:
     assert "stage 1 broke on micro-batch 1" in text
     assert "rank 0, stage 0" in text
     assert "with rank 1 did not complete" in text
+
+
+@distributed(world_size=3)
+def test_a_later_step_posts_one_isend_and_one_irecv_per_transfer_and_nothing_else() -> None:
+    """1F1B over 3 ranks: after the first step (stage descriptions), a step is exactly its data
+    transfers, each a plain isend/irecv: no batch_isend_irecv, barrier or other collective."""
+    calls: list[str] = []
+    names = ["isend", "irecv", "batch_isend_irecv", "barrier", "all_reduce", "all_gather_object"]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    rank, n_mb = dist.get_rank(), 4
+    mods = _chain(3)
+    stage = hp_pp.PipelineStage(mods[rank], rank, 3, torch.device("cpu"))
+    sched = hp_pp.Schedule1F1B(stage, n_mb, loss_fn=nn.functional.mse_loss)
+    per_step = []
+    try:
+        for name in names:
+            setattr(dist, name, counting(name))
+        for step in range(2):
+            calls.clear()
+            x, y = _data(step)
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == 2 else None)
+            per_step.append(sorted(calls))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    # Activations go to the next stage and gradients come back: one transfer each per
+    # micro-batch and boundary.
+    boundaries = (rank > 0) + (rank < 2)
+    assert per_step[1] == ["irecv"] * (n_mb * boundaries) + ["isend"] * (n_mb * boundaries)
+    # The first step also carries the stage descriptions (length + bytes).
+    assert per_step[0].count("isend") == n_mb * boundaries + 2 * (rank < 2)
