@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import weakref
 
-import pytest
 import torch
 from torch import nn
 
 from hp_trainer import (
     CheckpointPolicy,
     SwapManager,
-    checkpoint,
     checkpoint_wrapper,
     swap,
     swap_wrapper,
@@ -146,14 +144,6 @@ def test_checkpoint_api() -> None:
         assert torch.equal(got, want)
     assert set(model.state_dict()) == set(ref.state_dict())
 
-    with pytest.raises(NotImplementedError, match="swap_inputs"):
-        checkpoint(ref[0], x, swap_inputs=True)
-
-    def swap_policy(*_: object, **__: object) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SWAP
-
-    with pytest.raises(NotImplementedError, match="MUST_SWAP"):
-        checkpoint(ref[0], x, policy_fn=swap_policy)
     assert CheckpointPolicy.MUST_SWAP == 4
     assert CheckpointPolicy.PREFER_RECOMPUTE.to_torch() is (
         torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE

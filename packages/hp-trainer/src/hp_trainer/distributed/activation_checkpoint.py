@@ -16,12 +16,14 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from hp_trainer.config import ActivationCheckpointConfig
 from hp_trainer.distributed.swap import CheckpointPolicy as HPCheckpointPolicy
-from hp_trainer.distributed.swap import SwapManager
+from hp_trainer.distributed.swap import SwapGroup, SwapManager, _SavedHandle
 
 __all__ = ["apply_ac", "checkpoint", "checkpoint_wrapper", "swap", "swap_wrapper"]
 
@@ -160,20 +162,132 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
             layers.register_module(name, _wrap(block, ac_config))
 
 
-def _torch_policy_fn(policy_fn: Callable[..., Any]) -> Callable[..., Any]:
+class _SwappedOutputs:
+    """The swapped outputs of ``MUST_SWAP`` ops of one checkpointed call, by op, in call order.
+
+    Filled from the policy wrapper (PyTorch's caching mode calls it after each op with the op's
+    output); read back by :class:`_SwappedOutputRestore` during the recompute.
+    """
+
+    def __init__(self, group: SwapGroup) -> None:
+        self.group = group
+        # per op: for every call that reaches the recompute (not served from PyTorch's cache),
+        # the swapped outputs' handles, or None for a call that is really recomputed
+        self.calls: dict[Any, list[Any]] = defaultdict(list)
+
+    def record(self, func: Any, output: Any, swapped: bool) -> None:
+        if not swapped:
+            self.calls[func].append(None)
+            return
+        manager = self.group.manager
+
+        def add(t: torch.Tensor) -> Any:
+            return self.group.add(t.detach()) if manager.can_swap(t) else t.detach()
+
+        self.calls[func].append(tree_map_only(torch.Tensor, add, output))
+
+
+class _SwappedOutputRestore(TorchDispatchMode):
+    """Recompute side of ``MUST_SWAP``: returns the op's swapped-back output instead of running it.
+
+    Enters PyTorch's recompute mode above itself, so it only sees the calls PyTorch recomputes;
+    the swapped ones were recorded as recomputed for PyTorch and are answered here.
+    """
+
+    def __init__(self, outputs: _SwappedOutputs, torch_recompute: Any) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.outputs = outputs
+        self.torch_recompute = torch_recompute
+        self._seen: dict[Any, int] = defaultdict(int)
+
+    def __enter__(self) -> _SwappedOutputRestore:
+        self._seen.clear()  # a second backward (retain_graph) recomputes from the start
+        super().__enter__()  # type: ignore[no-untyped-call]
+        self.torch_recompute.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.torch_recompute.__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        index = self._seen[func]
+        self._seen[func] += 1
+        calls = self.outputs.calls.get(func, [])
+        saved = calls[index] if index < len(calls) else None
+        if saved is None:
+            return func(*args, **kwargs)
+        group = self.outputs.group
+
+        def load(item: Any) -> Any:
+            return group.unpack(item) if isinstance(item, _SavedHandle) else item
+
+        return tree_map(load, saved)
+
+
+def _torch_policy_fn(
+    policy_fn: Callable[..., Any], outputs: _SwappedOutputs | None
+) -> Callable[..., Any]:
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         value = policy_fn(ctx, func, *args, **kwargs)
-        if isinstance(value, CheckpointPolicy):
-            return value
-        value = HPCheckpointPolicy(value)
-        if value is HPCheckpointPolicy.MUST_SWAP:
-            raise NotImplementedError(
-                f"checkpoint(): policy_fn returned MUST_SWAP for {func}; outputs kept by a "
-                "checkpointed region cannot be swapped, wrap the region with swap() instead"
-            )
-        return value.to_torch()
+        if not isinstance(value, CheckpointPolicy):
+            value = HPCheckpointPolicy(value)
+            if value is HPCheckpointPolicy.MUST_SWAP:
+                if outputs is None:
+                    raise RuntimeError(
+                        f"checkpoint(): policy_fn returned MUST_SWAP for {func} with no swap "
+                        "group; call checkpoint(..., policy_fn=...) rather than building "
+                        "PyTorch's selective-checkpoint contexts from this policy"
+                    )
+                # PyTorch's cache keeps nothing: the recompute gets the output from host memory
+                outputs.record(func, ctx.op_output, swapped=True)
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            value = value.to_torch()
+        if outputs is not None and value in _RECOMPUTED:
+            outputs.record(func, None, swapped=False)
+        return value
 
     return policy
+
+
+_RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+# ops PyTorch's selective checkpointing neither asks the policy about nor caches
+_SAC_IGNORED_OPS: frozenset[Any] = frozenset(
+    getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+)
+
+
+class _SwappedInputs:
+    """A checkpointed call's tensor arguments, swapped to host once its forward has run them.
+
+    The forward gets the caller's tensors; afterwards only the swap handles are kept, so the
+    recompute gets tensors rebuilt from the loaded copies (same values, dtype, views and
+    ``requires_grad``, so the recompute saves the same tensors as the forward).
+    """
+
+    def __init__(self, group: SwapGroup, args: tuple[Any, ...]) -> None:
+        self.group = group
+        self._live: tuple[Any, ...] | None = args
+        manager = group.manager
+        self._saved = tuple(
+            group.add(a) if isinstance(a, torch.Tensor) and manager.can_swap(a) else a for a in args
+        )
+
+    def take(self) -> tuple[Any, ...]:
+        """The arguments: the caller's tensors the first time, swapped-back copies after."""
+        if self._live is not None:
+            live, self._live = self._live, None
+            return live
+        return tuple(self._restore(a) for a in self._saved)
+
+    def _restore(self, saved: Any) -> Any:
+        if not isinstance(saved, _SavedHandle):
+            return saved
+        t = self.group.unpack(saved)
+        return t.requires_grad_() if saved.requires_grad else t
 
 
 def checkpoint(
@@ -182,53 +296,87 @@ def checkpoint(
     swap_inputs: bool = False,
     policy_fn: Callable[..., Any] | None = None,
     context_fn: Callable[[], Any] | None = None,
+    manager: SwapManager | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args)`` without keeping its activations; recompute them in backward.
 
     Non-reentrant PyTorch checkpointing. ``policy_fn`` makes it selective: it is called as
     ``policy_fn(ctx, op, *op_args, **op_kwargs)`` and returns a
-    :class:`~hp_trainer.CheckpointPolicy`.
+    :class:`~hp_trainer.CheckpointPolicy`. An op whose policy is ``MUST_SWAP`` is neither
+    recomputed nor kept on the device: its output is copied to host memory after the forward and
+    loaded back for the recompute, which uses it instead of running the op. ``swap_inputs=True``
+    moves the region's tensor arguments (what the recompute starts from) to host memory the same
+    way. Both go through one :class:`~hp_trainer.SwapManager` group per call (side-stream
+    copies, pooled host buffers, device storages dropped; on CPU a pass-through in memory terms
+    that runs the same hooks).
 
     Args:
         fn: The function to checkpoint.
         *args: Its arguments.
-        swap_inputs: HyperParallel's flag for swapping the region's inputs; not supported (the
-            inputs are held by the recompute closure, not by saved-tensor hooks).
-        policy_fn: Selective-checkpoint policy (PyTorch's four values; ``MUST_SWAP`` belongs
-            to :func:`~hp_trainer.swap`).
+        swap_inputs: Swap the tensor arguments to host memory until the recompute (a caller
+            that drops its own references frees their device storages).
+        policy_fn: Selective-checkpoint policy (PyTorch's four values or ``MUST_SWAP``).
         context_fn: PyTorch's ``context_fn`` (exclusive with ``policy_fn``).
+        manager: Keyword-only extension: the :class:`~hp_trainer.SwapManager` of the swapped
+            tensors, shared between layers so that each one's loads are prefetched during the
+            backward of the layer after it (a new one per call by default).
         **kwargs: Passed to ``torch.utils.checkpoint.checkpoint`` (e.g. ``preserve_rng_state``).
 
     Returns:
         ``fn(*args)``.
 
     Raises:
-        NotImplementedError: For ``swap_inputs=True`` or a policy returning ``MUST_SWAP``.
-        ValueError: If both ``policy_fn`` and ``context_fn`` are given.
+        ValueError: If both ``policy_fn`` and ``context_fn`` are given, or swapping is asked
+            with ``use_reentrant=True``.
 
     See Also:
         ``torch.utils.checkpoint.checkpoint`` and ``create_selective_checkpoint_contexts``;
         HyperParallel's ``checkpoint``.
     """
-    if swap_inputs:
-        raise NotImplementedError(
-            "checkpoint(swap_inputs=True) is not supported: use swap()/swap_wrapper() to move "
-            "a layer's saved activations to host memory"
-        )
     if policy_fn is not None and context_fn is not None:
         raise ValueError("checkpoint(): give policy_fn or context_fn, not both")
+    kwargs.setdefault("use_reentrant", False)
+    swapping = swap_inputs or policy_fn is not None
+    if swapping and kwargs["use_reentrant"]:
+        raise ValueError(
+            "checkpoint(): swap_inputs/policy_fn need use_reentrant=False, got use_reentrant=True"
+        )
+    if not swapping or not torch.is_grad_enabled():
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        return torch_checkpoint(fn, *args, **kwargs)
+
+    mgr = manager if manager is not None else SwapManager()
+    group = mgr.new_group()
+    outputs = _SwappedOutputs(group)
     if policy_fn is not None:
-        torch_policy = _torch_policy_fn(policy_fn)
+        torch_policy = _torch_policy_fn(policy_fn, outputs)
 
         def policy_context() -> Any:
-            return create_selective_checkpoint_contexts(torch_policy)  # type: ignore[no-untyped-call]
+            forward, recompute = create_selective_checkpoint_contexts(torch_policy)  # type: ignore[no-untyped-call]
+            return forward, _SwappedOutputRestore(outputs, recompute)
 
-        context_fn = policy_context
-    if context_fn is not None:
-        kwargs["context_fn"] = context_fn
-    kwargs.setdefault("use_reentrant", False)
-    return torch_checkpoint(fn, *args, **kwargs)
+        kwargs["context_fn"] = policy_context
+    try:
+        if not swap_inputs:
+            return torch_checkpoint(fn, *args, **kwargs)
+        inputs = _SwappedInputs(group, args)
+        # PyTorch stashes the RNG state of its arguments' devices: hand it an empty tensor on
+        # the inputs' device, as the recompute closure must not keep the caller's tensors
+        devices = [a.device for a in args if isinstance(a, torch.Tensor)]
+        del args
+        markers = [torch.empty(0, device=devices[0])] if devices else []
+        return torch_checkpoint(_run_with(fn, inputs), *markers, **kwargs)
+    finally:
+        mgr.finish_forward(group)
+
+
+def _run_with(fn: Callable[..., Any], inputs: _SwappedInputs) -> Callable[..., Any]:
+    def run(*_device_marker: torch.Tensor, **fn_kwargs: Any) -> Any:
+        return fn(*inputs.take(), **fn_kwargs)
+
+    return run
 
 
 class _CheckpointedModule(nn.Module):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from hp_dtensor import device as hp_device
@@ -248,19 +248,22 @@ class SwapGroup:
         Returns:
             A tensor with the saved values, dtype and view geometry.
         """
-        mgr = self.manager
-        if self.unpacks == 0:
-            mgr.log.append(("backward", self.index))
-            self.wait_load()
-            mgr.prefetch_before(self.index)
-        else:
-            self.wait_load()
-        self.unpacks += 1
-        mgr.log.append(("unpack", self.index))
-        storage = handle.slot.loaded
-        assert storage is not None
-        out = torch.empty(0, dtype=handle.dtype, device=mgr.device_type)
-        out.set_(storage, handle.offset, handle.size, handle.stride)
+        # the loads are the swap's own copies: a recompute's dispatch modes (selective
+        # checkpointing) must neither see nor cache them
+        with _disable_current_modes():
+            mgr = self.manager
+            if self.unpacks == 0:
+                mgr.log.append(("backward", self.index))
+                self.wait_load()
+                mgr.prefetch_before(self.index)
+            else:
+                self.wait_load()
+            self.unpacks += 1
+            mgr.log.append(("unpack", self.index))
+            storage = handle.slot.loaded
+            assert storage is not None
+            out = torch.empty(0, dtype=handle.dtype, device=mgr.device_type)
+            out.set_(storage, handle.offset, handle.size, handle.stride)
         return out
 
 
@@ -308,11 +311,19 @@ class SwapManager:
     def __init__(self, device_type: str | None = None, *, pool: HostBufferPool | None = None):
         self.device_type = device_type or hp_device.get_device_type()
         self.pool = pool if pool is not None else HostBufferPool()
-        self.copy_stream = hp_device.Stream(self.device_type)
+        self._copy_stream: hp_device.Stream | None = None
         self.groups: list[SwapGroup] = []
         self.log: list[tuple[str, int]] = []
         """The ``(event, group index)`` pairs in order; events are ``pack``, ``offload``, ``load``,
         ``backward`` (a group's first unpack) and ``unpack``."""
+
+    @property
+    def copy_stream(self) -> hp_device.Stream:
+        """The side stream of the copies (created on first use: a manager that ends up swapping
+        nothing, e.g. ``checkpoint``'s with a policy that never says ``MUST_SWAP``, needs none)."""
+        if self._copy_stream is None:
+            self._copy_stream = hp_device.Stream(self.device_type)
+        return self._copy_stream
 
     def new_group(self) -> SwapGroup:
         """Start the group of the next layer call (groups of a finished step are dropped).
@@ -389,15 +400,40 @@ class SwapManager:
                 with _SwapMarker(policy_fn, marked):
                     yield group
         marked.clear()
+        self.finish_forward(group)
+
+    def finish_forward(self, group: SwapGroup) -> None:
+        """End a group's forward: finish the previous groups' copies, start this group's.
+
+        A group that registered nothing is done at once (it has nothing to load back).
+
+        Args:
+            group: The group whose layer call just ended (from :meth:`new_group`).
+        """
         # the previous layer's copies had this whole layer's forward to finish
-        for previous in self.groups[:-1]:
-            previous.wait_offload()
+        for previous in self.groups:
+            if previous is not group:
+                previous.wait_offload()
+        if group.packs == 0:
+            group.state = "device"
+            return
         group.launch_offload()
 
     def wait_all_offloads(self) -> None:
         """Finish every pending device-to-host copy (frees the device storages)."""
         for group in self.groups:
             group.wait_offload()
+
+    def can_swap(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is swapped: a plain tensor on this device that is not a parameter.
+
+        Args:
+            t: A tensor about to be saved.
+
+        Returns:
+            ``True`` if registering it in a group moves it to host memory.
+        """
+        return self._eligible(t)
 
     def _eligible(self, t: torch.Tensor) -> bool:
         # parameters (and views of them) stay alive anyway: copying them would only cost
