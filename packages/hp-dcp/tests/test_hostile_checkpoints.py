@@ -582,6 +582,20 @@ def test_metadata_sizes_that_lie(ckpt: Path, edit: Callable[[Any], None], match:
     _load_rejected(ckpt, hp_dcp.CheckpointCorruptionError, match)
 
 
+def _drop_tensor_fields(md: Any) -> None:
+    # A pickle can create the object with NEWOBJ and BUILD only some of its fields.
+    entry = md.state_dict_metadata["a"]
+    hollow = type(entry).__new__(type(entry))
+    object.__setattr__(hollow, "size", entry.size)
+    md.state_dict_metadata["a"] = hollow
+
+
+def test_metadata_object_missing_fields_is_corruption(ckpt: Path) -> None:
+    """Found by the fuzzer: a TensorStorageMetadata without ``chunks`` reached torch's planner."""
+    _edit_metadata(ckpt, _drop_tensor_fields)
+    _load_rejected(ckpt, hp_dcp.CheckpointCorruptionError, "lacks its fields")
+
+
 def test_offline_tools_refuse_shapes_the_files_cannot_back(ckpt: Path, tmp_path: Path) -> None:
     """dcp_to_hf and extract_tensor allocate from the metadata: they must refuse first."""
     _edit_metadata(ckpt, _chunk_edit((2**40, 5), (6, 5), (0, 0)))

@@ -170,6 +170,8 @@ class SafeUnpickler(_PyUnpickler):  # type: ignore[misc]
         self._allow = allow
         self._user = _user_globals()
         self._persistent = persistent_load
+        # Instances NEWOBJ made without running __init__: each must end with every field set.
+        self._created: list[Any] = []
 
     def _refuse(self, what: str) -> UnsafeCheckpointError:
         return UnsafeCheckpointError(f"{self._source}: refused {what}. {_HOW_TO}")
@@ -211,7 +213,10 @@ class SafeUnpickler(_PyUnpickler):  # type: ignore[misc]
             raise self._refuse(f"opcode NEWOBJ creating {cls!r:.80}")
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise self._refuse("opcode NEWOBJ with non-tuple arguments")
-        self.append(cls.__new__(cls, *args, **kwargs))
+        inst: Any = cls.__new__(cls, *args, **kwargs)
+        if dataclasses.is_dataclass(inst):
+            self._created.append(inst)
+        self.append(inst)
 
     def _load_newobj(self) -> None:
         args = self.stack.pop()
@@ -223,6 +228,17 @@ class SafeUnpickler(_PyUnpickler):  # type: ignore[misc]
         args = self.stack.pop()
         cls = self.stack.pop()
         self._newobj(cls, args, kwargs)
+
+    def _check_fields_set(self) -> None:
+        # A dataclass built by NEWOBJ + BUILD skips __init__: a field BUILD never set would only
+        # surface later as an AttributeError deep inside a load.
+        for inst in self._created:
+            missing = [f.name for f in dataclasses.fields(inst) if not hasattr(inst, f.name)]
+            if missing:
+                raise CheckpointCorruptionError(
+                    f"{self._source} is not a valid pickle: a {type(inst).__name__} lacks its "
+                    f"fields {missing[:4]}"
+                )
 
     def _load_build(self) -> None:
         state = self.stack.pop()
@@ -309,7 +325,9 @@ class SafeUnpickler(_PyUnpickler):  # type: ignore[misc]
             CheckpointCorruptionError: the bytes are not a valid pickle.
         """
         try:
-            return super().load()
+            result = super().load()
+            self._check_fields_set()
+            return result
         except UnsafeCheckpointError:
             raise
         except (
