@@ -13,13 +13,13 @@ import sys
 # Seconds of test time each package may use on the 2-core CI machine (whole CI run < 25 min).
 BUDGETS_S = {
     "hp-dtensor": 60,
-    "hp-kernels": 60,
-    "hp-fsdp": 200,
+    "hp-kernels": 45,
+    "hp-fsdp": 150,
     "hp-tp": 60,
-    "hp-pp": 120,
-    "hp-cp-ep": 150,
-    "hp-dcp": 120,
-    "hp-trainer": 200,
+    "hp-pp": 40,
+    "hp-cp-ep": 45,
+    "hp-dcp": 45,
+    "hp-trainer": 150,
     "hyper-parallel": 15,
     "scripts": 90,
 }
