@@ -11,12 +11,16 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
-from torch._ops import OpOverload
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import register_sharding
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+
+from hp_dtensor._torch_compat import (
+    OpOverload,
+    clear_native_sharding_propagator_cache,
+    dtensor_sharding_propagator,
+    tree_map,
+)
 
 __all__ = ["SkipDTensorDispatch", "register_sharding_rule", "sharding_rule"]
 
@@ -102,13 +106,11 @@ def _overloads(op: OpOverload | Sequence[OpOverload]) -> list[OpOverload]:
 
 def _clear_propagation_cache() -> None:
     """Drop cached propagation results (Python LRU and the C++ fast path) after a rule change."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator = dtensor_sharding_propagator
     cache = getattr(propagator, "propagate_op_sharding", None)
     if cache is not None and hasattr(cache, "cache_clear"):
         cache.cache_clear()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()
+    clear_native_sharding_propagator_cache()
 
 
 def register_sharding_rule(
@@ -162,7 +164,7 @@ def sharding_rule(op: OpOverload | Sequence[OpOverload], rule: ShardingRule) -> 
         ``torch.distributed.tensor.experimental.register_sharding``: permanent registration.
     """
     overloads = _overloads(op)
-    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator = dtensor_sharding_propagator
     saved = [
         (
             overload,

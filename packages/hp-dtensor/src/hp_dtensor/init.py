@@ -28,10 +28,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from hp_dtensor._torch_compat import StridedShard as _StridedShard
+from hp_dtensor._torch_compat import TorchDispatchMode, tree_flatten
 from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, get_device
 
 __all__ = [

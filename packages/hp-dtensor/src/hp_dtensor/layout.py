@@ -34,8 +34,9 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from hp_dtensor._torch_compat import StridedShard as _StridedShard
+from hp_dtensor._torch_compat import compute_local_shape_and_global_offset, mesh_broadcast
 from hp_dtensor.device import (
     DEVICE_TYPE_CPU,
     DEVICE_TYPE_META,
@@ -512,8 +513,6 @@ def distribute_with_layout(
     plain = [Replicate() if p.is_partial() else p for p in placements]
     if src_data_rank is not None and any(isinstance(p, _StridedShard) for p in plain):
         # torch scatters strided shards only when they divide evenly: broadcast, then split.
-        from torch.distributed.tensor._collective_utils import mesh_broadcast
-
         tensor = tensor.detach().clone().contiguous()
         for axis in range(mesh.ndim):
             mesh_broadcast(tensor, mesh, mesh_dim=axis, group_src=src_data_rank)
@@ -581,8 +580,6 @@ def from_local_with_layout(
     global_shape = (
         torch.Size(shape) if shape is not None else _global_shape(local, tensor_layout, mesh)
     )
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     expected, _ = compute_local_shape_and_global_offset(
         global_shape, mesh, tensor_layout.placements, skip_offset=True
     )

@@ -19,6 +19,7 @@ from typing import Literal, overload
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hp_dtensor._torch_compat import mesh_resources
 from hp_dtensor.device import get_device_type
 
 __all__ = [
@@ -37,9 +38,7 @@ _MESH_STACK: contextvars.ContextVar[tuple[DeviceMesh, ...]] = contextvars.Contex
 
 def _torch_current_mesh() -> DeviceMesh | None:
     """The innermost mesh entered with torch's ``with mesh:``, if any."""
-    from torch.distributed.device_mesh import _mesh_resources
-
-    stack = getattr(_mesh_resources, "mesh_stack", None)
+    stack = mesh_resources.mesh_stack
     if not stack:
         return None
     top = stack[-1]

@@ -23,7 +23,8 @@ import torch
 import torch.distributed.checkpoint.state_dict as _torch_sd
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.nn.modules.module import _IncompatibleKeys
+
+from hp_dtensor._torch_compat import IncompatibleKeys as _IncompatibleKeys
 
 __all__ = [
     "StateDictOptions",

@@ -202,7 +202,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         ``torch.testing._internal.distributed.fake_pg.FakeStore``
     """
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hp_dtensor._torch_compat import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a default process group")

@@ -52,10 +52,10 @@ def _clear_dtensor_caches() -> None:
     torch keys them by mesh equality, which ignores process-group names: after the groups of a
     test are destroyed, a later test building an equal mesh would be handed the dead groups.
     """
-    from torch.distributed.tensor import _redistribute, debug
+    from hp_dtensor._torch_compat import clear_sharding_prop_cache, redistribute_transform_infos
 
-    debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
-    _redistribute._gen_transform_infos.cache_clear()
+    clear_sharding_prop_cache()
+    redistribute_transform_infos.cache_clear()
 
 
 class _StateGuard:
@@ -63,20 +63,23 @@ class _StateGuard:
 
     def __init__(self) -> None:
         import torch
-        import torch.distributed as dist
+
+        from hp_dtensor._torch_compat import c10d_world
 
         self._torch_rng = torch.random.get_rng_state()
         self._py_rng = random.getstate()
         self._dtype = torch.get_default_dtype()
-        self._groups = set(dist.distributed_c10d._world.pg_map)
+        self._groups = set(c10d_world.pg_map)
 
     def restore(self) -> None:
         import torch
         import torch.distributed as dist
 
+        from hp_dtensor._torch_compat import c10d_world
+
         # Groups created by the test (meshes, new_group) are destroyed; the default group stays.
         destroyed = False
-        for group in list(dist.distributed_c10d._world.pg_map):
+        for group in list(c10d_world.pg_map):
             if group not in self._groups:
                 dist.destroy_process_group(group)
                 destroyed = True

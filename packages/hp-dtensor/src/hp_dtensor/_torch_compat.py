@@ -1,0 +1,129 @@
+"""Every private PyTorch name hp-dtensor uses, resolved once at import.
+
+A PyTorch upgrade that renames or removes one of them fails here, at import, with an error that
+names the missing name and the installed torch version, instead of somewhere deep in a call (or
+silently). ``scripts/tests/test_torch_compat.py`` lists these names and checks that no other
+module of the stack reaches into PyTorch's private API.
+
+:func:`require` and :func:`require_module` are the checker the other packages' compat modules
+use too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PRIVATE_NAMES",
+    "TESTED_TORCH_VERSIONS",
+    "FakeStore",
+    "IncompatibleKeys",
+    "OpOverload",
+    "StridedShard",
+    "TorchDispatchMode",
+    "c10d_world",
+    "clear_native_sharding_propagator_cache",
+    "clear_sharding_prop_cache",
+    "compute_local_shape_and_global_offset",
+    "dtensor_sharding_propagator",
+    "mesh_broadcast",
+    "mesh_resources",
+    "missing_torch_name",
+    "redistribute_transform_infos",
+    "require",
+    "require_module",
+    "tree_flatten",
+    "tree_map",
+]
+
+TESTED_TORCH_VERSIONS = ("2.13.0",)
+
+
+def missing_torch_name(package: str, qualname: str) -> ImportError:
+    """The error raised when this torch lacks a private name ``package`` relies on."""
+    return ImportError(
+        f"{package} needs the PyTorch internal `{qualname}`, which the installed torch "
+        f"{torch.__version__} does not provide (tested with torch "
+        f"{', '.join(TESTED_TORCH_VERSIONS)}); see {package}'s _torch_compat.py"
+    )
+
+
+def require_module(package: str, qualname: str) -> ModuleType:
+    """Import the (private) module ``qualname`` or raise :func:`missing_torch_name`'s error."""
+    try:
+        return importlib.import_module(qualname)
+    except ImportError as exc:
+        raise missing_torch_name(package, qualname) from exc
+
+
+def require(package: str, qualname: str) -> Any:
+    """Resolve ``module.attr[.attr...]`` (the longest importable prefix is the module)."""
+    parts = qualname.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            value: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[split:]:
+                value = getattr(value, attr)
+        except AttributeError as exc:
+            raise missing_torch_name(package, qualname) from exc
+        return value
+    raise missing_torch_name(package, qualname)
+
+
+_PACKAGE = "hp-dtensor"
+
+try:
+    from torch._ops import OpOverload
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+    from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+except ImportError as _exc:  # pragma: no cover - only on an unsupported torch
+    raise missing_torch_name(_PACKAGE, _exc.name or str(_exc)) from _exc
+
+mesh_broadcast = require(_PACKAGE, "torch.distributed.tensor._collective_utils.mesh_broadcast")
+compute_local_shape_and_global_offset = require(
+    _PACKAGE, "torch.distributed.tensor._utils.compute_local_shape_and_global_offset"
+)
+mesh_resources = require(_PACKAGE, "torch.distributed.device_mesh._mesh_resources")
+if not hasattr(mesh_resources, "mesh_stack"):  # pragma: no cover - only on an unsupported torch
+    raise missing_torch_name(_PACKAGE, "torch.distributed.device_mesh._mesh_resources.mesh_stack")
+dtensor_sharding_propagator = require(
+    _PACKAGE, "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator"
+)
+clear_native_sharding_propagator_cache = require(
+    _PACKAGE, "torch._C._clear_DTensor_sharding_propagator_cache"
+)
+redistribute_transform_infos = require(
+    _PACKAGE, "torch.distributed.tensor._redistribute._gen_transform_infos"
+)
+clear_sharding_prop_cache = require(
+    _PACKAGE, "torch.distributed.tensor.debug._clear_sharding_prop_cache"
+)
+c10d_world = require(_PACKAGE, "torch.distributed.distributed_c10d._world")
+FakeStore = require(_PACKAGE, "torch.testing._internal.distributed.fake_pg.FakeStore")
+
+PRIVATE_NAMES = (
+    "torch._ops.OpOverload",
+    "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.nn.modules.module._IncompatibleKeys",
+    "torch.utils._python_dispatch.TorchDispatchMode",
+    "torch.utils._pytree.tree_flatten",
+    "torch.utils._pytree.tree_map",
+    "torch.distributed.tensor._collective_utils.mesh_broadcast",
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+    "torch.distributed.device_mesh._mesh_resources",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
+    "torch._C._clear_DTensor_sharding_propagator_cache",
+    "torch.distributed.tensor._redistribute._gen_transform_infos",
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache",
+    "torch.distributed.distributed_c10d._world",
+    "torch.testing._internal.distributed.fake_pg.FakeStore",
+)
