@@ -25,13 +25,15 @@ from hp_kernels._dispatch_keys import (
     PRIVATEUSE1_DISPATCH_KEY,
     REFERENCE_DISPATCH_KEY,
 )
+from hp_kernels._torch_compat import (
+    AutoDispatchBelowAutograd,
+    OpOverload,
+    dispatch_key_for_device,
+    len_torch_dispatch_stack,
+    python_impls,
+)
 
 __all__: list[str] = []
-
-#: ``torch.library``'s set of ``"namespace/op/DispatchKey"`` strings, one per kernel registered
-#: from Python (``Library.impl``, which ``torch.library.register_kernel`` uses); entries leave it
-#: when their library is destroyed. ``None`` if this torch does not keep it.
-_PYTHON_IMPLS: set[str] | None = getattr(torch.library, "_impls", None)
 
 #: ``torch.library`` namespace of every op in this package (``torch.ops.hp_kernels.*``).
 NAMESPACE = "hp_kernels"
@@ -79,7 +81,7 @@ class Op:
         self.name = name
         self.qualname = qualname(name)
         self.reference = reference
-        self.overload: torch._ops.OpOverload = getattr(torch.ops.hp_kernels, name).default
+        self.overload: OpOverload = getattr(torch.ops.hp_kernels, name).default
         # Registration key in torch.library's record, per device type (a pure function of
         # the two names; whether the key is registered is looked up on every call).
         self._impl_keys: dict[str, str] = {}
@@ -99,13 +101,8 @@ class Op:
         if key is None:
             key = f"{NAMESPACE}/{self.name}/{dispatch_key_of(device_type)}"
             self._impl_keys[device_type] = key
-        if _PYTHON_IMPLS is not None:
-            return key in _PYTHON_IMPLS
-        return bool(
-            torch._C._dispatch_has_kernel_for_dispatch_key(
-                self.qualname, dispatch_key_of(device_type)
-            )
-        )
+        # Entries leave ``python_impls`` when their library is destroyed.
+        return key in python_impls
 
     def __call__(self, *args: Any) -> Any:
         return self.overload(*args)
@@ -157,7 +154,7 @@ def dispatch_key_of(device_type: str) -> str:
     """The backend dispatch key of a device type (a pure function of the string)."""
     if device_type == PRIVATEUSE1_DEVICE_TYPE:
         return PRIVATEUSE1_DISPATCH_KEY
-    return str(torch._C._dispatch_key_for_device(device_type))
+    return str(dispatch_key_for_device(device_type))
 
 
 def can_call_reference(op: Op, tensors: Iterable[torch.Tensor]) -> bool:
@@ -174,7 +171,7 @@ def can_call_reference(op: Op, tensors: Iterable[torch.Tensor]) -> bool:
     at any time are honoured in eager mode exactly as through ``torch.ops`` and
     ``torch.compile``).
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if torch.compiler.is_compiling() or len_torch_dispatch_stack():
         return False
     device_type = None
     for t in tensors:
@@ -202,5 +199,5 @@ def call_below_autograd(op: Op, *args: Any) -> Any:
     The autograd kernel would only redispatch below itself in that case; skipping it saves the
     Python ``autograd.Function`` set-up on every eager call.
     """
-    with torch._C._AutoDispatchBelowAutograd():
+    with AutoDispatchBelowAutograd():
         return op(*args)

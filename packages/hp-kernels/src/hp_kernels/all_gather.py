@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from hp_kernels._library import call, define_op
+from hp_kernels._torch_compat import foreach_copy_, set_grad_enabled
 
 __all__ = ["all_gather_copy_in", "all_gather_copy_out", "unpadded_views"]
 
@@ -48,7 +49,7 @@ def _all_gather_copy_in_op(
                 dst[:n].copy_(flat)
                 dst[n:].zero_()
         if full_dsts:
-            torch._foreach_copy_(full_dsts, full_srcs)
+            foreach_copy_(full_dsts, full_srcs)
 
 
 @_all_gather_copy_in_op.register_fake
@@ -71,7 +72,7 @@ def _all_gather_copy_out_op(
     # Grad mode off around the out= copy (outputs may be storage of parameters that require
     # grad), switched directly: the ``no_grad`` context object costs more than the switch.
     grad_mode = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
+    set_grad_enabled(False)
     try:
         torch.split_with_sizes_copy(
             all_gather_output.view(world_size, -1),
@@ -80,7 +81,7 @@ def _all_gather_copy_out_op(
             out=[o.view(world_size, -1) for o in out],
         )
     finally:
-        torch._C._set_grad_enabled(grad_mode)
+        set_grad_enabled(grad_mode)
 
 
 @_all_gather_copy_out_op.register_fake

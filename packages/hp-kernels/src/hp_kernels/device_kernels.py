@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hp_kernels._library import REFERENCE_KERNELS, SHIPPED, dispatch_key_of, qualname
+from hp_kernels._torch_compat import dispatch_has_kernel_for_dispatch_key
 
 __all__ = [
     "OP_NAMES",
@@ -138,7 +139,7 @@ def has_device_kernel(op_name: str, device_type: str) -> bool:
         ``torch.library.get_kernel``: PyTorch's kernel lookup.
     """
     name = _check_op(op_name)
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(name, _dispatch_key(device_type)))
+    return bool(dispatch_has_kernel_for_dispatch_key(name, _dispatch_key(device_type)))
 
 
 def reference_kernel(op_name: str) -> Callable[..., Any]:
