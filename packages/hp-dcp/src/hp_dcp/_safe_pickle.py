@@ -33,9 +33,9 @@ from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed.checkpoint import filesystem as _dcp_fs
 from torch.distributed.checkpoint import metadata as _dcp_md
 
+from hp_dcp._torch_compat import MEM_FORMAT_ENCODING, HFStorageInfo, StorageInfo, get_layout
 from hp_dcp.errors import CheckpointCorruptionError, UnsafeCheckpointError
 
 __all__ = [
@@ -84,14 +84,12 @@ def _metadata_allow_list() -> AllowList:
         _dcp_md.BytesStorageMetadata,
         _dcp_md.MetadataIndex,
         _dcp_md.StorageMeta,
-        _dcp_fs._StorageInfo,
+        StorageInfo,
+        HFStorageInfo,
     ]
-    hf_info = _hf_storage_info()
-    if hf_info is not None:
-        classes.append(hf_info)
     constructors: list[Any] = [
         torch.Size,
-        _dcp_md._MEM_FORMAT_ENCODING,
+        MEM_FORMAT_ENCODING,
         Path,
         PosixPath,
         PurePosixPath,
@@ -107,18 +105,9 @@ def _metadata_allow_list() -> AllowList:
         names[f"{obj.__module__}.{obj.__qualname__}"] = obj
     names["_codecs.encode"] = codecs.encode
     # torch.layout pickles as a call of this lookup by name (KeyError for unknown names).
-    names["torch.serialization._get_layout"] = torch.serialization._get_layout
-    constructors.append(torch.serialization._get_layout)
+    names["torch.serialization._get_layout"] = get_layout
+    constructors.append(get_layout)
     return AllowList(names, frozenset(constructors), frozenset(classes))
-
-
-def _hf_storage_info() -> type | None:
-    try:
-        from torch.distributed.checkpoint import _hf_utils
-    except ImportError:  # pragma: no cover - older torch without HF storage
-        return None
-    found = getattr(_hf_utils, "_HFStorageInfo", None)
-    return found if isinstance(found, type) else None
 
 
 METADATA_ALLOW_LIST = _metadata_allow_list()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hp_dcp._safe_pickle import AllowList, SafeUnpickler
+from hp_dcp._torch_compat import rebuild_tensor_v2
 from hp_dcp.errors import CheckpointCorruptionError, UnsafeCheckpointError
 
 _LOCAL_HEADER = b"PK\x03\x04"
@@ -218,7 +219,7 @@ class _TensorRef:
         ref = _StorageRef(t.dtype, t.untyped_storage().nbytes() // t.element_size())
         args: tuple[Any, ...] = (ref, t.storage_offset(), tuple(t.size()), t.stride(), False)
         args += (OrderedDict(),)
-        return (torch._utils._rebuild_tensor_v2, args)
+        return (rebuild_tensor_v2, args)
 
 
 class _TensorPickler(pickle.Pickler):

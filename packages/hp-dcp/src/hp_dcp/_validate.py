@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from hp_dcp._files import check_member_name
+from hp_dcp._torch_compat import StorageInfo as _StorageInfo
 from hp_dcp.errors import CheckpointCorruptionError
 
 __all__ = ["validate_metadata", "validate_sidecar"]

@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from hp_dcp._torch_compat import StoragePrefix as _StoragePrefix
 from hp_dcp.huggingface import (
     _plan_shards,
     hf_shard_files,

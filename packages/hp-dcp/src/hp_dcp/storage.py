@@ -41,8 +41,6 @@ from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
     SerializationFormat,
-    _StorageInfo,
-    _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -65,6 +63,8 @@ from hp_dcp._commit import SaveLock, publish, recover_leftovers, retired_dir
 from hp_dcp._files import fsync_dir, open_member, parse_json, read_member, write_synced
 from hp_dcp._safe_pickle import load_byte_item, load_metadata, weights_only_error
 from hp_dcp._tensor_blob import can_encode, decode_tensor, encode_tensor
+from hp_dcp._torch_compat import StorageInfo as _StorageInfo
+from hp_dcp._torch_compat import StoragePrefix as _StoragePrefix
 from hp_dcp._validate import validate_metadata, validate_sidecar
 from hp_dcp.errors import (
     CheckpointCorruptionError,
