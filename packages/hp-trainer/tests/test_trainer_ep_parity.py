@@ -3,70 +3,36 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hp_cp_ep import MoE
-from hp_dtensor.testing import run_distributed
-from hp_trainer import ConfigManager, JobConfig, Trainer, load_documents
+from hp_dtensor.testing import load_test_module, run_distributed
+from hp_trainer import JobConfig, Trainer
 from hp_trainer.expert_load import ExpertLoadTracker, format_expert_load
 from hp_trainer.model_spec import get_model_spec
 
 
-def _corpus(folder: Path) -> str:
-    path = folder / "corpus.txt"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"corpus.{os.getpid()}.tmp"
-        tmp.write_text("\n".join(load_documents("tiny_stories_synth")[:200]) + "\n")
-        os.replace(tmp, path)
-    return str(path)
-
-
-def _config(folder: Path, model: str, local_bs: int, par: dict[str, Any], run: str) -> JobConfig:
-    return ConfigManager().from_dict(
-        {
-            "job": {"run_name": run, "dump_folder": str(folder)},
-            "model": {"name": model, "flavor": "tiny"},
-            "training": {
-                "local_batch_size": local_bs,
-                "seq_len": 32,
-                "steps": 3,
-                "seed": 0,
-                "max_norm": 1.0,
-                "mixed_precision_param": "float32",
-                "mixed_precision_reduce": "float32",
-            },
-            "parallelism": par,
-            # Adam divides by sqrt(v) + eps: with eps 1e-8 a near-zero gradient whose last bits
-            # differ (another reduction order) moves its weight by up to lr; 1e-6 bounds that
-            "optimizer": {"lr": 5e-3, "eps": 1e-6},
-            "lr_scheduler": {"warmup_steps": 1},
-            "metrics": {"log_freq": 1, "enable_plot": False, "enable_progress_bar": False},
-            "data": {"dataset": _corpus(folder)},
-        }
+def _helpers() -> ModuleType:
+    return load_test_module(
+        Path(__file__).with_name("_parity_helpers.py"), "hp_trainer_tests_parity_helpers"
     )
 
 
-def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # every rank gathers every DTensor in the same order (collectives)
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-        for k, v in model.state_dict().items()
-    }
+def _config(folder: Path, model: str, local_bs: int, par: dict[str, Any], run: str) -> JobConfig:
+    return _helpers().job(folder, par, run=run, local_bs=local_bs, model=model)
 
 
 def _train(folder: str, model: str, local_bs: int, par: dict[str, Any], run: str) -> Any:
     trainer = Trainer(_config(Path(folder), model, local_bs, par, run))
     try:
         losses = trainer.train()
-        state = _full_state(trainer.model)
+        state = _helpers().full_state([trainer.model])
         return losses, trainer.grad_norms, state, trainer.metrics.history
     finally:
         trainer.close()
@@ -98,18 +64,13 @@ def test_moe_layouts_match_single_process(
     results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "ep", timeout=180)
     ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 2 * dp, {}, "ref")
     assert len(ref_losses) == 3
-    for losses, norms, state, _ in results:
-        torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5
-        )
-        torch.testing.assert_close(
-            torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-5
-        )
-        assert set(state) == set(ref_state)
-        for key, value in ref_state.items():
-            torch.testing.assert_close(
-                state[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
-            )
+    _helpers().assert_matches_reference(
+        [r[:3] for r in results],
+        (ref_losses, ref_norms, ref_state),
+        each_rank_whole=True,
+        norm_rtol=1e-5,
+        norm_atol=1e-5,
+    )
     # the routing bias moved (deepseek_v3) identically; load metrics are the global counts
     if model == "deepseek_v3":
         assert ref_state["layers.1.moe.expert_bias"].abs().sum() > 0

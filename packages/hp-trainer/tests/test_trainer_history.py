@@ -9,6 +9,7 @@ import threading
 import types
 from concurrent.futures import Future
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -16,21 +17,19 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import hp_dcp
-from hp_trainer import (
-    ConfigManager,
-    JobConfig,
-    MetricsConfig,
-    MetricsProcessor,
-    Trainer,
-    load_documents,
-)
+from hp_dtensor.testing import load_test_module
+from hp_trainer import ConfigManager, JobConfig, MetricsConfig, MetricsProcessor, Trainer
 from hp_trainer.cli import EXIT_STOPPED_SAVED, EXIT_STOPPED_UNSAVED, _stop_status
 
 
+def _helpers() -> ModuleType:
+    return load_test_module(
+        Path(__file__).with_name("_parity_helpers.py"), "hp_trainer_tests_parity_helpers"
+    )
+
+
 def _config(folder: Path, run: str, steps: int, checkpoint: dict[str, Any]) -> JobConfig:
-    corpus = folder / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text("\n".join(load_documents("tiny_stories_synth")[:120]) + "\n")
+    corpus = _helpers().corpus(folder, 120)
     return ConfigManager().from_dict(
         {
             "job": {"run_name": run, "dump_folder": str(folder)},
@@ -44,7 +43,7 @@ def _config(folder: Path, run: str, steps: int, checkpoint: dict[str, Any]) -> J
             },
             "lr_scheduler": {"warmup_steps": 1},
             "metrics": {"log_freq": 1, "enable_progress_bar": False},
-            "data": {"dataset": str(corpus)},
+            "data": {"dataset": corpus},
             "checkpoint": checkpoint,
         }
     )
@@ -52,15 +51,8 @@ def _config(folder: Path, run: str, steps: int, checkpoint: dict[str, Any]) -> J
 
 def _run(cfg: JobConfig, stop_after: int | None = None) -> Trainer:
     trainer = Trainer(cfg)
-    if stop_after is not None:  # what the SIGTERM handler does, at a chosen step
-        observe = trainer.metrics.observe_loss
-
-        def observe_then_stop(step: int, loss: float) -> None:
-            observe(step, loss)
-            if step == stop_after:
-                trainer._stop_requested = True
-
-        trainer.metrics.observe_loss = observe_then_stop  # type: ignore[method-assign]
+    if stop_after is not None:
+        _helpers().stop_at(trainer, stop_after)
     try:
         trainer.train()
     finally:

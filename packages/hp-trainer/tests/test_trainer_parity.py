@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from hp_dtensor.testing import run_distributed
-from hp_trainer import ConfigManager, JobConfig, Trainer, load_documents
+from hp_dtensor.testing import load_test_module, run_distributed
+from hp_trainer import ConfigManager, JobConfig, Trainer
 
 
-def _small_corpus(folder: Path) -> str:
-    """The first 400 documents of the shipped corpus (tokenizing all of it 4x per test is slow)."""
-    path = folder / "corpus.txt"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"corpus.{os.getpid()}.tmp"
-        tmp.write_text("\n".join(load_documents("tiny_stories_synth")[:400]) + "\n")
-        os.replace(tmp, path)
-    return str(path)
+def _helpers() -> ModuleType:
+    return load_test_module(
+        Path(__file__).with_name("_parity_helpers.py"), "hp_trainer_tests_parity_helpers"
+    )
 
 
 def tiny_config(
@@ -54,7 +49,8 @@ def tiny_config(
             "optimizer": {"lr": 5e-3},
             "lr_scheduler": {"warmup_steps": 2, "decay_type": "cosine"},
             "metrics": {"log_freq": 5, "enable_plot": False, "enable_progress_bar": False},
-            "data": {"dataset": _small_corpus(folder)},
+            # 400 documents: tokenizing all of the corpus 4x per test is slow
+            "data": {"dataset": _helpers().corpus(folder, 400)},
         }
     )
 

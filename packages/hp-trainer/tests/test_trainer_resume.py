@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -17,22 +18,22 @@ import torch
 import torch.distributed as dist
 
 import hp_dcp
-from hp_dtensor.testing import run_distributed
-from hp_trainer import ConfigManager, JobConfig, Trainer, load_documents
+from hp_dtensor.testing import load_test_module, run_distributed
+from hp_trainer import ConfigManager, JobConfig, Trainer
 from hp_trainer.cli import EXIT_STOPPED_SAVED
 
 STEPS = 8
 STOP = 4
 
 
+def _helpers() -> ModuleType:
+    return load_test_module(
+        Path(__file__).with_name("_parity_helpers.py"), "hp_trainer_tests_parity_helpers"
+    )
+
+
 def _corpus(folder: Path) -> str:
-    path = folder / "corpus.txt"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"corpus.{os.getpid()}.tmp"
-        tmp.write_text("\n".join(load_documents("tiny_stories_synth")[:200]) + "\n")
-        os.replace(tmp, path)
-    return str(path)
+    return _helpers().corpus(folder)
 
 
 def _config(folder: Path, run: str, local_bs: int, checkpoint: dict[str, Any]) -> JobConfig:
@@ -63,15 +64,8 @@ def _config(folder: Path, run: str, local_bs: int, checkpoint: dict[str, Any]) -
 
 def _train(cfg: JobConfig, stop_after: int | None = None) -> tuple[list[float], Trainer]:
     trainer = Trainer(cfg)
-    if stop_after is not None:  # what the SIGTERM handler does, at a chosen step
-        observe = trainer.metrics.observe_loss
-
-        def observe_then_stop(step: int, loss: float) -> None:
-            observe(step, loss)
-            if step == stop_after:
-                trainer._stop_requested = True
-
-        trainer.metrics.observe_loss = observe_then_stop  # type: ignore[method-assign]
+    if stop_after is not None:
+        _helpers().stop_at(trainer, stop_after)
     try:
         return trainer.train(), trainer
     finally:
