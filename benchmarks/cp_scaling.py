@@ -24,18 +24,21 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_cp_ep import ContextParallelAttention, shard_sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
+
+from _common import spawn_ranks
 
 HEADS, HEAD_DIM = 8, 32
 MODES = ("ring", "allgather", "ulysses")
@@ -185,10 +188,7 @@ def main() -> None:
         },
         "cp": {},
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file, init_file = str(Path(tmp) / "r.json"), str(Path(tmp) / "init")
-        mp.spawn(worker, args=(args.ws, init_file, args.seqs, args.steps, out_file), nprocs=args.ws)
-        results["cp"] = json.loads(Path(out_file).read_text())
+    results["cp"] = spawn_ranks(worker, args.ws, args.seqs, args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cp_scaling.json").write_text(json.dumps(results, indent=2) + "\n")
     table = _table(results, args.steps)

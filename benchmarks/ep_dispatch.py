@@ -30,7 +30,7 @@ import json
 import math
 import os
 import statistics
-import tempfile
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,12 +38,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hp_cp_ep import ExpertParallel, GroupedExperts, MoE, MoEArgs, TokenDispatcher
 from hp_kernels import permute_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
+
+from _common import cpu_environment, spawn_ranks
 
 EXPERTS, DIM, HIDDEN, TOKENS, TOP_K = 8, 128, 256, 1024, 2
 
@@ -234,11 +237,7 @@ def main() -> None:
             "tokens_per_rank": TOKENS,
             "steps": args.steps,
             "warmup": args.warmup,
-            "device": "cpu",
-            "backend": "gloo",
-            "threads_per_rank": 1,
-            "torch": torch.__version__,
-            "cpu_count": os.cpu_count(),
+            **cpu_environment(),
         },
         "ep": {},
     }
@@ -246,12 +245,7 @@ def main() -> None:
         if ep == 1:
             results["ep"]["1"] = measure(1, 0, args.steps, args.warmup)
         else:
-            with tempfile.TemporaryDirectory() as tmp:
-                out_file = str(Path(tmp) / "result.json")
-                init_file = str(Path(tmp) / "init")
-                worker_args = (ep, init_file, args.steps, args.warmup, out_file)
-                mp.spawn(worker, args=worker_args, nprocs=ep, join=True)
-                results["ep"][str(ep)] = json.loads(Path(out_file).read_text())
+            results["ep"][str(ep)] = spawn_ranks(worker, ep, args.steps, args.warmup)
         print(f"ep={ep}: {json.dumps(results['ep'][str(ep)])}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ep_dispatch.json").write_text(json.dumps(results, indent=2) + "\n")

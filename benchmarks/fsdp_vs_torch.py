@@ -24,6 +24,7 @@ import copy
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,43 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hp_fsdp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
+
+from _common import TiedTransformer
+
 VOCAB, DIM, HEADS, SEQ, BATCH, BLOCKS = 1000, 192, 6, 128, 4, 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.proj = nn.Linear(DIM, DIM, bias=False)
-        self.norm2 = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, d // HEADS).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
 
 
 ROWS: dict[str, dict[str, Any]] = {
@@ -109,7 +78,7 @@ def _mlp_placement(api: Any, mlp_mesh: DeviceMesh) -> Callable[[nn.Parameter], A
 
 
 def _shard(
-    model: Model, api: Any, mesh: DeviceMesh, mp: bool, mlp_mesh: DeviceMesh | None = None
+    model: TiedTransformer, api: Any, mesh: DeviceMesh, mp: bool, mlp_mesh: DeviceMesh | None = None
 ) -> None:
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mlp_mesh is not None:
@@ -185,7 +154,7 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
     if "mlp_mesh" in row:
         mlp_mesh = init_device_mesh("cpu", row["mlp_mesh"], mesh_dim_names=("mlp_rep", "mlp_shard"))
     torch.manual_seed(0)
-    base = Model()
+    base = TiedTransformer(VOCAB, DIM, HEADS, BLOCKS)
     built: dict[str, tuple[nn.Module, Callable[[int], None]]] = {}
     control = bool(row.get("control"))
     order = ["ours", "torch"] if ours_first else ["torch", "ours"]

@@ -31,6 +31,7 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -47,6 +48,10 @@ from torch.utils._pytree import tree_leaves
 
 import hp_pp
 from hp_pp import generators
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
+
+from _common import Block
 
 VOCAB, DIM, HEADS, SEQ, MB_ROWS, BLOCKS, N_MB = 512, 96, 4, 32, 2, 4, 8
 
@@ -75,31 +80,11 @@ _TORCH_CLASS = {
 }
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.proj = nn.Linear(DIM, DIM, bias=False)
-        self.norm2 = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, d // HEADS).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
 class Decoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block() for i in range(BLOCKS)})
+        self.layers = nn.ModuleDict({str(i): Block(DIM, HEADS) for i in range(BLOCKS)})
         self.norm = nn.LayerNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
 

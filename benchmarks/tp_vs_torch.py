@@ -23,9 +23,8 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
-import tempfile
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -34,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor.parallel as torch_tp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -42,6 +40,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import hp_tp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
+
+from _common import cpu_environment, spawn_ranks
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, BATCH, BLOCKS = 1024, 128, 8, 512, 64, 4, 2
 
@@ -208,12 +210,6 @@ def worker(rank: int, ws: int, init_file: str, steps: int, warmup: int, out_file
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -232,21 +228,12 @@ def main() -> None:
             "blocks": BLOCKS,
             "steps": args.steps,
             "warmup": args.warmup,
-            "device": "cpu",
-            "backend": "gloo",
-            "threads_per_rank": 1,
-            "torch": torch.__version__,
-            "cpu_count": os.cpu_count(),
+            **cpu_environment(),
         },
         "tp": {},
     }
     for ws in args.tp:
-        with tempfile.TemporaryDirectory() as tmp:
-            out_file = str(Path(tmp) / "result.json")
-            init_file = str(Path(tmp) / "init")
-            worker_args = (ws, init_file, args.steps, args.warmup, out_file)
-            mp.spawn(worker, args=worker_args, nprocs=ws, join=True)
-            results["tp"][str(ws)] = json.loads(Path(out_file).read_text())
+        results["tp"][str(ws)] = spawn_ranks(worker, ws, args.steps, args.warmup)
         print(f"tp={ws}: {json.dumps(results['tp'][str(ws)])}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tp.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -51,46 +50,14 @@ from hp_dtensor.device import (
     synchronize,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # _common.py is one up
+
+from _common import TiedTransformer, free_port
+
 VOCAB, DIM, HEADS, SEQ, BATCH, BLOCKS = 4096, 1024, 16, 512, 4, 6
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.proj = nn.Linear(DIM, DIM, bias=False)
-        self.norm2 = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, d // HEADS).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
-
-
-def _shard(model: Model, api: Any, mesh: Any, precision: str) -> None:
+def _shard(model: TiedTransformer, api: Any, mesh: Any, precision: str) -> None:
     kwargs: dict[str, Any] = {"mesh": mesh}
     if precision == "bf16":
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(
@@ -149,7 +116,7 @@ def _run_one(rank: int, world: int, precision: str, steps: int) -> dict[str, Any
     mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(0)
     with torch.device(device):
-        base = Model()
+        base = TiedTransformer(VOCAB, DIM, HEADS, BLOCKS)
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     _shard(ours, hp_fsdp, mesh, precision)
     _shard(theirs, torch_fsdp, mesh, precision)
@@ -212,12 +179,6 @@ def _worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -230,7 +191,7 @@ def main() -> int:
     out.unlink(missing_ok=True)
     worlds = [1] + ([2] if device_count() >= 2 else [])
     for world in worlds:
-        mp.spawn(_worker, args=(world, _free_port(), args.steps, str(out)), nprocs=world)
+        mp.spawn(_worker, args=(world, free_port(), args.steps, str(out)), nprocs=world)
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     failed = False
     for row in rows:
