@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hp_cp_ep.ep._compat import grouped_mm_op
+from hp_cp_ep._torch_compat import grouped_mm
 from hp_cp_ep.ep.dispatch import TokenDispatcher
 from hp_dtensor import device as hp_device
 
@@ -39,7 +39,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         *weights: ``[E, M, K]`` weights (all inner dimensions are checked for alignment).
 
     Returns:
-        ``True`` when torch has the kernel, the dtype is fp32/bf16 on CPU or bf16 on an
+        ``True`` when the dtype is fp32/bf16 on CPU or bf16 on an
         accelerator (bf16 only under ``torch.compile``, whose tracing uses the kernel's meta
         function), and every inner dimension times the element size is a multiple of 16 bytes.
 
@@ -47,8 +47,6 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         ``torch._grouped_mm``: the kernel; TorchTitan's ``GroupedExperts`` makes the same choice
         with its ``use_grouped_mm`` flag.
     """
-    if grouped_mm_op() is None:
-        return False
     dtypes = {x.dtype, *(w.dtype for w in weights)}
     if len(dtypes) != 1:
         return False
@@ -76,8 +74,7 @@ def _grouped_swiglu(
     w3: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
 ) -> torch.Tensor:
-    op = grouped_mm_op()
-    assert op is not None
+    op = grouped_mm
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
     hidden = F.silu(op(x, w1.transpose(-2, -1), offs=offsets)) * op(
         x, w3.transpose(-2, -1), offs=offsets

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_ep.ep._compat import in_backward
+from hp_cp_ep._torch_compat import in_backward
 from hp_cp_ep.ep.experts import GroupedExperts
 from hp_cp_ep.ep.router import TokenChoiceTopKRouter, load_balancing_loss
 from hp_cp_ep.ep.stats import ExpertLoad

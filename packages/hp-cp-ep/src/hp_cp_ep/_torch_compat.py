@@ -1,0 +1,33 @@
+"""Every private PyTorch name hp-cp-ep uses, resolved once at import.
+
+A PyTorch upgrade that renames or removes one of them fails here, at import, with an error that
+names the missing name and the installed torch version (the checker is hp-dtensor's).
+``scripts/tests/test_torch_compat.py`` lists these names.
+
+``torch._grouped_mm`` is one GEMM over variable-size row groups, one weight matrix per group
+(where it applies is decided per call by ``hp_cp_ep.grouped_mm_supported``).
+``torch._C._current_graph_task_id`` tells whether code runs inside a backward pass (an activation
+checkpoint recomputing the forward): ``-1`` outside one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hp_dtensor._torch_compat import require
+
+__all__ = ["PRIVATE_NAMES", "grouped_mm", "in_backward"]
+
+_PACKAGE = "hp-cp-ep"
+
+grouped_mm: Callable[..., torch.Tensor] = require(_PACKAGE, "torch._grouped_mm")
+_current_graph_task_id: Callable[[], int] = require(_PACKAGE, "torch._C._current_graph_task_id")
+
+PRIVATE_NAMES = ("torch._grouped_mm", "torch._C._current_graph_task_id")
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass in this thread right now."""
+    return int(_current_graph_task_id()) != -1
