@@ -27,6 +27,8 @@ __all__ = [
     "load_hf_safetensors",
     "parse_size",
     "save_hf_safetensors",
+    "save_hf_shard_file",
+    "write_hf_index",
 ]
 
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -162,6 +164,85 @@ def save_hf_safetensors(
     os.replace(tmp_index, out / HF_INDEX_FILE)
     fsync_dir(out)
     return names
+
+
+def save_hf_shard_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    name: str,
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, int]:
+    """Write one safetensors file of a sharded HF checkpoint (for writers that share the work).
+
+    The file is written under a temporary name, fsynced and renamed, and its header carries the
+    same marker as :func:`save_hf_safetensors` writes, so the file is refused unless an index
+    written by :func:`write_hf_index` records its checksum.
+
+    Args:
+        tensors: tensor name -> tensor (copied to contiguous CPU tensors).
+        path: the checkpoint directory (created if missing).
+        name: the file name inside ``path``.
+        metadata: string metadata for the header (``format`` defaults to "pt").
+
+    Returns:
+        The file's ``{"size": ..., "crc32": ...}`` entry for :func:`write_hf_index`.
+
+    Raises:
+        UnsafeCheckpointError: ``name`` is not a plain file name.
+
+    See Also:
+        ``torch.distributed.checkpoint.HuggingFaceStorageWriter``: PyTorch's DCP-driven writer.
+    """
+    out = Path(path)
+    check_member_name(name, str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", **(metadata or {}), **_HEADER_MARKER}
+    tmp = out / f".{name}.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), meta)
+    sums = _sync_and_sum(tmp)
+    os.replace(tmp, out / name)
+    return sums
+
+
+def write_hf_index(
+    path: str | os.PathLike[str],
+    weight_map: Mapping[str, str],
+    sums: Mapping[str, Mapping[str, int]],
+    total_size: int,
+) -> None:
+    """Write ``model.safetensors.index.json`` (with checksums) for files already written.
+
+    Args:
+        path: the checkpoint directory.
+        weight_map: tensor name -> file name.
+        sums: file name -> the entry :func:`save_hf_shard_file` returned.
+        total_size: bytes of all tensors.
+
+    Raises:
+        ValueError: a file of ``weight_map`` has no checksum entry.
+
+    See Also:
+        ``torch.distributed.checkpoint.HuggingFaceStorageWriter``: PyTorch's DCP-driven writer.
+    """
+    missing = sorted(set(weight_map.values()) - set(sums))
+    if missing:
+        raise ValueError(f"write_hf_index: no checksum for {missing}")
+    out = Path(path)
+    index = {
+        "metadata": {
+            "total_size": total_size,
+            _CHECKSUMS_KEY: {"algorithm": "crc32", "files": {k: dict(v) for k, v in sums.items()}},
+        },
+        "weight_map": dict(weight_map),
+    }
+    tmp_index = out / f".{HF_INDEX_FILE}.tmp"
+    with tmp_index.open("w") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_index, out / HF_INDEX_FILE)
+    fsync_dir(out)
 
 
 def _sync_and_sum(path: Path) -> dict[str, int]:

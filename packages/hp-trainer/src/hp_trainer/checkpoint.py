@@ -56,6 +56,7 @@ from hp_dtensor.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from hp_trainer.hf_sharded_io import HFShardedReader, HFShardedWriter
 
 __all__ = [
     "CheckpointManager",
@@ -781,8 +782,10 @@ class CheckpointManager:
     def export_hf(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
         """Write the model as a HuggingFace checkpoint: safetensors shards, index, config.json.
 
-        Gathers full tensors on rank 0 (a collective every rank joins), converts them with the
-        state-dict adapter and writes them there.
+        A collective every rank joins. With an adapter that maps tensors one by one
+        (``hf_source``), tensors go round-robin to the ranks holding them and each owner gathers
+        and writes one tensor at a time (``hp_trainer.hf_sharded_io.HFShardedWriter``);
+        otherwise full tensors are gathered on rank 0 and written there.
 
         Args:
             path: The output directory.
@@ -803,22 +806,28 @@ class CheckpointManager:
                 "(e.g. hp_trainer.hf_adapters.Llama3StateDictAdapter(model_args))"
             )
         out = Path(path)
-        full = self._full_model_state(dtype)
-        if _is_group_leader(self.process_group):
-            hf = self.sd_adapter.to_hf(full)
-            hp_dcp.save_hf_safetensors(hf, out)
-            if hasattr(self.sd_adapter, "hf_config"):
-                config = self.sd_adapter.hf_config()
-                if dtype is not None:
-                    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-                (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if hasattr(self.sd_adapter, "hf_source"):  # per-tensor adapter: no rank-0 gather
+            HFShardedWriter(self.sd_adapter, self.process_group).save(
+                self.model.model_parts, out, dtype=dtype
+            )
+        else:
+            full = self._full_model_state(dtype)
+            if _is_group_leader(self.process_group):
+                hp_dcp.save_hf_safetensors(self.sd_adapter.to_hf(full), out)
+        if _is_group_leader(self.process_group) and hasattr(self.sd_adapter, "hf_config"):
+            config = self.sd_adapter.hf_config()
+            if dtype is not None:
+                config["torch_dtype"] = str(dtype).removeprefix("torch.")
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _barrier(self.process_group)
         return out
 
     def load_hf(self, path: str | Path) -> None:
         """Load the model's weights from a HuggingFace safetensors checkpoint.
 
-        Every rank reads the files and keeps the shards of its layout.
+        With an adapter that maps tensors one by one (``hf_source``), each rank reads only the
+        slices its shards hold (``hp_trainer.hf_sharded_io.HFShardedReader``); otherwise
+        every rank reads the files and keeps the shards of its layout.
 
         Args:
             path: The HuggingFace checkpoint directory.
@@ -834,6 +843,9 @@ class CheckpointManager:
             raise ValueError(
                 "HuggingFace import needs the model's state-dict adapter: pass sd_adapter"
             )
+        if hasattr(self.sd_adapter, "hf_source"):  # each rank reads only its own slices
+            HFShardedReader(self.sd_adapter, self.process_group).load(self.model.model_parts, path)
+            return
         sd = self.sd_adapter.from_hf(hp_dcp.load_hf_safetensors(path))
         opts = StateDictOptions(full_state_dict=True, strict=len(self.model.model_parts) == 1)
         for part in self.model.model_parts:

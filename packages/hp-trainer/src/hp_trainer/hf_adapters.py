@@ -247,6 +247,34 @@ class DecoderStateDictAdapter(StateDictAdapter):
             return 1
         return None
 
+    def hf_source(self, key: str) -> tuple[str, int | None]:
+        """Where one of our tensors is stored in a HuggingFace checkpoint.
+
+        Lets a sharded import read only the rows a rank owns: rotary-permuted rows move only
+        inside their head, so a range of whole heads converts on its own.
+
+        Args:
+            key: Our state-dict key.
+
+        Returns:
+            The HF tensor name and the heads stacked along dimension 0 whose rows are
+            permuted (``None``: stored as is). A tied ``lm_head.weight`` reads the embedding.
+
+        Raises:
+            KeyError: For a key this adapter does not know.
+
+        See Also:
+            ``torchtitan.protocols.state_dict_adapter.StateDictAdapter.fqn_to_index_mapping``.
+        """
+        if key in _TOP_KEYS:
+            if key == "lm_head.weight" and self.args.enable_weight_tying:
+                return _TOP_KEYS["tok_embeddings.weight"], None
+            return _TOP_KEYS[key], None
+        m = _LAYER.match(key)
+        if m is None or m.group(2) not in _BLOCK_KEYS:
+            raise KeyError(f"{type(self).__name__}: no HuggingFace name for {key!r}")
+        return f"model.layers.{m.group(1)}.{_BLOCK_KEYS[m.group(2)]}", self._heads(m.group(2))
+
     def to_hf(self, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Convert our state dict to HuggingFace names and layouts.
 
