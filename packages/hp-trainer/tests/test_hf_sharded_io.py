@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import weakref
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,18 @@ def _check_case(folder: str, name: str) -> None:
     for key, value in _full(again).items():
         assert torch.equal(value, trained[key]), key
 
+    # a corrupted file is found by the one rank that checksums it, and refused on every rank
+    bad = Path(f"{folder}/{name}-bad")
+    if rank == 0:
+        shutil.copytree(hf_out, bad)
+        victim = bad / sorted(bad.glob("*.safetensors"))[-1].name
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    with pytest.raises(hp_dcp.CheckpointCorruptionError, match="checksum mismatch"):
+        HFShardedReader(adapter).load([again], bad)
+
 
 @distributed(world_size=3)
 def test_sharded_hf_import_reads_own_slices_and_export_gathers_one_tensor(folder: str) -> None:
@@ -192,6 +205,17 @@ def test_sharded_export_loads_in_transformers(tmp_path: Path) -> None:
     tokens = torch.randint(0, args.vocab_size, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_import_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
+    args = _args("llama3")
+    adapter = Llama3StateDictAdapter(args)
+    HFShardedWriter(adapter).save([_build(args, 5, shard=False)], tmp_path / "hf")
+    wider = _args("llama3")
+    wider.vocab_size = 128
+    shapes = r"lm_head\.weight has shape \[96, 64\], the model's lm_head\.weight has \[128, 64\]"
+    with pytest.raises(ValueError, match=shapes):
+        HFShardedReader(Llama3StateDictAdapter(wider)).load([Decoder(wider)], tmp_path / "hf")
 
 
 @pytest.fixture
