@@ -203,21 +203,25 @@ def test_uneven_inner_dim_is_supported_where_torch_refuses() -> None:
 
 
 class _AllGatherExtendedTensor(torch.Tensor):
-    """A tensor subclass opting into torch FSDP2's all-gather extension (methods unused)."""
+    """A tensor subclass opting into torch FSDP2's all-gather extension (hooks must not run)."""
 
     def fsdp_pre_all_gather(self, *args: Any) -> Any:
-        raise AssertionError("hp-fsdp must refuse the extension before any all-gather")
+        raise AssertionError("fully_shard must not all-gather at construction")
 
     def fsdp_post_all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("hp-fsdp must refuse the extension before any all-gather")
+        raise AssertionError("fully_shard must not all-gather at construction")
 
 
-def test_all_gather_extension_subclass_refused_not_silently_gathered() -> None:
-    """Until the protocol is implemented, such a parameter raises; it is never gathered whole."""
+def test_all_gather_extension_subclass_sharded_as_the_subclass() -> None:
+    """Such a parameter is accepted (its hooks run at all-gather time, see
+    test_all_gather_extension.py); an unsupported layout (shard dim 1) raises clearly."""
     module = _Holder(nn.Parameter(torch.randn(4, 4).as_subclass(_AllGatherExtendedTensor)))
-    assert hasattr(module.weight, "fsdp_pre_all_gather")
+    with fake_world(2, rank=0):
+        hp_fsdp.fully_shard(module, mesh=_mesh())
+    assert module.weight._local_tensor.shape == (2, 4)  # hooks not called: no all-gather yet
+    module = _Holder(nn.Parameter(torch.randn(4, 4).as_subclass(_AllGatherExtendedTensor)))
     with (
         fake_world(2, rank=0),
-        pytest.raises(NotImplementedError, match="fsdp_pre_all_gather/fsdp_post_all_gather"),
+        pytest.raises(NotImplementedError, match="sharded on dim 0 over a 1-D mesh"),
     ):
-        hp_fsdp.fully_shard(module, mesh=_mesh())
+        hp_fsdp.fully_shard(module, mesh=_mesh(), shard_placement_fn=lambda p: Shard(1))

@@ -34,6 +34,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from hp_fsdp.errors import FSDPUnsupportedParamError, FSDPUsageError
+from hp_fsdp.extension import AllGatherExtension
 from hp_fsdp.mesh_info import MeshInfo, _dim_names
 
 __all__ = [
@@ -176,7 +177,10 @@ class ShardedParam:
         ValueError: for a scalar parameter, a non-contiguous one, or an uneven split of a
             non-zero shard dim.
         NotImplementedError: for a DTensor parameter (FSDP over tensor parallelism) on an
-            unsupported mesh, or a tensor subclass implementing ``fsdp_pre_all_gather``.
+            unsupported mesh, or a tensor subclass implementing ``fsdp_pre_all_gather`` that is
+            a DTensor's local tensor or sharded on a dim other than 0.
+        FSDPUsageError: (an ``AssertionError``, as in PyTorch) for a tensor subclass defining
+            only one of ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``.
 
     See Also:
         ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``: PyTorch's class.
@@ -225,14 +229,28 @@ class ShardedParam:
                 "fully_shard doesn't support scalar parameters: change "
                 f"{module_info.name!r} to a 1-D tensor with one element"
             )
-        if hasattr(data, "fsdp_pre_all_gather") or hasattr(data, "fsdp_post_all_gather"):
-            # Not yet supported: all-gathering the full form instead would silently change
-            # the communicated bytes and the dtype the subclass expects after the all-gather.
-            raise NotImplementedError(
-                "fully_shard does not support the fsdp_pre_all_gather/fsdp_post_all_gather "
-                f"tensor-subclass extension yet: {module_info.name!r} is a "
-                f"{type(data).__name__}; use torch.distributed.fsdp.fully_shard for it"
+        has_pre = hasattr(data, "fsdp_pre_all_gather")
+        if has_pre != hasattr(data, "fsdp_post_all_gather"):
+            raise FSDPUsageError(
+                "the fsdp_pre_all_gather/fsdp_post_all_gather extension needs both methods: "
+                f"{module_info.name!r} is a {type(data).__name__} defining only one"
             )
+        #: The all-gather extension (``fsdp_pre_all_gather``/``fsdp_post_all_gather``).
+        self.extension: AllGatherExtension | None = None
+        if has_pre:
+            if (
+                self._tp_spec is not None
+                or shard_dim not in (0, -data.ndim)
+                or mesh_info.mesh.ndim != 1
+                or mesh_info.replicate_only
+            ):
+                raise NotImplementedError(
+                    "fully_shard supports the fsdp_pre_all_gather/fsdp_post_all_gather "
+                    "extension for plain (non-DTensor) parameters sharded on dim 0 over a "
+                    f"1-D mesh; got {module_info.name!r} ({type(param).__name__}, shard dim "
+                    f"{shard_dim}, {mesh_info.mesh.ndim}-D mesh)"
+                )
+            self.extension = AllGatherExtension()
         if not data.is_contiguous():
             raise FSDPUnsupportedParamError(
                 "FSDP does not support non-contiguous parameters yet: fully_shard needs "
@@ -327,6 +345,8 @@ class ShardedParam:
         self._unsharded_data: torch.Tensor | None = None
         self._unsharded_param: nn.Parameter | None = None
         self._post_forward_data: torch.Tensor | None = None
+        #: The unit's mixed-precision policy (passed to ``fsdp_pre_all_gather``).
+        self.mp_policy: object = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.fqn: str = module_info.name
 
@@ -423,6 +443,10 @@ class ShardedParam:
         local = sharded._local_tensor
         if local.is_meta:
             return
+        if self.extension is not None:
+            # The extension's subclass gathers from its local tensor; the padded shard is unused.
+            self._spec = sharded._spec
+            return
         padded = self._padded_shard
         same_storage = (
             not padded.is_meta
@@ -453,6 +477,41 @@ class ShardedParam:
             data = data.to(self.device, non_blocking=True)
         return data
 
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """The flat tensors this rank contributes: the extension's inputs, else the shard."""
+        ext = self.extension
+        if ext is None:
+            return [self.all_gather_input()]
+        local = cast(DTensor, self.sharded_param)._local_tensor
+        if self.offload_to_cpu and local.device != self.device:
+            local = local.to(self.device, non_blocking=True)
+        return ext.inputs(
+            local,
+            self.mesh_info.mesh,
+            self.orig_size,
+            self.orig_stride,
+            self.module_info.module,
+            self.mp_policy,
+            self.padded_sharded_size,
+        )
+
+    def all_gather_outputs(self, inputs: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+        """The flat buffers the all-gather of ``inputs`` is copied into (allocated).
+
+        Args:
+            inputs: what :meth:`all_gather_inputs` returned for this all-gather.
+            world_size: the all-gather world size.
+
+        Returns:
+            One buffer per input.
+        """
+        ext = self.extension
+        if ext is None:
+            return [self.unsharded_out(world_size)]
+        return ext.outputs(
+            [t.numel() for t in inputs], [t.dtype for t in inputs], world_size, self.device
+        )
+
     def unsharded_out(self, world_size: int) -> torch.Tensor:
         """The flat compute-dtype buffer the all-gather output is copied into (allocated).
 
@@ -474,6 +533,17 @@ class ShardedParam:
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter (once) as a view of the unsharded data."""
+        ext = self.extension
+        if ext is not None:
+            local = cast(DTensor, self.sharded_param)._local_tensor
+            with torch.no_grad():
+                unsharded = ext.unsharded(local, self.compute_dtype, self._unsharded_param)
+            if unsharded is not None:
+                self._unsharded_param = nn.Parameter(
+                    torch.as_strided(unsharded, self.orig_size, self.orig_stride, 0),
+                    requires_grad=self.sharded_param.requires_grad,
+                )
+            return
         if self._unsharded_param is not None:
             return
         assert self._unsharded_data is not None
@@ -520,6 +590,11 @@ class ShardedParam:
             sub_size: the size ``k`` of the post-forward group.
             sub_rank: this rank's index in it.
         """
+        if self.extension is not None:
+            raise NotImplementedError(
+                "an int reshard_after_forward is not supported for the "
+                f"fsdp_pre_all_gather extension (parameter {self.fqn!r}), as in PyTorch"
+            )
         assert self._unsharded_data is not None
         numel = self._unsharded_data.numel() // sub_size
         self._post_forward_data = self._unsharded_data.narrow(0, numel * sub_rank, numel).clone()
@@ -538,6 +613,8 @@ class ShardedParam:
 
     def free_unsharded(self) -> None:
         """Free the storage of the unsharded data (the tensor objects stay)."""
+        if self.extension is not None:
+            self.extension.free()
         if self._unsharded_data is not None:
             _free_storage(self._unsharded_data)
 

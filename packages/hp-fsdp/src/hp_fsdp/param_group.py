@@ -515,6 +515,8 @@ class ParamGroup:
         self._flat_shard: torch.Tensor | None = None
         self._ag_from_post_forward = False
         self._ag_bytes = False
+        #: What each gathered parameter contributed to the pending all-gather.
+        self._ag_inputs: list[list[torch.Tensor]] = []
         self._own_streams: CommStreams | None = None
         self._post_forward_indices: list[int] = []
         self._initialized = False
@@ -578,6 +580,7 @@ class ParamGroup:
         mp = self.mp_policy
         for param in self.params:
             param.init_dtypes(mp.param_dtype, mp.reduce_dtype)
+            param.mp_policy = mp
         trainable = [p for p in self.params if p.sharded_param.requires_grad]
         orig = {p.orig_dtype for p in trainable}
         reduce = {p.reduce_dtype for p in trainable}
@@ -599,10 +602,10 @@ class ParamGroup:
     def _init_flat_shard(self) -> None:
         """Move every padded local shard into one flat buffer (the all-gather input)."""
         dtypes = {p.padded_shard.dtype for p in self.params}
-        if len(dtypes) != 1 or any(p.offload_to_cpu for p in self.params):
+        if len(dtypes) != 1 or any(p.offload_to_cpu or p.extension for p in self.params):
             raise ValueError(
-                "comm_fusion_zero_copy needs one parameter dtype per unit and no CPU offload, got "
-                f"dtypes {dtypes}"
+                "comm_fusion_zero_copy needs one parameter dtype per unit, no CPU offload and no "
+                f"fsdp_pre_all_gather tensor subclass, got dtypes {dtypes}"
             )
         total = sum(p.padded_sharded_numel for p in self.params)
         flat = torch.empty(total, dtype=dtypes.pop(), device=self.device)
@@ -621,7 +624,7 @@ class ParamGroup:
             or not self.options.comm_fusion
         ):
             return None
-        if self._replicated:
+        if self._replicated or self._ag_bytes:
             return None
         if self.params[0].compute_dtype != flat.dtype:
             return None
@@ -674,23 +677,30 @@ class ParamGroup:
         dtype = self._gathered[0].compute_dtype
         streams = self.comm_streams()
         # Parameters gathered in several dtypes (e.g. frozen low-precision weights beside
-        # trainable ones) travel as raw bytes in one collective, as in PyTorch.
-        self._ag_bytes = (
+        # trainable ones, or a tensor subclass's int8 data and fp32 scale) travel as raw
+        # bytes in one collective, as in PyTorch.
+        extended = any(p.extension is not None for p in self._gathered)
+        self._ag_bytes = extended or (
             len({p.compute_dtype for p in self._gathered}) > 1 and self.options.comm_fusion
         )
         with device_stream(streams.copy_in):  # host-to-device copies and casts off compute
-            inputs = [p.all_gather_input() for p in self._gathered]
+            per_param = [p.all_gather_inputs() for p in self._gathered]
+            self._ag_inputs = per_param
             if self._ag_bytes:
-                inputs = [
-                    inp.to(p.compute_dtype).view(torch.uint8)
-                    for p, inp in zip(self._gathered, inputs, strict=True)
+                per_param = [
+                    [
+                        (t if p.extension is not None else t.to(p.compute_dtype)).view(torch.uint8)
+                        for t in inputs
+                    ]
+                    for p, inputs in zip(self._gathered, per_param, strict=True)
                 ]
                 dtype = torch.uint8
+            inputs = [t for ts in per_param for t in ts]
         if not self.options.comm_fusion:  # one collective per parameter (debugging)
             self._ag_parts = [
                 issue_all_gather(
-                    [inp],
-                    p.compute_dtype,
+                    inps,
+                    torch.uint8 if self._ag_bytes else p.compute_dtype,
                     group,
                     world_size,
                     rank,
@@ -699,7 +709,7 @@ class ParamGroup:
                     self.options.custom_all_gather,
                     streams=streams,
                 )
-                for p, inp in zip(self._gathered, inputs, strict=True)
+                for p, inps in zip(self._gathered, per_param, strict=True)
             ]
             self._ag = self._ag_parts[0]
         elif (flat := self._zero_copy_input()) is not None and not from_post_forward:
@@ -755,21 +765,23 @@ class ParamGroup:
 
     def _wait_gathered(self, result: AllGatherResult) -> None:
         world_size = result.world_size
-        outs: list[torch.Tensor] = []
+        outs: list[list[torch.Tensor]] = []
         regroup: list[tuple[ShardedParam, torch.Tensor, torch.Tensor]] = []
-        for param in self._gathered:
-            out = param.unsharded_out(world_size)
+        inputs, self._ag_inputs = self._ag_inputs, []
+        for param, param_inputs in zip(self._gathered, inputs, strict=True):
+            param_outs = param.all_gather_outputs(param_inputs, world_size)
             if param.shard_dim != 0 and not self._ag_from_post_forward:
+                (out,) = param_outs
                 staging = torch.empty_like(out)
                 regroup.append((param, staging, out))
-                out = staging
-            outs.append(out.view(torch.uint8) if self._ag_bytes else out)
+                param_outs = [staging]
+            outs.append([o.view(torch.uint8) for o in param_outs] if self._ag_bytes else param_outs)
         if self._ag_parts:
             parts, self._ag_parts = self._ag_parts, []
-            for part, out in zip(parts, outs, strict=True):
-                wait_all_gather(part, [out])
+            for part, param_outs in zip(parts, outs, strict=True):
+                wait_all_gather(part, param_outs)
         else:
-            wait_all_gather(result, outs)
+            wait_all_gather(result, [o for param_outs in outs for o in param_outs])
         if regroup:
             with (
                 torch.no_grad(),
@@ -795,6 +807,7 @@ class ParamGroup:
         if result is None:
             return
         self._ag = None
+        self._ag_inputs = []
         parts, self._ag_parts = self._ag_parts or [result], []
         for part in parts:
             if part.work is not None:
