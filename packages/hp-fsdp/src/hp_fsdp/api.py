@@ -513,7 +513,7 @@ class FSDPModule:
                 "set_symm_mem_for_comm needs NCCL symmetric memory on an accelerator of compute "
                 f"capability 9.0 (SM90) or newer; {reason}"
             )
-        from torch.distributed._symmetric_memory import empty as symm_empty
+        from hp_fsdp._torch_compat import symm_mem_empty as symm_empty
 
         class _SymmMemAllGather(DefaultAllGather):
             def allocate(

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 
 from hp_dtensor.device import Event, current_stream
 from hp_dtensor.device import stream as device_stream
+from hp_fsdp._torch_compat import unsafe_preserve_version_counter
 from hp_fsdp.streams import CommStreams
 from hp_kernels import (
     AllGather,
@@ -164,7 +164,7 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
         result.event.wait()
         current_stream(result.output.device.type).record_tensor(result.output)
         result.event = None
-    with _unsafe_preserve_version_counter(tuple(outs)):
+    with unsafe_preserve_version_counter(tuple(outs)):
         all_gather_copy_out(result.output, result.split_sizes, result.world_size, outs)
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-import torch
 import torch.nn as nn
+
+from hp_fsdp._torch_compat import dynamo_disable
 
 __all__ = ["DYNAMO_MODULE_FLAGS", "mark_managed_for_dynamo", "run_eagerly"]
 
@@ -36,9 +37,7 @@ def run_eagerly(fn: _Fn) -> _Fn:
     See Also:
         ``torch._dynamo.disable``: the wrapper used.
     """
-    disabled = torch._dynamo.disable(  # type: ignore[no-untyped-call]
-        fn, recursive=True, reason="hp_fsdp hooks run eagerly"
-    )
+    disabled = dynamo_disable(fn, recursive=True, reason="hp_fsdp hooks run eagerly")
     return cast(_Fn, disabled)
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from hp_fsdp._torch_compat import concatenate_meshes
 from hp_fsdp.errors import FSDPUsageError
 
 __all__ = [
@@ -389,5 +390,5 @@ def _spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> Mes
         )
     dp_mesh = submesh(shard)
     if replicate:
-        dp_mesh = DeviceMesh._concatenate([submesh(replicate), dp_mesh])
+        dp_mesh = concatenate_meshes([submesh(replicate), dp_mesh])
     return MeshInfo(dp_mesh, spmd_mesh=mesh, dp_mesh_dims=dp_mesh_dims)

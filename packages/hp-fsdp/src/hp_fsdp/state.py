@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from hp_dtensor.device import Event, is_accelerator
+from hp_fsdp._torch_compat import queue_engine_callback
 from hp_fsdp.dynamo import run_eagerly
 from hp_fsdp.param import ParamOrigin
 from hp_fsdp.param_group import ParamGroup, TrainingState
@@ -342,7 +343,7 @@ class FSDPState:
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+            queue_engine_callback(self._final_callback)
         # Once per backward per group (this hook fires for every output tensor): issue every
         # group's all-gather before waiting for any.
         fresh = [g for g in self.groups if g.training_state != TrainingState.PRE_BACKWARD]

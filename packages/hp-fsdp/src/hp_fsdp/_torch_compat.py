@@ -1,0 +1,55 @@
+"""Every private PyTorch name hp-fsdp uses, resolved once at import.
+
+A PyTorch upgrade that renames or removes one of them fails here, at import, with an error that
+names the missing name and the installed torch version (the checker is hp-dtensor's).
+``scripts/tests/test_torch_compat.py`` lists these names, and the ones still imported directly
+by ``param.py`` / ``param_group.py`` (its allow-list, to move here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hp_dtensor._torch_compat import missing_torch_name, require
+
+try:
+    from torch.autograd.grad_mode import (
+        _unsafe_preserve_version_counter as unsafe_preserve_version_counter,
+    )
+except ImportError as _exc:  # pragma: no cover - only on an unsupported torch
+    raise missing_torch_name("hp-fsdp", _exc.name or str(_exc)) from _exc
+
+__all__ = [
+    "PRIVATE_NAMES",
+    "concatenate_meshes",
+    "dynamo_disable",
+    "queue_engine_callback",
+    "symm_mem_empty",
+    "unsafe_preserve_version_counter",
+]
+
+_PACKAGE = "hp-fsdp"
+
+#: ``DeviceMesh._concatenate``: one mesh from meshes of the same root (HSDP's replicate x shard).
+concatenate_meshes: Callable[..., Any] = require(
+    _PACKAGE, "torch.distributed.device_mesh.DeviceMesh._concatenate"
+)
+dynamo_disable: Callable[..., Any] = require(_PACKAGE, "torch._dynamo.disable")
+#: The autograd engine's "run this when the current backward ends".
+queue_engine_callback: Callable[[Callable[[], None]], None] = require(
+    _PACKAGE, "torch.autograd.Variable._execution_engine.queue_callback"
+)
+symm_mem_empty: Callable[..., torch.Tensor] = require(
+    _PACKAGE, "torch.distributed._symmetric_memory.empty"
+)
+
+PRIVATE_NAMES = (
+    "torch.autograd.grad_mode._unsafe_preserve_version_counter",
+    "torch.distributed.device_mesh.DeviceMesh._concatenate",
+    "torch._dynamo.disable",
+    "torch.autograd.Variable._execution_engine.queue_callback",
+    "torch.distributed._symmetric_memory.empty",
+)
