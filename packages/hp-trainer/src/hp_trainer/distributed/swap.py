@@ -319,8 +319,11 @@ class SwapManager:
 
     @property
     def copy_stream(self) -> hp_device.Stream:
-        """The side stream of the copies (created on first use: a manager that ends up swapping
-        nothing, e.g. ``checkpoint``'s with a policy that never says ``MUST_SWAP``, needs none)."""
+        """The side stream of the copies, created on first use.
+
+        A manager that ends up swapping nothing (``checkpoint`` with a policy that never says
+        ``MUST_SWAP``) never creates one.
+        """
         if self._copy_stream is None:
             self._copy_stream = hp_device.Stream(self.device_type)
         return self._copy_stream
