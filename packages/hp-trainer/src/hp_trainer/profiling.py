@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from hp_dtensor import device as hp_device
+from hp_trainer._torch_compat import memory_snapshot, record_memory_history
 from hp_trainer.config import ProfilingConfig
 
 __all__ = ["StepProfiler"]
@@ -67,7 +68,7 @@ class StepProfiler:
         if config.enable_memory_snapshot:
             device = hp_device.get_device_type()
             if device == hp_device.DEVICE_TYPE_CUDA:
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                record_memory_history(max_entries=100_000)
                 self._recording_memory = True
             else:
                 self.note = MEMORY_SNAPSHOT_UNAVAILABLE.format(device=device)
@@ -95,7 +96,7 @@ class StepProfiler:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}_memory_snapshot.pickle"
         with open(path, "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+            pickle.dump(memory_snapshot(), f)
         self.snapshots.append(path)
 
     def step(self) -> None:
@@ -117,5 +118,5 @@ class StepProfiler:
             self._profiler = None
         if self._recording_memory:
             self._dump_memory()
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record_memory_history(enabled=None)
             self._recording_memory = False

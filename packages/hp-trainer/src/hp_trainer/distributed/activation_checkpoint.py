@@ -13,14 +13,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    checkpoint_wrapper as ptd_checkpoint_wrapper,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from hp_trainer._torch_compat import (
+    SAVED_PRIVATE_OPS,
+    TorchDispatchMode,
+    functorch_config,
+    ptd_checkpoint_wrapper,
+    tree_map,
+    tree_map_only,
+)
 from hp_trainer.config import ActivationCheckpointConfig
 from hp_trainer.distributed.swap import CheckpointPolicy as HPCheckpointPolicy
 from hp_trainer.distributed.swap import SwapGroup, SwapManager, _SavedHandle
@@ -30,12 +33,8 @@ __all__ = ["apply_ac", "checkpoint", "checkpoint_wrapper", "swap", "swap_wrapper
 # Ops whose outputs selective per-op AC keeps: compute-heavy kernels and communication.
 _SAVE_LIST = {
     torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten.max.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_to_all_single.default,
+    *SAVED_PRIVATE_OPS,
 }
 
 
@@ -78,12 +77,11 @@ class _MemoryBudgetScope:
         self._previous: list[float] = []
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        config = _functorch_config()
-        self._previous.append(config.activation_memory_budget)
-        config.activation_memory_budget = self.budget
+        self._previous.append(functorch_config.activation_memory_budget)
+        functorch_config.activation_memory_budget = self.budget
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        _functorch_config().activation_memory_budget = self._previous.pop()
+        functorch_config.activation_memory_budget = self._previous.pop()
 
 
 class _SwapScope:
@@ -100,17 +98,6 @@ class _SwapScope:
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self._open.pop().__exit__(None, None, None)
-
-
-def _functorch_config() -> Any:
-    config = getattr(getattr(torch, "_functorch", None), "config", None)
-    if config is None or not hasattr(config, "activation_memory_budget"):
-        raise RuntimeError(
-            "activation_checkpoint.mode = 'memory_budget' needs "
-            "torch._functorch.config.activation_memory_budget (torch >= 2.4); "
-            f"torch {torch.__version__} lacks it"
-        )
-    return config
 
 
 def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:

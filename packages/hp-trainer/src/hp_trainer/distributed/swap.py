@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from hp_dtensor import device as hp_device
+from hp_trainer._torch_compat import TorchDispatchMode, disable_current_modes
 
 __all__ = ["CheckpointPolicy", "HostBufferPool", "SwapGroup", "SwapManager"]
 
@@ -250,7 +250,7 @@ class SwapGroup:
         """
         # the loads are the swap's own copies: a recompute's dispatch modes (selective
         # checkpointing) must neither see nor cache them
-        with _disable_current_modes():
+        with disable_current_modes():
             mgr = self.manager
             if self.unpacks == 0:
                 mgr.log.append(("backward", self.index))
