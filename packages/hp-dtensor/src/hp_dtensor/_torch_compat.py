@@ -16,6 +16,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "PRIVATE_NAMES",
@@ -30,12 +32,15 @@ __all__ = [
     "clear_sharding_prop_cache",
     "compute_local_shape_and_global_offset",
     "dtensor_sharding_propagator",
+    "flatten_mesh",
+    "local_tensor",
     "mesh_broadcast",
     "mesh_resources",
     "missing_torch_name",
     "redistribute_transform_infos",
     "require",
     "require_module",
+    "split_tensor",
     "tree_flatten",
     "tree_map",
 ]
@@ -110,6 +115,35 @@ clear_sharding_prop_cache = require(
 c10d_world = require(_PACKAGE, "torch.distributed.distributed_c10d._world")
 FakeStore = require(_PACKAGE, "torch.testing._internal.distributed.fake_pg.FakeStore")
 
+# Private methods and attributes reached on instances: checked here once, used through the
+# functions below (a static check cannot see ``obj._name`` on an instance).
+for _qualname in (
+    "torch.distributed.device_mesh.DeviceMesh._flatten",
+    "torch.distributed.tensor.placement_types.Shard._split_tensor",
+    "torch.distributed.tensor.placement_types._StridedShard._split_tensor",
+):
+    require(_PACKAGE, _qualname)
+if "_local_tensor" not in getattr(DTensor, "__slots__", ()):
+    raise missing_torch_name(_PACKAGE, "torch.distributed.tensor.DTensor._local_tensor")
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh._flatten(name)``: torch's 1-D mesh over all of ``mesh``'s axes, named ``name``."""
+    return mesh._flatten(name)
+
+
+def split_tensor(
+    placement: Shard | StridedShard, tensor: torch.Tensor, num_chunks: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """``placement._split_tensor``: contiguous, unpadded pieces (``_StridedShard``'s own split)."""
+    return placement._split_tensor(tensor, num_chunks, with_padding=False, contiguous=True)
+
+
+def local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """``dtensor._local_tensor``: the local shard itself (no autograd edge, unlike ``to_local``)."""
+    return dtensor._local_tensor
+
+
 PRIVATE_NAMES = (
     "torch._ops.OpOverload",
     "torch.distributed.tensor.placement_types._StridedShard",
@@ -126,4 +160,7 @@ PRIVATE_NAMES = (
     "torch.distributed.tensor.debug._clear_sharding_prop_cache",
     "torch.distributed.distributed_c10d._world",
     "torch.testing._internal.distributed.fake_pg.FakeStore",
+    "torch.distributed.device_mesh.DeviceMesh._flatten",
+    "torch.distributed.tensor.placement_types.Shard._split_tensor",
+    "torch.distributed.tensor.placement_types._StridedShard._split_tensor",
 )

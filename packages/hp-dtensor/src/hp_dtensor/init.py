@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from hp_dtensor._torch_compat import StridedShard as _StridedShard
-from hp_dtensor._torch_compat import TorchDispatchMode, tree_flatten
+from hp_dtensor._torch_compat import TorchDispatchMode, local_tensor, split_tensor, tree_flatten
 from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, get_device
 
 __all__ = [
@@ -218,7 +218,7 @@ def _qualified(prefix: str, name: str) -> str:
 
 def _is_meta(tensor: torch.Tensor) -> bool:
     if isinstance(tensor, DTensor):
-        return bool(tensor._local_tensor.is_meta)
+        return bool(local_tensor(tensor).is_meta)
     return bool(tensor.is_meta)
 
 
@@ -255,9 +255,7 @@ def _local_shard(
     local = full
     for axis, placement in enumerate(placements):
         if isinstance(placement, Shard | _StridedShard):
-            pieces, _ = placement._split_tensor(
-                local, mesh.size(axis), with_padding=False, contiguous=True
-            )
+            pieces, _ = split_tensor(placement, local, mesh.size(axis))
             local = pieces[coordinate[axis]]
     return local.clone(memory_format=torch.contiguous_format)
 

@@ -19,7 +19,7 @@ from typing import Literal, overload
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hp_dtensor._torch_compat import mesh_resources
+from hp_dtensor._torch_compat import flatten_mesh, mesh_resources
 from hp_dtensor.device import get_device_type
 
 __all__ = [
@@ -226,7 +226,7 @@ def flatten_axes(
     axes = _names_of(names)
     _check_names(mesh, axes)
     sub = mesh[axes[0]] if len(axes) == 1 else mesh[axes]
-    return sub._flatten(flat_name if flat_name is not None else "_".join(axes))
+    return flatten_mesh(sub, flat_name if flat_name is not None else "_".join(axes))
 
 
 def mesh_axis_size(mesh: DeviceMesh, name: str) -> int:
