@@ -3,7 +3,8 @@
 A PyTorch upgrade that renames or removes one of them fails here, at import, with an error that
 names the missing name and the installed torch version (the checker is hp-dtensor's).
 ``scripts/tests/test_torch_compat.py`` lists these names, and the ones still imported directly
-by ``param.py`` / ``param_group.py`` (its allow-list, to move here).
+by ``param.py`` / ``param_group.py`` (its allow-list, to move here). ``flatten_mesh`` and
+``local_tensor`` (``DeviceMesh._flatten``, ``DTensor._local_tensor``) are hp-dtensor's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hp_dtensor._torch_compat import missing_torch_name, require
+from hp_dtensor._torch_compat import flatten_mesh, local_tensor, missing_torch_name, require
 
 try:
     from torch.autograd.grad_mode import (
@@ -26,6 +27,8 @@ __all__ = [
     "PRIVATE_NAMES",
     "concatenate_meshes",
     "dynamo_disable",
+    "flatten_mesh",
+    "local_tensor",
     "queue_engine_callback",
     "symm_mem_empty",
     "unsafe_preserve_version_counter",

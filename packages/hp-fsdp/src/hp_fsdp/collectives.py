@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor.device import Event, current_stream
 from hp_dtensor.device import stream as device_stream
-from hp_fsdp._torch_compat import unsafe_preserve_version_counter
+from hp_fsdp._torch_compat import local_tensor, unsafe_preserve_version_counter
 from hp_fsdp.streams import CommStreams
 from hp_kernels import (
     AllGather,
@@ -306,7 +306,7 @@ def apply_gradient_scaling_factor(
     """
     if factor is None:
         return grad
-    target = grad._local_tensor if isinstance(grad, DTensor) else grad
+    target = local_tensor(grad) if isinstance(grad, DTensor) else grad
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1:
             raise ValueError(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from hp_fsdp._torch_compat import concatenate_meshes
+from hp_fsdp._torch_compat import concatenate_meshes, flatten_mesh
 from hp_fsdp.errors import FSDPUsageError
 
 __all__ = [
@@ -65,7 +65,7 @@ class MeshInfo:
                     raise ValueError(
                         f"replicating over a {flat.ndim}-D mesh needs mesh_dim_names, got none"
                     )
-                flat = flat._flatten("_".join(names))
+                flat = flatten_mesh(flat, "_".join(names))
             self.shard_group = flat.get_group(0)
             self.shard_size = 1
             self.shard_rank = 0
@@ -382,7 +382,7 @@ def _spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> Mes
             )
 
     def submesh(dims: tuple[str, ...]) -> DeviceMesh:
-        return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
+        return mesh[dims[0]] if len(dims) == 1 else flatten_mesh(mesh[dims], "_".join(dims))
 
     if not shard:  # DDP: parameters stay whole, gradients are all-reduced over the dims
         return MeshInfo(
