@@ -2,7 +2,8 @@
 
 A PyTorch upgrade that renames or removes one of them fails here, at import, with an error that
 names the missing name and the installed torch version (the checker is hp-dtensor's).
-``scripts/tests/test_torch_compat.py`` lists these names.
+``scripts/tests/test_torch_compat.py`` lists these names. ``flatten_mesh``
+(``DeviceMesh._flatten``) is hp-dtensor's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hp_dtensor._torch_compat import missing_torch_name, require
+from hp_dtensor._torch_compat import flatten_mesh, missing_torch_name, require
 
 try:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -26,6 +27,7 @@ __all__ = [
     "SAVED_PRIVATE_OPS",
     "TorchDispatchMode",
     "disable_current_modes",
+    "flatten_mesh",
     "functorch_config",
     "memory_snapshot",
     "ptd_checkpoint_wrapper",

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hp_trainer._torch_compat import flatten_mesh
+
 if TYPE_CHECKING:
     from hp_trainer.config import ParallelismConfig
 
@@ -110,9 +112,9 @@ class ParallelDims:
         world = init_device_mesh(device_type, shape, mesh_dim_names=_AXES)
         meshes: dict[str, DeviceMesh] = {axis: world[axis] for axis in _AXES}
         meshes["world"] = world
-        meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
-        meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
-        meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        meshes["dp"] = flatten_mesh(world["dp_replicate", "dp_shard"], "dp")
+        meshes["dp_shard_cp"] = flatten_mesh(world["dp_shard", "cp"], "dp_shard_cp")
+        meshes["dp_cp"] = flatten_mesh(world["dp_replicate", "dp_shard", "cp"], "dp_cp")
         meshes["batch"] = meshes["dp"]
         meshes["fsdp"] = meshes["dp_shard_cp"]
         meshes["loss"] = meshes["dp_cp"]
@@ -123,7 +125,7 @@ class ParallelDims:
             meshes["fsdp_mesh"] = world[shard_axis] if self.cp == 1 else meshes["dp_shard_cp"]
         if self.ep > 1:
             # EP borrows from dp_shard x cp x tp: split that flattened axis into (efsdp, ep).
-            borrowed = world["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+            borrowed = flatten_mesh(world["dp_shard", "cp", "tp"], "dp_shard_cp_tp")
             efsdp = self.dp_shard * self.cp * self.tp // self.ep
             sparse = borrowed._unflatten(0, (efsdp, self.ep), ("efsdp", "ep"))
             meshes["efsdp"] = sparse["efsdp"]
