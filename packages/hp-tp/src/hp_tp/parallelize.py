@@ -10,7 +10,7 @@ import copy
 import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from torch import nn
 
@@ -19,8 +19,15 @@ from hp_tp.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
 
+
+class _StyleProtocol(Protocol):
+    """PyTorch's style protocol: what a foreign style (torch's, torchao's, TorchTitan's) has."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module: ...
+
+
 #: A plan: one style for the module, or FQN patterns to styles or to nested plans.
-PlanType: TypeAlias = "ParallelStyle | Mapping[str, ParallelStyle | PlanType]"
+PlanType: TypeAlias = "ParallelStyle | _StyleProtocol | Mapping[str, ParallelStyle | PlanType]"
 
 
 def _match_children(module: nn.Module, token: str) -> list[tuple[str, nn.Module]]:
@@ -93,7 +100,7 @@ def _collect(
 def parallelize_module(
     module: nn.Module,
     device_mesh: DeviceMesh | None = None,
-    parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None = None,
+    parallelize_plan: ParallelStyle | _StyleProtocol | dict[str, Any] | None = None,
     *,
     src_data_rank: int | None = 0,
 ) -> nn.Module:

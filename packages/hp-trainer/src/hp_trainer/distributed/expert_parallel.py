@@ -9,11 +9,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-# the expert styles are torch ParallelStyles: torch's entry point applies them as they are
-from torch.distributed.tensor.parallel import parallelize_module
-
 from hp_cp_ep import ExpertParallel, ExpertTensorParallel, TensorParallel
-from hp_tp import NoParallel
+
+# the expert styles implement PyTorch's style protocol; hp-tp's entry point applies them as they are
+from hp_tp import NoParallel, parallelize_module
 from hp_trainer.distributed.activation_checkpoint import apply_ac
 from hp_trainer.distributed.compile import apply_compile
 from hp_trainer.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_gradient_division
