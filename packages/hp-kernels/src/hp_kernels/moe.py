@@ -60,6 +60,33 @@ def _permute_backward(ctx: Any, g_perm: torch.Tensor, _g_idx: Any, _g_cnt: Any) 
 _permute_tokens_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
+def checked_expert_indices(
+    tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """``expert_indices`` as ``[T, k]`` int64 after checking dtype, shape and range.
+
+    Raises:
+        TypeError: The indices are not integers.
+        ValueError: ``tokens`` has no token dim, the indices are not ``[T]`` / ``[T, k]``, or an
+            index lies outside ``[0, num_experts)``.
+    """
+    if expert_indices.dtype.is_floating_point or expert_indices.dtype.is_complex:
+        raise TypeError(f"expert_indices must be an integer tensor, got {expert_indices.dtype}")
+    if tokens.dim() < 1:
+        raise ValueError("tokens must have a leading token dimension")
+    idx = expert_indices.unsqueeze(1) if expert_indices.dim() == 1 else expert_indices
+    if idx.dim() != 2 or idx.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"expert_indices must be [T] or [T, k] with T = {tokens.shape[0]}, "
+            f"got shape {tuple(expert_indices.shape)}"
+        )
+    if not torch.compiler.is_compiling() and idx.numel() and idx.device.type != META_DEVICE_TYPE:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
+    return idx.to(torch.int64)
+
+
 def permute_tokens(
     tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,23 +125,9 @@ def permute_tokens(
         ``torchtitan.models.moe.moe.TokenReorderer``: TorchTitan's reordering of routed tokens
         by expert.
     """
-    if expert_indices.dtype.is_floating_point or expert_indices.dtype.is_complex:
-        raise TypeError(f"expert_indices must be an integer tensor, got {expert_indices.dtype}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
-    if tokens.dim() < 1:
-        raise ValueError("tokens must have a leading token dimension")
-    idx = expert_indices.unsqueeze(1) if expert_indices.dim() == 1 else expert_indices
-    if idx.dim() != 2 or idx.shape[0] != tokens.shape[0]:
-        raise ValueError(
-            f"expert_indices must be [T] or [T, k] with T = {tokens.shape[0]}, "
-            f"got shape {tuple(expert_indices.shape)}"
-        )
-    if not torch.compiler.is_compiling() and idx.numel() and idx.device.type != META_DEVICE_TYPE:
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    args = (tokens, idx.to(torch.int64), num_experts)
+    args = (tokens, checked_expert_indices(tokens, expert_indices, num_experts), num_experts)
     if needs_autograd(tokens):
         result = _permute_tokens_op(*args)
     else:

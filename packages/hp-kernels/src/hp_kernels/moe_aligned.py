@@ -16,8 +16,8 @@ from typing import Any, cast
 
 import torch
 
-from hp_kernels._dispatch_keys import META_DEVICE_TYPE
 from hp_kernels._library import call, define_op, needs_autograd
+from hp_kernels.moe import checked_expert_indices
 
 __all__ = ["permute_tokens_aligned", "unpermute_tokens_aligned"]
 
@@ -181,25 +181,12 @@ def permute_tokens_aligned(
         ``torchtitan.models.moe.utils.generate_permute_indices``: TorchTitan's aligned
         permutation for grouped GEMMs.
     """
-    if expert_indices.dtype.is_floating_point or expert_indices.dtype.is_complex:
-        raise TypeError(f"expert_indices must be an integer tensor, got {expert_indices.dtype}")
     if num_experts < 1 or alignment < 1:
         raise ValueError(
             f"num_experts and alignment must be positive, got {num_experts} and {alignment}"
         )
-    if tokens.dim() < 1:
-        raise ValueError("tokens must have a leading token dimension")
-    idx = expert_indices.unsqueeze(1) if expert_indices.dim() == 1 else expert_indices
-    if idx.dim() != 2 or idx.shape[0] != tokens.shape[0]:
-        raise ValueError(
-            f"expert_indices must be [T] or [T, k] with T = {tokens.shape[0]}, "
-            f"got shape {tuple(expert_indices.shape)}"
-        )
-    if not torch.compiler.is_compiling() and idx.numel() and idx.device.type != META_DEVICE_TYPE:
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    args = (tokens, idx.to(torch.int64), num_experts, alignment)
+    idx = checked_expert_indices(tokens, expert_indices, num_experts)
+    args = (tokens, idx, num_experts, alignment)
     if needs_autograd(tokens):
         result = _permute_aligned_op(*args)
     else:
