@@ -214,14 +214,14 @@ class _AllGatherExtendedTensor(torch.Tensor):
 
 def test_all_gather_extension_subclass_sharded_as_the_subclass() -> None:
     """Such a parameter is accepted (its hooks run at all-gather time, see
-    test_all_gather_extension.py); an unsupported layout (shard dim 1) raises clearly."""
+    test_all_gather_extension.py); an uneven inner-dim shard raises torch's error."""
     module = _Holder(nn.Parameter(torch.randn(4, 4).as_subclass(_AllGatherExtendedTensor)))
     with fake_world(2, rank=0):
         hp_fsdp.fully_shard(module, mesh=_mesh())
     assert module.weight._local_tensor.shape == (2, 4)  # hooks not called: no all-gather yet
-    module = _Holder(nn.Parameter(torch.randn(4, 4).as_subclass(_AllGatherExtendedTensor)))
+    module = _Holder(nn.Parameter(torch.randn(4, 5).as_subclass(_AllGatherExtendedTensor)))
     with (
         fake_world(2, rank=0),
-        pytest.raises(NotImplementedError, match="sharded on dim 0 over a 1-D mesh"),
+        pytest.raises(NotImplementedError, match="does not support uneven sharding on dim 1"),
     ):
         hp_fsdp.fully_shard(module, mesh=_mesh(), shard_placement_fn=lambda p: Shard(1))

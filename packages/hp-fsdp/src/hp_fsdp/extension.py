@@ -50,7 +50,10 @@ class AllGatherExtension:
     the inner tensors the subclass asked to free at reshard.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shard_mesh: DeviceMesh) -> None:
+        #: The mesh ``fsdp_pre_all_gather`` is given: the shard axis only (HSDP: not the
+        #: replicate axis), as in PyTorch.
+        self.shard_mesh = shard_mesh
         self._metadata: Any = None
         self._input_sizes: list[torch.Size] = []
         self._outputs: list[torch.Tensor] = []
@@ -59,7 +62,6 @@ class AllGatherExtension:
     def inputs(
         self,
         local: torch.Tensor,
-        mesh: DeviceMesh,
         orig_size: torch.Size,
         orig_stride: tuple[int, ...],
         module: nn.Module,
@@ -70,7 +72,6 @@ class AllGatherExtension:
 
         Args:
             local: the sharded local tensor (the subclass instance).
-            mesh: the shard mesh.
             orig_size: the unsharded parameter's size.
             orig_stride: its contiguous stride.
             module: the module registering the parameter.
@@ -88,9 +89,9 @@ class AllGatherExtension:
         pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
         num_args = len(inspect.signature(pre).parameters)
         if num_args == 1:  # the original signature: the mesh only
-            inputs, self._metadata = pre(mesh)
+            inputs, self._metadata = pre(self.shard_mesh)
         elif num_args == 5:
-            inputs, self._metadata = pre(mesh, orig_size, orig_stride, module, mp_policy)
+            inputs, self._metadata = pre(self.shard_mesh, orig_size, orig_stride, module, mp_policy)
         else:
             raise FSDPUsageError(
                 f"fsdp_pre_all_gather of {type(local).__name__} takes {num_args} arguments; "

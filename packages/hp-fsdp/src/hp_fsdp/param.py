@@ -161,6 +161,16 @@ def _spmd_sharded_layout(
     return DeviceMesh._concatenate(meshes), tuple(layout)
 
 
+def _shard_submesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of the shard axis (the last dim; HSDP's replicate axis left out)."""
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise FSDPUsageError(f"a {mesh.ndim}-D FSDP mesh needs mesh_dim_names, got none")
+    return mesh[names[-1]]
+
+
 class ShardedParam:
     """State of one parameter managed by ``fully_shard``.
 
@@ -238,19 +248,23 @@ class ShardedParam:
         #: The all-gather extension (``fsdp_pre_all_gather``/``fsdp_post_all_gather``).
         self.extension: AllGatherExtension | None = None
         if has_pre:
-            if (
-                self._tp_spec is not None
-                or shard_dim not in (0, -data.ndim)
-                or mesh_info.mesh.ndim != 1
-                or mesh_info.replicate_only
-            ):
+            if self._tp_spec is not None or mesh_info.replicate_only:
                 raise NotImplementedError(
                     "fully_shard supports the fsdp_pre_all_gather/fsdp_post_all_gather "
-                    "extension for plain (non-DTensor) parameters sharded on dim 0 over a "
-                    f"1-D mesh; got {module_info.name!r} ({type(param).__name__}, shard dim "
-                    f"{shard_dim}, {mesh_info.mesh.ndim}-D mesh)"
+                    "extension for plain (non-DTensor) parameters sharded by FSDP or HSDP; got "
+                    f"{module_info.name!r} ({type(param).__name__}"
+                    + (", replicated)" if mesh_info.replicate_only else ")")
                 )
-            self.extension = AllGatherExtension()
+            dim = shard_dim + data.ndim if shard_dim < 0 else shard_dim
+            if 0 < dim < data.ndim and data.size(dim) % mesh_info.shard_size != 0:
+                # The subclass's all-gather inputs cannot be padded on an inner dim (PyTorch
+                # refuses every uneven inner-dim shard; hp-fsdp only this one).
+                raise NotImplementedError(
+                    f"FSDP does not support uneven sharding on dim {dim}: {tuple(data.size())} "
+                    f"(world size: {mesh_info.shard_size}) for the fsdp_pre_all_gather tensor "
+                    f"subclass {module_info.name!r}"
+                )
+            self.extension = AllGatherExtension(_shard_submesh(mesh_info.mesh))
         if not data.is_contiguous():
             raise FSDPUnsupportedParamError(
                 "FSDP does not support non-contiguous parameters yet: fully_shard needs "
@@ -487,7 +501,6 @@ class ShardedParam:
             local = local.to(self.device, non_blocking=True)
         return ext.inputs(
             local,
-            self.mesh_info.mesh,
             self.orig_size,
             self.orig_stride,
             self.module_info.module,
