@@ -1,20 +1,34 @@
 """Route ``F.scaled_dot_product_attention`` calls to the context-parallel engine.
 
-A :class:`~torch.overrides.TorchFunctionMode` sees every call of a torch function made while it
-is active; :class:`SdpaRedirect` answers the SDPA calls with the engine and lets everything else
-through. Only the masks the engine supports are accepted: none, or ``is_causal``; a dense
-``attn_mask`` or a dropout probability raises ``ValueError`` instead of computing something else.
+Two routes, one per front:
+
+* :class:`SdpaRoute` (the functional ``context_parallel``): while active, the attribute
+  ``torch.nn.functional.scaled_dot_product_attention`` is a router that answers with the
+  innermost active engine, as PyTorch's ``context_parallel`` patches it. It must be process-wide:
+  an activation checkpoint recomputes the forward inside the backward pass, where the autograd
+  engine runs with no :class:`~torch.overrides.TorchFunctionMode` active (and, on accelerators,
+  on its own thread), so a mode entered around the step would not see the recomputed SDPA call
+  and the recomputation would run single-device attention (observed: a ``CheckpointError``,
+  different tensors saved in forward and recomputation).
+* :class:`SdpaRedirect` (the module styles): a ``TorchFunctionMode`` entered by the attention
+  module's forward hooks, which a recomputation runs again.
+
+Only the masks the engine supports are accepted: none, or ``is_causal``; a dense ``attn_mask``
+or a dropout probability raises ``ValueError`` instead of computing something else.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hp_cp_ep.cp._sdpa_backend import single_device_sdpa
 from hp_cp_ep.cp.attention import ContextParallelAttention
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -34,8 +48,97 @@ def _bind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return bound
 
 
+def _call_engine(
+    engine: ContextParallelAttention, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> torch.Tensor:
+    """Check an SDPA call's arguments against what the engine supports and run it."""
+    a = _bind(args, kwargs)
+    if a["attn_mask"] is not None:
+        raise ValueError(
+            "context-parallel SDPA supports is_causal=True or no mask (and document masks "
+            "through ContextParallelAttention in 'allgather' mode); got a dense attn_mask "
+            f"of shape {tuple(a['attn_mask'].shape)}"
+        )
+    if a["dropout_p"] != 0.0:
+        raise ValueError(f"context-parallel SDPA supports dropout_p=0.0 only; got {a['dropout_p']}")
+    q: torch.Tensor = a["query"]
+    k: torch.Tensor = a["key"]
+    if not a["enable_gqa"] and q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for "
+            "grouped-query attention"
+        )
+    return engine(q, k, a["value"], is_causal=bool(a["is_causal"]), scale=a["scale"])
+
+
+class _SdpaRouter:
+    """The process-wide router installed as ``F.scaled_dot_product_attention`` while needed.
+
+    Holds the stack of active engines (innermost last) and the original function; installs
+    itself when the first engine is pushed and puts the original back when the last is popped.
+    """
+
+    def __init__(self) -> None:
+        self.original: Callable[..., torch.Tensor] = single_device_sdpa
+        self.engines: list[ContextParallelAttention] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        engines = self.engines
+        if not engines:  # a caller kept a reference to the router past the last exit
+            return self.original(*args, **kwargs)
+        return _call_engine(engines[-1], args, kwargs)
+
+    def push(self, engine: ContextParallelAttention) -> None:
+        with self._lock:
+            if not self.engines:
+                self.original = F.scaled_dot_product_attention
+                F.scaled_dot_product_attention = self
+            self.engines.append(engine)
+
+    def pop(self, engine: ContextParallelAttention) -> None:
+        with self._lock:
+            # remove this engine (contexts may exit out of order across threads)
+            for i in range(len(self.engines) - 1, -1, -1):
+                if self.engines[i] is engine:
+                    del self.engines[i]
+                    break
+            if not self.engines and F.scaled_dot_product_attention is self:
+                F.scaled_dot_product_attention = self.original
+
+
+_ROUTER = _SdpaRouter()
+
+
+class SdpaRoute:
+    """While active, ``F.scaled_dot_product_attention`` runs context-parallel via ``engine``.
+
+    Process-wide (every thread, the backward pass included), so the recomputation of an
+    activation checkpoint run inside the block is context-parallel too. Nested routes: the
+    innermost engine answers.
+    """
+
+    def __init__(self, engine: ContextParallelAttention) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> SdpaRoute:
+        _ROUTER.push(self.engine)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _ROUTER.pop(self.engine)
+
+
 class SdpaRedirect(TorchFunctionMode):
-    """While active, ``F.scaled_dot_product_attention`` runs context-parallel via ``engine``."""
+    """While active, ``F.scaled_dot_product_attention`` runs context-parallel via ``engine``.
+
+    A ``TorchFunctionMode``: this thread only, and not inside a backward pass.
+    """
 
     def __init__(self, engine: ContextParallelAttention) -> None:
         super().__init__()
@@ -48,24 +151,6 @@ class SdpaRedirect(TorchFunctionMode):
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        if func is not F.scaled_dot_product_attention:
+        if func is not single_device_sdpa:
             return func(*args, **(kwargs or {}))
-        a = _bind(args, kwargs or {})
-        if a["attn_mask"] is not None:
-            raise ValueError(
-                "context-parallel SDPA supports is_causal=True or no mask (and document masks "
-                "through ContextParallelAttention in 'allgather' mode); got a dense attn_mask "
-                f"of shape {tuple(a['attn_mask'].shape)}"
-            )
-        if a["dropout_p"] != 0.0:
-            raise ValueError(
-                f"context-parallel SDPA supports dropout_p=0.0 only; got {a['dropout_p']}"
-            )
-        q: torch.Tensor = a["query"]
-        k: torch.Tensor = a["key"]
-        if not a["enable_gqa"] and q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]:
-            raise ValueError(
-                f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for "
-                "grouped-query attention"
-            )
-        return self.engine(q, k, a["value"], is_causal=bool(a["is_causal"]), scale=a["scale"])
+        return _call_engine(self.engine, args, kwargs or {})

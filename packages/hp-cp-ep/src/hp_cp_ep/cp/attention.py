@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -39,7 +38,7 @@ from hp_cp_ep.cp._blocks import (
 )
 from hp_cp_ep.cp._comm import RingExchange, gather_seq, heads_to_seq, seq_to_heads
 from hp_cp_ep.cp._layout import ChunkLayout
-from hp_cp_ep.cp._sdpa_backend import AttentionKernel
+from hp_cp_ep.cp._sdpa_backend import AttentionKernel, single_device_sdpa
 
 __all__ = ["CP_MODES", "ContextParallelAttention"]
 
@@ -266,7 +265,7 @@ class ContextParallelAttention:
         """
         self._check(query, key, value, document_ids)
         if self.degree == 1 and document_ids is None:
-            return F.scaled_dot_product_attention(
+            return single_device_sdpa(
                 query, key, value, is_causal=is_causal, scale=scale,
                 enable_gqa=key.shape[1] != query.shape[1],
             )  # fmt: skip

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_cp_ep.cp._sdpa_redirect import SdpaRedirect
+from hp_cp_ep.cp._sdpa_redirect import SdpaRoute
 from hp_cp_ep.cp.attention import ContextParallelAttention
 from hp_cp_ep.cp.load_balance import shard_sequence, unshard_sequence
 
@@ -85,7 +85,10 @@ def context_parallel(
     the local shards compute attention over the whole sequence; on exit the buffers not in
     ``no_restore_buffers`` get their full contents back. On a mesh of size 1 nothing happens.
     Run the backward inside the block when activation checkpointing recomputes attention there
-    (the recomputation must be context-parallel too), as with PyTorch's.
+    (the recomputation must be context-parallel too), as with PyTorch's. As PyTorch's, the
+    routing is process-wide (``F.scaled_dot_product_attention`` is replaced while the block
+    runs): the autograd engine recomputes checkpointed blocks with no ``TorchFunctionMode``
+    active, on accelerators on its own thread.
 
     Args:
         mesh: The context-parallel mesh (1-D; 2-D ``(outer, ulysses)`` for the hybrids).
@@ -136,7 +139,7 @@ def context_parallel(
     for buffer, shard in zip(bufs, shards, strict=True):
         buffer.resize_(shard.shape).copy_(shard)
     try:
-        with SdpaRedirect(engine):
+        with SdpaRoute(engine):
             yield
     finally:
         for buffer, original in zip(bufs, originals, strict=True):
