@@ -21,16 +21,17 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
-    "sphinx.ext.extlinks",
     "sphinx.ext.viewcode",
 ]
 
 # hp-pp's schedule gallery: pictures its simulator draws at build time (docs/_ext).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ext"))
 extensions.append("hp_pp_gallery")
+# "See Also" links: :pt:`torch.x.y` and :titan:`torchtitan.x.Y` (docs/_ext/hp_see_also.py; the
+# TorchTitan commits are pinned per file in docs/_ext/torchtitan_sources.toml).
+extensions.append("hp_see_also")
 
 OFFLINE = os.environ.get("HP_DOCS_OFFLINE", "0") == "1"
-TORCHTITAN_REF = "v0.2.0"
 
 html_theme = "furo"
 html_title = "hyper-parallel"
@@ -46,12 +47,6 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
-
-# "See Also" links: :titan:`path` -> TorchTitan source at a pinned tag; :pt:`page` -> PyTorch docs.
-extlinks = {
-    "titan": (f"https://github.com/pytorch/torchtitan/blob/{TORCHTITAN_REF}/%s", "torchtitan/%s"),
-    "pt": ("https://docs.pytorch.org/docs/2.13/%s", "PyTorch: %s"),
-}
 
 # Private bases and internal state classes are not documented by design.
 nitpick_ignore_regex = [
