@@ -5,7 +5,7 @@ PyTorch-, HyperParallel- and TorchTitan-style fronts; ``hp_cp_ep.ep`` holds the 
 blocks and expert parallelism. Both public APIs are re-exported here.
 
 See Also:
-    ``torch.distributed.tensor.experimental.context_parallel``
+    :pt:`torch.distributed.tensor.experimental.context_parallel`
 """
 
 from hp_cp_ep import cp as _cp

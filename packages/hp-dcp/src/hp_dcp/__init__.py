@@ -1,7 +1,7 @@
 """Distributed checkpointing in PyTorch's DCP format: resharding, HF safetensors, crash safety.
 
 See Also:
-    ``torch.distributed.checkpoint``: PyTorch's distributed checkpointing.
+    :pt:`torch.distributed.checkpoint`: PyTorch's distributed checkpointing.
 """
 
 from torch.distributed.checkpoint.hf_storage import (

@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         without checksums), 3 corrupt, 4 incomplete, 5 unsafe (and 1 for a missing path).
 
     See Also:
-        ``torch.distributed.checkpoint.format_utils``: PyTorch's offline conversion helpers.
+        :pt:`torch.distributed.checkpoint.format_utils`: PyTorch's offline conversion helpers.
     """
     args = _parser().parse_args(argv)
     try:

@@ -97,7 +97,8 @@ def load_key_map(spec: str) -> KeyMap:
         ValueError: ``spec`` is malformed or does not name a callable.
 
     See Also:
-        ``torchtitan.protocols.state_dict_adapter.StateDictAdapter``: TorchTitan's HF key mapping.
+        :titan:`torchtitan.protocols.state_dict_adapter.StateDictAdapter`: TorchTitan's HF key
+        mapping.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -156,8 +157,8 @@ def hf_to_dcp(
         ValueError: the key map maps two tensors to one name.
 
     See Also:
-        ``torch.distributed.checkpoint.format_utils.torch_save_to_dcp``: PyTorch's offline
-        conversion from a ``torch.save`` file.
+        :pt:`torch.distributed.checkpoint.format_utils.torch_save_to_dcp`: PyTorch's offline
+        conversion from a :pt:`torch.save` file.
     """
     files = hf_shard_files(hf_path)
     writer = FileSystemWriter(dcp_path)
@@ -221,8 +222,8 @@ def dcp_to_hf(
         ValueError: the key map maps two tensors to one name.
 
     See Also:
-        ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: PyTorch's offline
-        conversion to a ``torch.save`` file.
+        :pt:`torch.distributed.checkpoint.format_utils.dcp_to_torch_save`: PyTorch's offline
+        conversion to a :pt:`torch.save` file.
     """
     reader = FileSystemReader(dcp_path)
     metadata = reader.read_metadata()
@@ -287,7 +288,7 @@ class CheckpointEntry:
         layout: mesh shape and placements at save time, when hp-dcp recorded them.
 
     See Also:
-        ``torch.distributed.checkpoint.metadata.TensorStorageMetadata``: the DCP record.
+        :pt:`torch.distributed.checkpoint.metadata.TensorStorageMetadata`: the DCP record.
     """
 
     key: str
@@ -313,7 +314,7 @@ def describe_checkpoint(path: str | os.PathLike[str]) -> list[CheckpointEntry]:
         CheckpointCorruptionError: ``.metadata`` fails its checksum.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader.read_metadata``: the raw metadata.
+        :pt:`torch.distributed.checkpoint.FileSystemReader.read_metadata`: the raw metadata.
     """
     metadata = FileSystemReader(path).read_metadata()
     sums = read_checksums(path)
@@ -348,7 +349,7 @@ def format_entries(entries: list[CheckpointEntry]) -> Iterator[str]:
         global shape, number of stored chunks, save-time layout).
 
     See Also:
-        ``torch.distributed.checkpoint.metadata.Metadata``: the records listed.
+        :pt:`torch.distributed.checkpoint.metadata.Metadata`: the records listed.
     """
     yield f"{'key':<48} {'kind':<6} {'dtype':<10} {'shape':<16} {'chunks':>6}  layout"
     for e in entries:
@@ -375,7 +376,7 @@ def extract_tensor(path: str | os.PathLike[str], key: str) -> torch.Tensor:
         KeyError: no tensor entry has that key.
 
     See Also:
-        ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: converts everything.
+        :pt:`torch.distributed.checkpoint.format_utils.dcp_to_torch_save`: converts everything.
     """
     metadata = FileSystemReader(path).read_metadata()
     md = metadata.state_dict_metadata.get(key)

@@ -22,7 +22,7 @@ class CheckpointCorruptionError(RuntimeError):
         item: the damaged item (its state-dict key), when known.
 
     See Also:
-        ``torch.distributed.checkpoint.CheckpointException``: PyTorch's DCP error wrapper.
+        :pt:`torch.distributed.checkpoint.CheckpointException`: PyTorch's DCP error wrapper.
     """
 
     def __init__(self, message: str, *, file: str | None = None, item: str | None = None) -> None:
@@ -39,7 +39,7 @@ class IncompleteCheckpointError(RuntimeError):
     checkpoint next to a leftover temporary directory) means the save was interrupted.
 
     See Also:
-        ``torch.distributed.checkpoint.CheckpointException``: PyTorch's DCP error wrapper.
+        :pt:`torch.distributed.checkpoint.CheckpointException`: PyTorch's DCP error wrapper.
     """
 
 
@@ -52,7 +52,7 @@ class UnsafeCheckpointError(RuntimeError):
     the full unpickler; allow specific classes with ``torch.serialization.safe_globals``.
 
     See Also:
-        ``torch.serialization.safe_globals``: PyTorch's allow-list for ``weights_only`` loads.
+        :pt:`torch.serialization.safe_globals`: PyTorch's allow-list for ``weights_only`` loads.
     """
 
 
@@ -63,7 +63,7 @@ class ConcurrentSaveError(RuntimeError):
     owner's host and pid; the message names them. A lock left by a dead process is taken over.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemWriter``: PyTorch does not lock.
+        :pt:`torch.distributed.checkpoint.FileSystemWriter`: PyTorch does not lock.
     """
 
 
@@ -74,5 +74,5 @@ class UnverifiedCheckpointWarning(UserWarning):
     checksums, so deleting its checksum file makes loading fail instead of warn.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader``: reads without verifying.
+        :pt:`torch.distributed.checkpoint.FileSystemReader`: reads without verifying.
     """

@@ -126,7 +126,7 @@ def save_hf_safetensors(
         ValueError: ``max_shard_size`` is invalid.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageWriter``: PyTorch's DCP-driven writer.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageWriter`: PyTorch's DCP-driven writer.
     """
     limit = parse_size(max_shard_size)
     for key, value in state_dict.items():
@@ -192,7 +192,7 @@ def save_hf_shard_file(
         UnsafeCheckpointError: ``name`` is not a plain file name.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageWriter``: PyTorch's DCP-driven writer.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageWriter`: PyTorch's DCP-driven writer.
     """
     out = Path(path)
     check_member_name(name, str(out))
@@ -223,7 +223,7 @@ def write_hf_index(
         ValueError: a file of ``weight_map`` has no checksum entry.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageWriter``: PyTorch's DCP-driven writer.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageWriter`: PyTorch's DCP-driven writer.
     """
     missing = sorted(set(weight_map.values()) - set(sums))
     if missing:
@@ -267,7 +267,7 @@ class HFCheckpointFiles:
         root: the checkpoint directory (index names are confined to it).
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageReader`: PyTorch's DCP-driven reader.
     """
 
     def __init__(self, root: Path) -> None:
@@ -394,7 +394,7 @@ def hf_shard_files(path: str | os.PathLike[str]) -> dict[str, list[str]]:
             a regular file.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageReader`: PyTorch's DCP-driven reader.
     """
     files = HFCheckpointFiles(Path(path)).files
     return {name: sorted(files[name]) for name in sorted(files)}
@@ -420,7 +420,7 @@ def iter_hf_tensors(
         UnsafeCheckpointError: the index names a file outside the directory.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageReader`: PyTorch's DCP-driven reader.
     """
     ckpt = HFCheckpointFiles(Path(path))
     ckpt.check_unverified()
@@ -460,7 +460,7 @@ def load_hf_safetensors(
         UnsafeCheckpointError: the index names a file outside the directory.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageReader`: PyTorch's DCP-driven reader.
     """
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}

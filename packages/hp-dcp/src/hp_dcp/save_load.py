@@ -128,7 +128,7 @@ def save(
         FileExistsError: the target exists and may not be replaced.
 
     See Also:
-        ``torch.distributed.checkpoint.save``: PyTorch's DCP save.
+        :pt:`torch.distributed.checkpoint.save`: PyTorch's DCP save.
     """
     writer = _default_writer(checkpoint_id, storage_writer, use_collectives, "save")
     try:
@@ -187,7 +187,7 @@ def async_save(
             ``use_collectives=False`` with hp-dcp's writer.
 
     See Also:
-        ``torch.distributed.checkpoint.async_save``: PyTorch's asynchronous DCP save.
+        :pt:`torch.distributed.checkpoint.async_save`: PyTorch's asynchronous DCP save.
     """
     writer = _default_writer(checkpoint_id, storage_writer, use_collectives, "async_save")
     result = _torch_async_save(
@@ -247,8 +247,8 @@ def load(
             file outside its directory or one that is not a regular file.
 
     See Also:
-        ``torch.distributed.checkpoint.load``: PyTorch's DCP load.
-        ``torch.load(weights_only=True)``: PyTorch's allow-list loading.
+        :pt:`torch.distributed.checkpoint.load`: PyTorch's DCP load.
+        :pt:`torch.load` (``weights_only=True``): PyTorch's allow-list loading.
     """
     if storage_reader is None:
         if checkpoint_id is None:

@@ -119,7 +119,7 @@ def staging_dir(path: str | os.PathLike[str]) -> Path:
         ``<parent>/.<name>.hp-dcp-partial``.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemWriter``: PyTorch writes in place instead.
+        :pt:`torch.distributed.checkpoint.FileSystemWriter`: PyTorch writes in place instead.
     """
     p = Path(path)
     return p.parent / f".{p.name}.hp-dcp-partial"
@@ -141,7 +141,7 @@ def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
         FileNotFoundError: nothing exists at ``path``.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader``: PyTorch's reader, which does not
+        :pt:`torch.distributed.checkpoint.FileSystemReader`: PyTorch's reader, which does not
         distinguish an interrupted save from a missing one.
     """
     p = Path(path)
@@ -195,7 +195,7 @@ def read_checksums(path: str | os.PathLike[str]) -> dict[str, Any] | None:
             checkpoint.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader.read_metadata``: PyTorch's metadata read.
+        :pt:`torch.distributed.checkpoint.FileSystemReader.read_metadata`: PyTorch's metadata read.
     """
     root = Path(path)
     sidecar = root / CHECKSUM_FILE
@@ -336,7 +336,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             ``thread_count`` was given.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemWriter``: PyTorch's file-system writer.
+        :pt:`torch.distributed.checkpoint.FileSystemWriter`: PyTorch's file-system writer.
     """
 
     def __init__(
@@ -393,7 +393,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         detected and taken over by the next save anyway.
 
         See Also:
-            ``torch.distributed.checkpoint.FileSystemWriter``: PyTorch's writer has no lock.
+            :pt:`torch.distributed.checkpoint.FileSystemWriter`: PyTorch's writer has no lock.
         """
         lock, self._lock = self._lock, None
         if lock is not None:
@@ -406,7 +406,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             checkpoint_id: the new checkpoint directory; ``None`` keeps the current one.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageWriter.reset``: the interface method.
+            :pt:`torch.distributed.checkpoint.StorageWriter.reset`: the interface method.
         """
         if checkpoint_id:
             self.path = Path(checkpoint_id)
@@ -424,7 +424,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             ValueError: ``use_collectives=False``: the commit needs every rank's results.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageWriter.set_up_storage_writer``.
+            :pt:`torch.distributed.checkpoint.StorageWriter.set_up_storage_writer`.
         """
         if not kwargs.get("use_collectives", True):
             raise ValueError(
@@ -445,7 +445,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             ``plan``.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageWriter.prepare_local_plan``.
+            :pt:`torch.distributed.checkpoint.StorageWriter.prepare_local_plan`.
         """
         return plan
 
@@ -468,7 +468,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             ConcurrentSaveError: another save into ``path`` holds the lock.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageWriter.prepare_global_plan``.
+            :pt:`torch.distributed.checkpoint.StorageWriter.prepare_global_plan`.
         """
         self._check_target()
         lock = SaveLock(self.path, self.save_id)
@@ -523,7 +523,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             checksums to the coordinator.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageWriter.write_data``.
+            :pt:`torch.distributed.checkpoint.StorageWriter.write_data`.
         """
         prefix = cast(_StoragePrefix, plan.storage_data).prefix
         staging = staging_dir(self.path)
@@ -615,7 +615,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             FileExistsError: the target appeared meanwhile and may not be replaced.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageWriter.finish``.
+            :pt:`torch.distributed.checkpoint.StorageWriter.finish`.
         """
         storage_md: dict[MetadataIndex, Any] = {}
         files: dict[str, Any] = {}
@@ -667,7 +667,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             The final checkpoint path and this save's id.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageWriter.storage_meta``.
+            :pt:`torch.distributed.checkpoint.StorageWriter.storage_meta`.
         """
         return StorageMeta(
             checkpoint_id=self.path, save_id=self.save_id, modules=[CHECKSUMS_MARKER]
@@ -678,7 +678,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         """The checkpoint directory this writer commits to.
 
         See Also:
-            ``torch.distributed.checkpoint.FileSystemWriter.checkpoint_id``.
+            :pt:`torch.distributed.checkpoint.FileSystemWriter.checkpoint_id`.
         """
         return self.path
 
@@ -693,7 +693,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             ``True`` for a writable local path.
 
         See Also:
-            ``torch.distributed.checkpoint.FileSystemWriter.validate_checkpoint_id``.
+            :pt:`torch.distributed.checkpoint.FileSystemWriter.validate_checkpoint_id`.
         """
         return FileSystem.validate_checkpoint_id(checkpoint_id)
 
@@ -733,8 +733,8 @@ class FileSystemReader(StorageReader):
         ValueError: an extension registry was given.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader``: PyTorch's file-system reader.
-        ``torch.load(weights_only=True)``: PyTorch's allow-list loading.
+        :pt:`torch.distributed.checkpoint.FileSystemReader`: PyTorch's file-system reader.
+        :pt:`torch.load` (``weights_only=True``): PyTorch's allow-list loading.
     """
 
     def __init__(
@@ -765,7 +765,7 @@ class FileSystemReader(StorageReader):
             checkpoint_id: the new checkpoint directory; ``None`` keeps the current one.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageReader.reset``: the interface method.
+            :pt:`torch.distributed.checkpoint.StorageReader.reset`: the interface method.
         """
         self.storage_data = {}
         self._checksums = None
@@ -788,7 +788,7 @@ class FileSystemReader(StorageReader):
                 or names a file outside the checkpoint.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageReader.read_metadata``.
+            :pt:`torch.distributed.checkpoint.StorageReader.read_metadata`.
         """
         try:
             metadata = self._read_metadata()
@@ -845,7 +845,7 @@ class FileSystemReader(StorageReader):
             CheckpointCorruptionError: the metadata has no storage index.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageReader.set_up_storage_reader``.
+            :pt:`torch.distributed.checkpoint.StorageReader.set_up_storage_reader`.
         """
         if metadata.storage_data is None:
             raise CheckpointCorruptionError(f"{self.path}/.metadata has no storage index")
@@ -861,7 +861,7 @@ class FileSystemReader(StorageReader):
             ``plan``.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageReader.prepare_local_plan``.
+            :pt:`torch.distributed.checkpoint.StorageReader.prepare_local_plan`.
         """
         return plan
 
@@ -875,7 +875,7 @@ class FileSystemReader(StorageReader):
             ``plans``.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageReader.prepare_global_plan``.
+            :pt:`torch.distributed.checkpoint.StorageReader.prepare_global_plan`.
         """
         return plans
 
@@ -896,7 +896,7 @@ class FileSystemReader(StorageReader):
                 outside the checkpoint or not a regular file.
 
         See Also:
-            ``torch.distributed.checkpoint.StorageReader.read_data``.
+            :pt:`torch.distributed.checkpoint.StorageReader.read_data`.
         """
         try:
             with _ReadSession(self.path, self._checksums) as session:
@@ -916,7 +916,7 @@ class FileSystemReader(StorageReader):
         """The checkpoint directory this reader reads.
 
         See Also:
-            ``torch.distributed.checkpoint.FileSystemReader.checkpoint_id``.
+            :pt:`torch.distributed.checkpoint.FileSystemReader.checkpoint_id`.
         """
         return self.path
 
@@ -931,7 +931,7 @@ class FileSystemReader(StorageReader):
             ``True`` for a local path.
 
         See Also:
-            ``torch.distributed.checkpoint.FileSystemReader.validate_checkpoint_id``.
+            :pt:`torch.distributed.checkpoint.FileSystemReader.validate_checkpoint_id`.
         """
         return FileSystem.validate_checkpoint_id(checkpoint_id)
 
@@ -1168,7 +1168,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
         FileNotFoundError: the checkpoint has no checksums (written by PyTorch).
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader``: PyTorch reads without verifying.
+        :pt:`torch.distributed.checkpoint.FileSystemReader`: PyTorch reads without verifying.
     """
     p = check_checkpoint_dir(path)
     sums = read_checksums(p)

@@ -44,7 +44,7 @@ class CheckpointStatus(Enum):
     """The verdict of :func:`check_checkpoint`; ``value`` is the ``hp-dcp verify`` exit code.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader``: PyTorch has no such check.
+        :pt:`torch.distributed.checkpoint.FileSystemReader`: PyTorch has no such check.
     """
 
     VERIFIED = 0
@@ -73,7 +73,7 @@ class VerificationReport:
         message: a one-line explanation.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader``: PyTorch has no such check.
+        :pt:`torch.distributed.checkpoint.FileSystemReader`: PyTorch has no such check.
     """
 
     path: Path
@@ -289,8 +289,8 @@ def check_checkpoint(path: str | os.PathLike[str]) -> VerificationReport:
         FileNotFoundError: nothing exists at ``path``.
 
     See Also:
-        ``torch.distributed.checkpoint.FileSystemReader``: PyTorch reads without verifying.
-        ``torch.load(weights_only=True)``: PyTorch's allow-list loading.
+        :pt:`torch.distributed.checkpoint.FileSystemReader`: PyTorch reads without verifying.
+        :pt:`torch.load` (``weights_only=True``): PyTorch's allow-list loading.
     """
     root = Path(path)
     checker = _Checker(root)

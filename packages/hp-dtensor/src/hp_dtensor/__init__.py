@@ -6,7 +6,7 @@ mesh context, HyperParallel's ``Layout``, sharded initialization, the state-dict
 ``hp_dtensor.testing``.
 
 See Also:
-    ``torch.distributed.tensor``: PyTorch's DTensor package.
+    :pt:`torch.distributed.tensor`: PyTorch's DTensor package.
 """
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh

@@ -10,7 +10,7 @@ so their methods keep PyTorch's CPU fallback (they do nothing) and log once at d
 other functions work everywhere.
 
 See Also:
-    ``torch.accelerator``: PyTorch's device-generic accelerator API.
+    :pt:`torch.accelerator`: PyTorch's device-generic accelerator API.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def is_npu_available() -> bool:
         True when ``torch_npu`` imports and reports at least one NPU.
 
     See Also:
-        ``torch.accelerator.is_available``: PyTorch's generic accelerator check.
+        :pt:`torch.accelerator.is_available`: PyTorch's generic accelerator check.
     """
     module = _import_npu()
     if module is None:
@@ -168,7 +168,7 @@ def get_device_type() -> str:
         The device type string.
 
     See Also:
-        ``torch.accelerator.current_accelerator``: PyTorch's accelerator query.
+        :pt:`torch.accelerator.current_accelerator`: PyTorch's accelerator query.
     """
     is_npu_available()  # registers the NPU with torch.accelerator when torch_npu is installed
     if torch.accelerator.is_available():
@@ -188,7 +188,7 @@ def is_accelerator(device_type: str | torch.device | None = None) -> bool:
         True for accelerator devices.
 
     See Also:
-        ``torch.accelerator.is_available``: PyTorch's generic accelerator check.
+        :pt:`torch.accelerator.is_available`: PyTorch's generic accelerator check.
     """
     kind = _device_type_of(device_type)
     return kind not in (DEVICE_TYPE_CPU, DEVICE_TYPE_META)
@@ -218,7 +218,7 @@ def device_count(device_type: str | torch.device | None = None) -> int:
         The device count.
 
     See Also:
-        ``torch.accelerator.device_count``: PyTorch's accelerator count.
+        :pt:`torch.accelerator.device_count`: PyTorch's accelerator count.
     """
     kind = _device_type_of(device_type)
     if kind in (DEVICE_TYPE_CPU, DEVICE_TYPE_META):
@@ -242,7 +242,7 @@ def get_device(index: int | None = None) -> torch.device:
         The device.
 
     See Also:
-        ``torch.accelerator.current_device_index``: PyTorch's current accelerator index.
+        :pt:`torch.accelerator.current_device_index`: PyTorch's current accelerator index.
     """
     kind = get_device_type()
     if kind == DEVICE_TYPE_CPU:
@@ -262,7 +262,7 @@ def set_device(index: int) -> None:
         ValueError: on the CPU only index 0 exists; another index is an error.
 
     See Also:
-        ``torch.accelerator.set_device_index``: PyTorch's generic setter.
+        :pt:`torch.accelerator.set_device_index`: PyTorch's generic setter.
     """
     if get_device_type() == DEVICE_TYPE_CPU:
         if index != 0:
@@ -278,7 +278,7 @@ def pin_memory_available() -> bool:
         True when an accelerator is present.
 
     See Also:
-        ``torch.Tensor.pin_memory``: pinning needs an accelerator runtime.
+        :pt:`torch.Tensor.pin_memory`: pinning needs an accelerator runtime.
     """
     return is_accelerator()
 
@@ -296,7 +296,7 @@ def get_default_backend(device_type: str | torch.device | None = None) -> str:
         ValueError: for a device type with no known backend.
 
     See Also:
-        ``torch.distributed.Backend.default_device_backend_map``: PyTorch's device-to-backend map.
+        :pt:`torch.distributed.Backend.default_device_backend_map`: PyTorch's device-to-backend map.
     """
     kind = _device_type_of(device_type)
     backend = _BACKEND_BY_DEVICE.get(kind)
@@ -319,7 +319,7 @@ def dispatch_key_for(device_type: str | torch.device | None = None) -> str:
         ValueError: for an unknown device type.
 
     See Also:
-        ``torch.library.Library.impl``: registers a kernel under a dispatch key.
+        :pt:`torch.library.Library.impl`: registers a kernel under a dispatch key.
     """
     kind = _device_type_of(device_type)
     key = _DISPATCH_KEY_BY_DEVICE.get(kind)
@@ -364,7 +364,7 @@ def init_process_group(
         RuntimeError: when the default process group already exists.
 
     See Also:
-        ``torch.distributed.init_process_group``: PyTorch's initializer.
+        :pt:`torch.distributed.init_process_group`: PyTorch's initializer.
     """
     if dist.is_initialized():
         raise RuntimeError("the default process group is already initialized")
@@ -402,7 +402,7 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
         RuntimeError: when no default process group exists.
 
     See Also:
-        ``torch.distributed.destroy_process_group``: PyTorch's destructor.
+        :pt:`torch.distributed.destroy_process_group`: PyTorch's destructor.
     """
     if not dist.is_initialized():
         raise RuntimeError("no default process group is initialized; nothing to destroy")
@@ -416,7 +416,7 @@ def synchronize(device: str | torch.device | None = None) -> None:
         device: the device; None means the current device.
 
     See Also:
-        ``torch.accelerator.synchronize``: PyTorch's generic synchronize.
+        :pt:`torch.accelerator.synchronize`: PyTorch's generic synchronize.
     """
     kind = _device_type_of(device)
     if not is_accelerator(kind):
@@ -435,7 +435,7 @@ class Event:
         enable_timing: record timestamps (accelerators only).
 
     See Also:
-        ``torch.Event``: PyTorch's device-generic event.
+        :pt:`torch.Event`: PyTorch's device-generic event.
     """
 
     def __init__(self, device_type: str | None = None, *, enable_timing: bool = False) -> None:
@@ -473,7 +473,7 @@ class Event:
             stream: the stream.
 
         See Also:
-            ``torch.Event.record``: the wrapped call.
+            :pt:`torch.Event.record`: the wrapped call.
         """
         if self._event is not None:
             native = stream.native if stream is not None else None
@@ -486,7 +486,7 @@ class Event:
             stream: the stream; the current one by default.
 
         See Also:
-            ``torch.Event.wait``: the wrapped call.
+            :pt:`torch.Event.wait`: the wrapped call.
         """
         if self._event is not None:
             native = stream.native if stream is not None else None
@@ -496,7 +496,7 @@ class Event:
         """Block the host until the event completes.
 
         See Also:
-            ``torch.Event.synchronize``: the wrapped call.
+            :pt:`torch.Event.synchronize`: the wrapped call.
         """
         if self._event is not None:
             self._event.synchronize()
@@ -515,7 +515,7 @@ class Event:
                 ``time.perf_counter`` there).
 
         See Also:
-            ``torch.Event.elapsed_time``: the wrapped call.
+            :pt:`torch.Event.elapsed_time`: the wrapped call.
         """
         if self._event is None or end.native is None:
             raise RuntimeError(
@@ -530,7 +530,7 @@ class Event:
             Whether the event completed (always True on the CPU).
 
         See Also:
-            ``torch.Event.query``: the wrapped call.
+            :pt:`torch.Event.query`: the wrapped call.
         """
         return True if self._event is None else bool(self._event.query())
 
@@ -543,7 +543,7 @@ class Stream:
         priority: the stream priority (accelerators only).
 
     See Also:
-        ``torch.Stream``: PyTorch's device-generic stream.
+        :pt:`torch.Stream`: PyTorch's device-generic stream.
     """
 
     def __init__(
@@ -572,7 +572,7 @@ class Stream:
             other: the stream to wait for.
 
         See Also:
-            ``torch.Stream.wait_stream``: the wrapped call.
+            :pt:`torch.Stream.wait_stream`: the wrapped call.
         """
         if self._stream is not None and other.native is not None:
             self._stream.wait_stream(other.native)
@@ -584,7 +584,7 @@ class Stream:
             event: the event.
 
         See Also:
-            ``torch.Stream.wait_event``: the wrapped call.
+            :pt:`torch.Stream.wait_event`: the wrapped call.
         """
         if self._stream is not None and event.native is not None:
             self._stream.wait_event(event.native)
@@ -599,7 +599,7 @@ class Stream:
             The recorded event.
 
         See Also:
-            ``torch.Stream.record_event``: the wrapped call.
+            :pt:`torch.Stream.record_event`: the wrapped call.
         """
         event = event if event is not None else Event(self.device_type)
         event.record(self)
@@ -609,7 +609,7 @@ class Stream:
         """Block the host until the stream's work completes.
 
         See Also:
-            ``torch.Stream.synchronize``: the wrapped call.
+            :pt:`torch.Stream.synchronize`: the wrapped call.
         """
         if self._stream is not None:
             self._stream.synchronize()
@@ -624,7 +624,7 @@ class Stream:
             tensor: a tensor allocated on another stream.
 
         See Also:
-            ``torch.Tensor.record_stream``: the wrapped call.
+            :pt:`torch.Tensor.record_stream`: the wrapped call.
         """
         if self._stream is not None and tensor.device.type == self.device_type:
             tensor.record_stream(self._stream)
@@ -667,7 +667,7 @@ class StreamLog:
     by name. ``ran_on`` maps labels given to :meth:`mark` to the stream current at that point.
 
     See Also:
-        ``torch.Stream`` / ``torch.Event``: the calls being recorded.
+        :pt:`torch.Stream` / :pt:`torch.Event`: the calls being recorded.
     """
 
     def __init__(self) -> None:
@@ -708,7 +708,7 @@ class RecordingStream(Stream):
         log: the shared log.
 
     See Also:
-        ``torch.Stream``: the stream it stands in for.
+        :pt:`torch.Stream`: the stream it stands in for.
     """
 
     def __init__(self, name: str, log: StreamLog) -> None:
@@ -780,7 +780,7 @@ class RecordingEvent(Event):
         log: the shared log.
 
     See Also:
-        ``torch.Event``: the event it stands in for.
+        :pt:`torch.Event`: the event it stands in for.
     """
 
     def __init__(self, name: str, log: StreamLog) -> None:
@@ -821,7 +821,7 @@ def current_stream(device_type: str | None = None) -> Stream:
         The current stream.
 
     See Also:
-        ``torch.accelerator.current_stream``: PyTorch's generic query.
+        :pt:`torch.accelerator.current_stream`: PyTorch's generic query.
     """
     kind = _device_type_of(device_type)
     if not is_accelerator(kind):
@@ -840,7 +840,7 @@ def stream(s: Stream | None) -> Iterator[None]:
         Nothing.
 
     See Also:
-        ``torch.cuda.stream``-style contexts; ``torch.accelerator.set_stream``.
+        :pt:`torch.cuda.stream`-style contexts; :pt:`torch.accelerator.set_stream`.
     """
     if s is not None:
         s._entered()
@@ -886,7 +886,7 @@ def memory_stats(device: str | torch.device | None = None) -> dict[str, int]:
         The statistics.
 
     See Also:
-        ``torch.accelerator.memory_stats``: PyTorch's allocator statistics.
+        :pt:`torch.accelerator.memory_stats`: PyTorch's allocator statistics.
     """
     kind = _device_type_of(device)
     if is_accelerator(kind):
@@ -915,7 +915,7 @@ def peak_memory_bytes(device: str | torch.device | None = None) -> int:
         The peak in bytes.
 
     See Also:
-        ``torch.accelerator.max_memory_allocated``: PyTorch's accelerator peak.
+        :pt:`torch.accelerator.max_memory_allocated`: PyTorch's accelerator peak.
     """
     return memory_stats(device)["peak_allocated"]
 
@@ -926,7 +926,7 @@ def empty_cache() -> None:
     On the CPU this is PyTorch's fallback (nothing to release), logged once at debug level.
 
     See Also:
-        ``torch.accelerator.empty_cache``: PyTorch's generic call.
+        :pt:`torch.accelerator.empty_cache`: PyTorch's generic call.
     """
     if is_accelerator():
         torch.accelerator.empty_cache()
@@ -946,7 +946,7 @@ def reset_peak_memory_stats(device: str | torch.device | None = None) -> None:
         RuntimeError: on a CPU system without a writable ``/proc/self/clear_refs`` (Linux only).
 
     See Also:
-        ``torch.accelerator.reset_peak_memory_stats``: PyTorch's accelerator reset.
+        :pt:`torch.accelerator.reset_peak_memory_stats`: PyTorch's accelerator reset.
     """
     kind = _device_type_of(device)
     if is_accelerator(kind):

@@ -1,8 +1,8 @@
 """DTensor dispatch controls: run ops on local shards, and register custom sharding rules.
 
 See Also:
-    ``torch.distributed.tensor.experimental.register_sharding``: torch's rule registration;
-    ``torch.distributed.tensor.experimental.local_map``: torch's per-function local execution.
+    :pt:`torch.distributed.tensor.experimental.register_sharding`: torch's rule registration;
+    :pt:`torch.distributed.tensor.experimental.local_map`: torch's per-function local execution.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class SkipDTensorDispatch:
                 local_sum = dtensor.sum()  # this rank's shard only, a plain tensor
 
     See Also:
-        ``torch.distributed.tensor.experimental.local_map``: torch's per-function equivalent.
+        :pt:`torch.distributed.tensor.experimental.local_map`: torch's per-function equivalent.
     """
 
     def __init__(self) -> None:
@@ -136,7 +136,7 @@ def register_sharding_rule(
         ValueError: when ``op`` is an empty list.
 
     See Also:
-        ``torch.distributed.tensor.experimental.register_sharding``: the decorator form.
+        :pt:`torch.distributed.tensor.experimental.register_sharding`: the decorator form.
     """
     overloads = _overloads(op)
     if not callable(rule):
@@ -161,7 +161,7 @@ def sharding_rule(op: OpOverload | Sequence[OpOverload], rule: ShardingRule) -> 
         TypeError: when ``op`` is not an operator overload or ``rule`` is not callable.
 
     See Also:
-        ``torch.distributed.tensor.experimental.register_sharding``: permanent registration.
+        :pt:`torch.distributed.tensor.experimental.register_sharding`: permanent registration.
     """
     overloads = _overloads(op)
     propagator = dtensor_sharding_propagator

@@ -13,7 +13,7 @@ Three pieces:
   recomputes (in place, or by reassigning) every buffer it owns directly.
 
 See Also:
-    ``torch.nn.Module.to_empty``: PyTorch's materialization (unties tied parameters, no values).
+    :pt:`torch.nn.Module.to_empty`: PyTorch's materialization (unties tied parameters, no values).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def register_init_fn(
         TypeError: when ``module_type`` is not an ``nn.Module`` subclass or ``fn`` not callable.
 
     See Also:
-        ``torch.nn.Module.reset_parameters``: the initializer PyTorch layers define.
+        :pt:`torch.nn.Linear.reset_parameters`: the initializer PyTorch layers define.
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
@@ -112,7 +112,7 @@ def get_init_fn(module: nn.Module) -> InitFn | None:
         The registered function (by MRO), else a call of ``module.reset_parameters``, else None.
 
     See Also:
-        ``torch.nn.Module.reset_parameters``: the initializer PyTorch layers define.
+        :pt:`torch.nn.Linear.reset_parameters`: the initializer PyTorch layers define.
     """
     return _lookup(module)[0]
 
@@ -142,7 +142,7 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
 
     See Also:
         ``accelerate.init_on_device``: the Hugging Face API this mirrors;
-        ``torch.device`` used as a context manager.
+        :pt:`torch.device` used as a context manager.
     """
     target = torch.device(device)
     if include_buffers:
@@ -371,8 +371,8 @@ def init_parameters(
             or when ``module`` holds no meta tensor at all and ``reinitialize`` is False.
 
     See Also:
-        ``torch.nn.Module.to_empty``: PyTorch's materialization (no values, unties tied
-        parameters); ``torch.distributed.fsdp.fully_shard`` docs on meta-device init.
+        :pt:`torch.nn.Module.to_empty`: PyTorch's materialization (no values, unties tied
+        parameters); :pt:`torch.distributed.fsdp.fully_shard` docs on meta-device init.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"init_parameters expects an nn.Module, got {type(module).__name__}")

@@ -12,8 +12,8 @@ differs from the mesh order becomes ``_StridedShard`` (as FSDP does for FSDP x T
 round-trips. Global shapes are metadata: uneven shards are exact.
 
 See Also:
-    ``torch.distributed.tensor.DTensor``: the tensor type layouts describe;
-    ``torch.distributed.tensor.placement_types``: ``Shard``, ``Replicate``, ``Partial``.
+    :pt:`torch.distributed.tensor.DTensor`: the tensor type layouts describe;
+    :pt:`torch.distributed.tensor.placement_types`: ``Shard``, ``Replicate``, ``Partial``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Layout:
             w.placements  # (_StridedShard(dim=0, sf=2), Shard(dim=0))
 
     See Also:
-        ``torch.distributed.device_mesh.DeviceMesh``: torch's named device matrix.
+        :pt:`torch.distributed.device_mesh.DeviceMesh`: torch's named device matrix.
     """
 
     def __init__(
@@ -146,7 +146,7 @@ class Layout:
             The device layout; its :attr:`device_mesh` is ``device_mesh`` itself.
 
         See Also:
-            ``torch.distributed.device_mesh.DeviceMesh``: the mesh type.
+            :pt:`torch.distributed.device_mesh.DeviceMesh`: the mesh type.
         """
         names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
         layout = cls(
@@ -179,7 +179,7 @@ class Layout:
             TypeError: for a placement type this module does not know.
 
         See Also:
-            ``torch.distributed.tensor.DTensor.placements``: torch's per-axis placements.
+            :pt:`torch.distributed.tensor.DTensor.placements`: torch's per-axis placements.
         """
         placements = tuple(placements)
         if len(placements) != device_mesh.ndim:
@@ -230,7 +230,7 @@ class Layout:
             ValueError: when keys are missing.
 
         See Also:
-            ``torch.distributed.tensor.DTensor.placements``: torch keeps placements, not dicts.
+            :pt:`torch.distributed.tensor.DTensor.placements`: torch keeps placements, not dicts.
         """
         missing = {"mesh_shape", "alias_name"} - set(data)
         if missing:
@@ -261,7 +261,7 @@ class Layout:
             TypeError: for entries that are not strings or tuples of strings.
 
         See Also:
-            ``torch.distributed.tensor.Shard``: the placement a sharded dim becomes.
+            :pt:`torch.distributed.tensor.Shard`: the placement a sharded dim becomes.
         """
         if not tensor_map:
             raise ValueError("give one tensor-map entry per tensor dim (use 'None' for none)")
@@ -406,7 +406,7 @@ class Layout:
             (per dim ``"None"``, an alias, or a list of aliases) and ``partial``.
 
         See Also:
-            ``torch.distributed.tensor.DTensor.placements``: torch's (non-dict) description.
+            :pt:`torch.distributed.tensor.DTensor.placements`: torch's (non-dict) description.
         """
         data: dict[str, Any] = {
             "mesh_shape": list(self._mesh_shape),
@@ -505,7 +505,7 @@ def distribute_with_layout(
         ValueError: when it is not a tensor layout of ``tensor.ndim`` dims.
 
     See Also:
-        ``torch.distributed.tensor.distribute_tensor``: torch's placement-based version.
+        :pt:`torch.distributed.tensor.distribute_tensor`: torch's placement-based version.
     """
     _require_tensor_layout(tensor_layout, tensor.ndim)
     mesh = tensor_layout.device_mesh
@@ -572,7 +572,7 @@ def from_local_with_layout(
             shape is not this rank's shard of the global shape.
 
     See Also:
-        ``torch.distributed.tensor.DTensor.from_local``: torch's placement-based version (which
+        :pt:`torch.distributed.tensor.DTensor.from_local`: torch's placement-based version (which
         assumes even shards when no shape is given).
     """
     _require_tensor_layout(tensor_layout, local.ndim)

@@ -6,7 +6,7 @@ see it), and :func:`get_current_mesh` returns the innermost one. Nothing is reme
 ``with`` block.
 
 See Also:
-    ``torch.distributed.device_mesh``: PyTorch's DeviceMesh and ``init_device_mesh``.
+    :pt:`torch.distributed.device_mesh`: PyTorch's DeviceMesh and ``init_device_mesh``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def get_current_mesh(*, required: bool = True) -> DeviceMesh | None:
         RuntimeError: when no mesh is current and ``required`` is True.
 
     See Also:
-        ``torch.distributed.device_mesh.DeviceMesh.__enter__``: torch's mesh context.
+        :pt:`torch.distributed.device_mesh.DeviceMesh.__enter__`: torch's mesh context.
     """
     stack = _MESH_STACK.get()
     if stack:
@@ -89,7 +89,7 @@ def use_mesh(mesh: DeviceMesh) -> Iterator[DeviceMesh]:
         TypeError: when ``mesh`` is not a DeviceMesh.
 
     See Also:
-        ``torch.distributed.device_mesh.DeviceMesh``: ``with mesh:`` is torch's equivalent.
+        :pt:`torch.distributed.device_mesh.DeviceMesh`: ``with mesh:`` is torch's equivalent.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"use_mesh expects a DeviceMesh, got {type(mesh).__name__}")
@@ -127,7 +127,7 @@ def init_mesh(
         ValueError: for a shape that does not match the world size, or bad names.
 
     See Also:
-        ``torch.distributed.device_mesh.init_device_mesh``: PyTorch's mesh constructor.
+        :pt:`torch.distributed.device_mesh.init_device_mesh`: PyTorch's mesh constructor.
     """
     import torch.distributed as dist
 
@@ -197,7 +197,7 @@ def get_submesh(mesh: DeviceMesh, names: str | Sequence[str]) -> DeviceMesh:
         ValueError: for an unknown or repeated name or a mesh without names.
 
     See Also:
-        ``torch.distributed.device_mesh.DeviceMesh.__getitem__``: torch's slicing.
+        :pt:`torch.distributed.device_mesh.DeviceMesh.__getitem__`: torch's slicing.
     """
     axes = _names_of(names)
     _check_names(mesh, axes)
@@ -221,7 +221,7 @@ def flatten_axes(
         ValueError: for unknown or repeated names.
 
     See Also:
-        ``torch.distributed.device_mesh.DeviceMesh._flatten``: torch's (private) flattening.
+        :pt:`torch.distributed.device_mesh.DeviceMesh._flatten`: torch's (private) flattening.
     """
     axes = _names_of(names)
     _check_names(mesh, axes)
@@ -243,7 +243,7 @@ def mesh_axis_size(mesh: DeviceMesh, name: str) -> int:
         ValueError: for an unknown name.
 
     See Also:
-        ``torch.distributed.device_mesh.DeviceMesh.size``: torch's per-dim size.
+        :pt:`torch.distributed.device_mesh.DeviceMesh.size`: torch's per-dim size.
     """
     _check_names(mesh, (name,))
     return int(mesh[name].size())

@@ -10,7 +10,7 @@ shares its state tensors with that dict, so later steps would change the caller'
 the caller's containers are copied and the optimizer's tensors are cloned.
 
 See Also:
-    ``torch.distributed.checkpoint.state_dict``: PyTorch's helpers with the same signatures.
+    :pt:`torch.distributed.checkpoint.state_dict`: PyTorch's helpers with the same signatures.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def get_model_state_dict(
         TypeError: for a model that is not a module or options of the wrong type.
 
     See Also:
-        ``torch.distributed.checkpoint.state_dict.get_model_state_dict``: PyTorch's version.
+        :pt:`torch.distributed.checkpoint.state_dict.get_model_state_dict`: PyTorch's version.
     """
     _check_model(model)
     _check_options(options)
@@ -121,7 +121,7 @@ def set_model_state_dict(
             options of the wrong type.
 
     See Also:
-        ``torch.distributed.checkpoint.state_dict.set_model_state_dict``: PyTorch's version,
+        :pt:`torch.distributed.checkpoint.state_dict.set_model_state_dict`: PyTorch's version,
         which replaces the values of the dict it is given.
     """
     _check_model(model)
@@ -156,7 +156,7 @@ def get_optimizer_state_dict(
         TypeError: for a model that is not a module or options of the wrong type.
 
     See Also:
-        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``: PyTorch's version.
+        :pt:`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`: PyTorch's version.
     """
     _check_model(model)
     _check_options(options)
@@ -186,7 +186,7 @@ def set_optimizer_state_dict(
             options of the wrong type.
 
     See Also:
-        ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``: PyTorch's version.
+        :pt:`torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`: PyTorch's version.
     """
     _check_model(model)
     _check_options(options)
@@ -222,7 +222,7 @@ def get_state_dict(
         TypeError: for a model that is not a module or options of the wrong type.
 
     See Also:
-        ``torch.distributed.checkpoint.state_dict.get_state_dict``: PyTorch's version.
+        :pt:`torch.distributed.checkpoint.state_dict.get_state_dict`: PyTorch's version.
     """
     _check_model(model)
     _check_options(options)
@@ -253,7 +253,7 @@ def set_state_dict(
         TypeError: for arguments of the wrong type.
 
     See Also:
-        ``torch.distributed.checkpoint.state_dict.set_state_dict``: PyTorch's version.
+        :pt:`torch.distributed.checkpoint.state_dict.set_state_dict`: PyTorch's version.
     """
     _check_model(model)
     _check_options(options)

@@ -16,7 +16,7 @@ Communication interfaces with PyTorch FSDP2's call contract: :class:`AllGather`,
 :class:`Bf16AllToAllReduceScatter`.
 
 See Also:
-    ``torch.library``: PyTorch's custom-op API.
+    :pt:`torch.library`: PyTorch's custom-op API.
 """
 
 from hp_kernels.__about__ import __version__

@@ -149,8 +149,8 @@ def all_gather_copy_in(
         [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather``: PyTorch
-        FSDP2's copy-in (``torch.ops.fsdp.all_gather_copy_in``).
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather`: PyTorch
+        FSDP2's copy-in (:pt:`torch.ops.fsdp.all_gather_copy_in`).
     """
     _check_world(world_size, rank)
     splits = [int(s) for s in input_split_sizes]
@@ -208,8 +208,8 @@ def all_gather_copy_out(
         TypeError: If an output's dtype differs from the buffer's.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather_copy_out``:
-        PyTorch FSDP2's copy-out (``torch.split_with_sizes_copy`` on the ``[world, -1]`` view).
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather_copy_out`:
+        PyTorch FSDP2's copy-out (:pt:`torch.split_with_sizes_copy` on the ``[world, -1]`` view).
     """
     _check_world(world_size)
     splits = [int(s) for s in input_split_sizes]
@@ -288,7 +288,7 @@ def unpadded_views(
         ValueError: If the shapes are inconsistent.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.init_unsharded_param``:
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.init_unsharded_param`:
         PyTorch FSDP2's unpadded views of the all-gather output.
     """
     # Argument checks cost more than the view itself, so they are kept to tuple comparisons

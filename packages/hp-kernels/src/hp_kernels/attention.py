@@ -123,7 +123,7 @@ def merge_attention_partials(
         ([[0.5, 0.5]], 0.6931)
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel``: PyTorch's ring attention,
+        :pt:`torch.distributed.tensor.experimental.context_parallel`: PyTorch's ring attention,
         which merges per-step partial outputs by their log-sum-exp.
     """
     if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:

@@ -42,7 +42,7 @@ class Comm(ABC):
     """A communication primitive: how and where its buffers are allocated, and the call.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_api.Comm``: PyTorch FSDP2's interface.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_api.Comm`: PyTorch FSDP2's interface.
     """
 
     #: Name of PyTorch FSDP2's interface class this one mirrors; its subclasses count as ours.
@@ -89,7 +89,7 @@ class Comm(ABC):
             The (uninitialized) buffer.
 
         See Also:
-            ``torch.distributed.fsdp._fully_shard._fsdp_api.Comm.allocate``: PyTorch's hook.
+            :pt:`torch.distributed.fsdp._fully_shard._fsdp_api.Comm.allocate`: PyTorch's hook.
         """
 
 
@@ -97,7 +97,7 @@ class AllGather(Comm):
     """All-gather of equal-sized flat inputs into one flat output (rank-major).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``: PyTorch FSDP2's interface.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`: PyTorch FSDP2's interface.
     """
 
     _torch_interface: ClassVar[str] = "AllGather"
@@ -124,7 +124,7 @@ class AllGather(Comm):
             The work handle when ``async_op``, else ``None`` (or a completed handle).
 
         See Also:
-            ``torch.distributed.all_gather_single``: the collective used by default.
+            :pt:`torch.distributed.all_gather_single`: the collective used by default.
         """
 
 
@@ -132,7 +132,7 @@ class ReduceScatter(Comm):
     """Reduce-scatter of a flat input into a flat per-rank output.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``: PyTorch FSDP2's
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter`: PyTorch FSDP2's
         interface.
     """
 
@@ -162,7 +162,7 @@ class ReduceScatter(Comm):
             The work handle when ``async_op``, else ``None`` (or a completed handle).
 
         See Also:
-            ``torch.distributed.reduce_scatter_single``: the collective used by default.
+            :pt:`torch.distributed.reduce_scatter_single`: the collective used by default.
         """
 
 
@@ -170,7 +170,7 @@ class AllReduce(Comm):
     """In-place all-reduce (the replicate-axis reduction of HSDP, or DDP-style replication).
 
     See Also:
-        ``torch.distributed.all_reduce``: the collective it wraps by default.
+        :pt:`torch.distributed.all_reduce`: the collective it wraps by default.
     """
 
     allocate = Comm.allocate  # documented here too; still abstract
@@ -195,7 +195,7 @@ class AllReduce(Comm):
             The work handle when ``async_op``, else ``None`` (or a completed handle).
 
         See Also:
-            ``torch.distributed.all_reduce``: PyTorch's collective.
+            :pt:`torch.distributed.all_reduce`: PyTorch's collective.
         """
 
 
@@ -231,7 +231,7 @@ def _allocate_empty(
         The new buffer.
 
     See Also:
-        ``torch.empty``: the allocation used.
+        :pt:`torch.empty`: the allocation used.
     """
     return torch.empty(*size, dtype=dtype, device=device)
 
@@ -244,7 +244,7 @@ class DefaultAllGather(AllGather):
         >>> comm = DefaultAllGather()  # then comm(out, inp, group) on every rank
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather``: PyTorch's.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather`: PyTorch's.
     """
 
     allocate = _allocate_empty
@@ -268,7 +268,7 @@ class DefaultAllGather(AllGather):
             The work handle when ``async_op``, else ``None``.
 
         See Also:
-            ``torch.distributed.all_gather_single``: the collective.
+            :pt:`torch.distributed.all_gather_single`: the collective.
         """
         work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         return cast("dist.Work | None", work)
@@ -278,7 +278,7 @@ class DefaultReduceScatter(ReduceScatter):
     """Reduce-scatter with ``torch.distributed.reduce_scatter_single``.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter``:
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter`:
         PyTorch's.
     """
 
@@ -305,7 +305,7 @@ class DefaultReduceScatter(ReduceScatter):
             The work handle when ``async_op``, else ``None``.
 
         See Also:
-            ``torch.distributed.reduce_scatter_single``: the collective.
+            :pt:`torch.distributed.reduce_scatter_single`: the collective.
         """
         work = dist.reduce_scatter_single(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
@@ -317,7 +317,7 @@ class DefaultAllReduce(AllReduce):
     """All-reduce with ``torch.distributed.all_reduce``.
 
     See Also:
-        ``torch.distributed.all_reduce``: the collective.
+        :pt:`torch.distributed.all_reduce`: the collective.
     """
 
     allocate = _allocate_empty
@@ -341,7 +341,7 @@ class DefaultAllReduce(AllReduce):
             The work handle when ``async_op``, else ``None``.
 
         See Also:
-            ``torch.distributed.all_reduce``: the collective.
+            :pt:`torch.distributed.all_reduce`: the collective.
         """
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return cast("dist.Work | None", work)
@@ -395,7 +395,7 @@ class Bf16AllToAllReduceScatter(ReduceScatter):
         >>> comm = Bf16AllToAllReduceScatter()  # model.set_custom_reduce_scatter(comm)
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter``:
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultReduceScatter`:
         PyTorch's full-precision default.
     """
 
@@ -426,7 +426,7 @@ class Bf16AllToAllReduceScatter(ReduceScatter):
             ValueError: For another reduction or mismatched sizes.
 
         See Also:
-            ``torch.distributed.all_to_all_single``: the collective used.
+            :pt:`torch.distributed.all_to_all_single`: the collective used.
         """
         average = _same_op(op, dist.ReduceOp.AVG)
         if not average and not _same_op(op, dist.ReduceOp.SUM):

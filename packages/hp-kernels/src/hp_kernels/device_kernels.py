@@ -111,7 +111,7 @@ def register_device_kernel(
         >>> register_device_kernel("post_reduce", "privateuseone", my_kernel)  # doctest: +SKIP
 
     See Also:
-        ``torch.library.register_kernel``: the PyTorch API used.
+        :pt:`torch.library.register_kernel`: the PyTorch API used.
     """
     name = _check_op(op_name)
     if not callable(fn):
@@ -136,7 +136,7 @@ def has_device_kernel(op_name: str, device_type: str) -> bool:
         ValueError: If ``op_name`` or ``device_type`` is unknown.
 
     See Also:
-        ``torch.library.get_kernel``: PyTorch's kernel lookup.
+        :pt:`torch.library.get_kernel`: PyTorch's kernel lookup.
     """
     name = _check_op(op_name)
     return bool(dispatch_has_kernel_for_dispatch_key(name, _dispatch_key(device_type)))
@@ -158,7 +158,7 @@ def reference_kernel(op_name: str) -> Callable[..., Any]:
         ValueError: If ``op_name`` is unknown.
 
     See Also:
-        ``torch.library.get_kernel``: PyTorch's lookup of a registered kernel.
+        :pt:`torch.library.get_kernel`: PyTorch's lookup of a registered kernel.
     """
     _check_op(op_name)
     return REFERENCE_KERNELS[op_name]
@@ -183,7 +183,7 @@ def shipped_device_kernels() -> dict[str, tuple[str, ...]]:
         True
 
     See Also:
-        ``torch.library.register_kernel``: how the kernels are registered.
+        :pt:`torch.library.register_kernel`: how the kernels are registered.
     """
     result: dict[str, tuple[str, ...]] = {}
     for op_name in OP_NAMES:

@@ -122,7 +122,7 @@ def permute_tokens(
         ([2.0, 1.0, 3.0], [1, 2])
 
     See Also:
-        ``torchtitan.models.moe.moe.TokenReorderer``: TorchTitan's reordering of routed tokens
+        :titan:`torchtitan.models.moe.moe.TokenReorderer`: TorchTitan's reordering of routed tokens
         by expert.
     """
     if num_experts < 1:
@@ -243,7 +243,7 @@ def unpermute_tokens(
         True
 
     See Also:
-        ``torchtitan.models.moe.moe.MoE``: TorchTitan's MoE layer, which scatters routed expert
+        :titan:`torchtitan.models.moe.moe.MoE`: TorchTitan's MoE layer, which scatters routed expert
         outputs back to token order.
     """
     if probs is not None:

@@ -178,7 +178,7 @@ def permute_tokens_aligned(
         ([2.0, 0.0, 1.0, 3.0, 0.0], [2, 0, 3], [2, 2])
 
     See Also:
-        ``torchtitan.models.moe.utils.generate_permute_indices``: TorchTitan's aligned
+        :titan:`torchtitan.models.moe.utils.generate_permute_indices`: TorchTitan's aligned
         permutation for grouped GEMMs.
     """
     if num_experts < 1 or alignment < 1:
@@ -218,7 +218,7 @@ def unpermute_tokens_aligned(
         ValueError: If the sizes are inconsistent.
 
     See Also:
-        ``torchtitan.models.moe.moe.MoE``: TorchTitan scatters the aligned expert outputs back
+        :titan:`torchtitan.models.moe.moe.MoE`: TorchTitan scatters the aligned expert outputs back
         with ``permuted_indices``.
     """
     if probs is not None:

@@ -244,7 +244,7 @@ def reduce_scatter_numel(
         ValueError: On inconsistent arguments (see :func:`reduce_scatter_copy_in`).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common._get_dim0_padded_size``: PyTorch's
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common._get_dim0_padded_size`: PyTorch's
         padded size computation.
     """
     _validate(shapes, shard_dims, world_size)
@@ -318,8 +318,8 @@ def reduce_scatter_copy_in(
         [0.0, 1.0, 2.0, 0.0]
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce_scatter_copy_in``:
-        PyTorch FSDP2's copy-in (``torch._chunk_cat``).
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce_scatter_copy_in`:
+        PyTorch FSDP2's copy-in (:pt:`torch._chunk_cat`).
     """
     if not grads:
         raise ValueError("reduce_scatter_copy_in needs at least one gradient")
@@ -380,7 +380,7 @@ def gradient_divide_factors(
         (None, 3.0)
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors``:
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors`:
         PyTorch FSDP2's split (with ``force_sum_reduction_for_comms=True``).
     """
     if data_parallel_size < 1:
@@ -529,7 +529,7 @@ def post_reduce(
         [1.0, 2.0]
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce``: PyTorch FSDP2's
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce`: PyTorch FSDP2's
         post-reduce division, cast and ``grad += new_sharded_grad`` accumulation.
     """
     div = None if divide_factor is None else float(divide_factor)

@@ -5,7 +5,7 @@ executor; the schedule classes carry PyTorch's names and signatures. The plannin
 (schedule generators, CSV tables, the offline validator and the simulator) needs no processes.
 
 See Also:
-    ``torch.distributed.pipelining``
+    :pt:`torch.distributed.pipelining`
 """
 
 from hp_pp import _planning_api, _runtime_api

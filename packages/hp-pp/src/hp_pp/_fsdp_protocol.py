@@ -10,7 +10,7 @@ between micro-batch forwards is the module's ``reshard_after_forward`` (``False`
 one all-gather per step instead of one per micro-batch).
 
 See Also:
-    ``torch.distributed.pipelining.stage._PipelineStageBase.backward_maybe_with_nosync``
+    :pt:`torch.distributed.pipelining.stage._PipelineStageBase.backward_maybe_with_nosync`
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ and input shipped to stage 0's rank) and ``0PRE_B2`` (stage 0's rank recomputes 
 preprocess forward and runs its backward).
 
 See Also:
-    ``torch.distributed.pipelining.schedules._Action``: the same notation.
+    :pt:`torch.distributed.pipelining.schedules._Action`: the same notation.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ActionType(str, Enum):
     """What an action does. The value is its suffix in the compact notation.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._ComputationType``
+        :pt:`torch.distributed.pipelining.schedules._ComputationType`
     """
 
     FORWARD = "F"
@@ -111,7 +111,7 @@ class Action:
         sub_actions: For ``OVERLAP_F_B`` only: the compute actions run together.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._Action``
+        :pt:`torch.distributed.pipelining.schedules._Action`
     """
 
     stage_index: int

@@ -9,7 +9,7 @@ offline, simulates it and, with ``--out``, draws it. Bad input prints a clear
 error and exits with 2; an invalid schedule exits with 1.
 
 See Also:
-    ``torch.distributed.pipelining.schedules._dump_chrometrace``
+    :pt:`torch.distributed.pipelining.schedules._dump_chrometrace`
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Stages on the same rank pass tensors directly: no transfer is added.
 of stages whose module is sharded (FSDP).
 
 See Also:
-    ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime`` (its lowering of
+    :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime` (its lowering of
     ``pipeline_order`` into ``pipeline_order_with_comms``).
 """
 
@@ -128,7 +128,7 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
             order cannot run (some action waits forever); the message names rank and action.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._add_send_recv``
+        :pt:`torch.distributed.pipelining.schedules._add_send_recv`
     """
     pp_size = len(table)
     if sorted(table) != list(range(pp_size)):
@@ -216,7 +216,7 @@ def add_reduce_grad(table: ScheduleTable, *, n_microbatches: int) -> ScheduleTab
     Idle slots are dropped.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._add_reduce_grad``
+        :pt:`torch.distributed.pipelining.schedules._add_reduce_grad`
     """
     result: ScheduleTable = {}
     for rank, actions in table.items():
@@ -253,7 +253,7 @@ def add_unshard_reshard(table: ScheduleTable, *, max_active_stages: int = 3) -> 
         ValueError: ``max_active_stages < 1``.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._add_unshard_reshard``
+        :pt:`torch.distributed.pipelining.schedules._add_unshard_reshard`
     """
     if max_active_stages < 1:
         raise ValueError(f"max_active_stages must be >= 1, got {max_active_stages}")

@@ -5,7 +5,7 @@ Cells use the compact notation of :class:`hp_pp.actions.Action` (``0F1``, ``1B0`
 a custom schedule is a file. Row ``r`` is rank ``r``; there is no header.
 
 See Also:
-    ``torch.distributed.pipelining.schedules.PipelineScheduleMulti._load_csv``
+    :pt:`torch.distributed.pipelining.schedules.PipelineScheduleMulti._load_csv`
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def write_csv(table: ScheduleTable, path_or_file: str | Path | IO[str]) -> None:
         ValueError: the ranks are not ``0 .. len(table) - 1``.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime._dump_csv``
+        :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime._dump_csv`
     """
     if sorted(table) != list(range(len(table))):
         raise ValueError(f"table ranks must be 0..{len(table) - 1}, got {sorted(table)}")
@@ -52,7 +52,7 @@ def read_csv(path_or_file: str | Path | IO[str]) -> ScheduleTable:
             row (rank) and column.
 
     See Also:
-        ``torch.distributed.pipelining.schedules.PipelineScheduleMulti._load_csv``
+        :pt:`torch.distributed.pipelining.schedules.PipelineScheduleMulti._load_csv`
     """
     if isinstance(path_or_file, (str, Path)):
         with open(path_or_file, newline="", encoding="utf-8") as handle:

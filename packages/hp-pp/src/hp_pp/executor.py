@@ -27,7 +27,7 @@ The executor records the order in which it posts, waits and computes in :attr:`e
 observe issue/wait order.
 
 See Also:
-    ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``
+    :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class PipelineExecutor:
         ValueError: an action names a stage this rank does not hold.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``
+        :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
     """
 
     def __init__(

@@ -14,7 +14,7 @@ gradients equal to a single-process run of the full batch with a mean-reduced lo
 would silently weight the samples of the short micro-batch more.
 
 See Also:
-    ``torch.distributed.pipelining.microbatch``: ``TensorChunkSpec``,
+    :pt:`torch.distributed.pipelining.microbatch`: ``TensorChunkSpec``,
     ``split_args_kwargs_into_chunks``, ``merge_chunks``.
 """
 
@@ -37,7 +37,7 @@ class TensorChunkSpec:
         split_dim: The dimension that holds the batch.
 
     See Also:
-        ``torch.distributed.pipelining.microbatch.TensorChunkSpec``
+        :pt:`torch.distributed.pipelining.microbatch.TensorChunkSpec`
     """
 
     split_dim: int
@@ -99,7 +99,7 @@ def split_args_kwargs_into_chunks(
         TypeError: a spec without an integer ``split_dim``.
 
     See Also:
-        ``torch.distributed.pipelining.microbatch.split_args_kwargs_into_chunks``
+        :pt:`torch.distributed.pipelining.microbatch.split_args_kwargs_into_chunks`
     """
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks (n_microbatches) must be an int >= 1, got {chunks!r}")
@@ -170,7 +170,7 @@ def merge_chunks(chunks: list[Any], chunk_spec: Any = None) -> Any:
         ValueError: ``chunks`` is empty.
 
     See Also:
-        ``torch.distributed.pipelining.microbatch.merge_chunks``
+        :pt:`torch.distributed.pipelining.microbatch.merge_chunks`
     """
     if not chunks:
         raise ValueError("merge_chunks needs at least one micro-batch output")

@@ -13,7 +13,7 @@ last stage without ``loss_fn`` when a target is given, a batch that ``n_microbat
 divide.
 
 See Also:
-    ``torch.distributed.pipelining.schedules``: ``ScheduleGPipe``, ``Schedule1F1B``,
+    :pt:`torch.distributed.pipelining.schedules`: ``ScheduleGPipe``, ``Schedule1F1B``,
     ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``,
     ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, ``get_schedule_class``.
 """
@@ -76,7 +76,7 @@ class PipelineScheduleRuntime:
             not where ``style`` places them, or a table that names stages this rank lacks.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``
+        :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
     """
 
     def __init__(
@@ -363,7 +363,7 @@ class PipelineScheduleSingle(PipelineScheduleRuntime):
     """A built-in schedule with one stage per rank (``_schedule_name`` names it).
 
     See Also:
-        ``torch.distributed.pipelining.schedules.PipelineScheduleSingle``
+        :pt:`torch.distributed.pipelining.schedules.PipelineScheduleSingle`
     """
 
     _schedule_name = ""
@@ -411,7 +411,7 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
     receive buffers, no receive posted ahead).
 
     See Also:
-        ``torch.distributed.pipelining.schedules.PipelineScheduleMulti``
+        :pt:`torch.distributed.pipelining.schedules.PipelineScheduleMulti`
     """
 
     _schedule_name = ""
@@ -466,7 +466,7 @@ class ScheduleGPipe(PipelineScheduleSingle):
     """All forwards, then all backwards.
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleGPipe``
+        :pt:`torch.distributed.pipelining.ScheduleGPipe`
     """
 
     _schedule_name = "GPipe"
@@ -476,7 +476,7 @@ class Schedule1F1B(PipelineScheduleSingle):
     """One forward, one backward in the steady state.
 
     See Also:
-        ``torch.distributed.pipelining.Schedule1F1B``
+        :pt:`torch.distributed.pipelining.Schedule1F1B`
     """
 
     _schedule_name = "1F1B"
@@ -486,7 +486,7 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """1F1B over several stages per rank (loop mapping).
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleInterleaved1F1B``
+        :pt:`torch.distributed.pipelining.ScheduleInterleaved1F1B`
     """
 
     _schedule_name = "Interleaved1F1B"
@@ -496,7 +496,7 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
     """Every micro-batch through one local stage before the next (loop mapping).
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleLoopedBFS``
+        :pt:`torch.distributed.pipelining.ScheduleLoopedBFS`
     """
 
     _schedule_name = "LoopedBFS"
@@ -528,7 +528,7 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     """Interleaved schedule with backward split into input (I) and weight (W) parts.
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``
+        :pt:`torch.distributed.pipelining.ScheduleInterleavedZeroBubble`
     """
 
     _schedule_name = "InterleavedZeroBubble"
@@ -538,7 +538,7 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
     """Zero-bubble schedule on the V mapping (two stages per rank).
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleZBVZeroBubble``
+        :pt:`torch.distributed.pipelining.ScheduleZBVZeroBubble`
     """
 
     _schedule_name = "ZBVZeroBubble"
@@ -548,7 +548,7 @@ class ScheduleDualPipeV(PipelineScheduleMulti):
     """DualPipeV on the V mapping, with overlapped forward+backward pairs.
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleDualPipeV``
+        :pt:`torch.distributed.pipelining.ScheduleDualPipeV`
     """
 
     _schedule_name = "DualPipeV"
@@ -575,7 +575,7 @@ class ScheduleMPipe(PipelineScheduleMulti):
             rank.
 
     See Also:
-        ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` (the body schedule).
+        :pt:`torch.distributed.pipelining.ScheduleInterleaved1F1B` (the body schedule).
     """
 
     _schedule_name = "MPipe"
@@ -662,7 +662,7 @@ def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
         ValueError: unknown name (the message lists the valid ones).
 
     See Also:
-        ``torch.distributed.pipelining.schedules.get_schedule_class``
+        :pt:`torch.distributed.pipelining.schedules.get_schedule_class`
     """
     key = schedule_name.strip().lower().removeprefix("schedule")
     for name, cls in _CLASSES.items():

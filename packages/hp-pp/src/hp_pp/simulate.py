@@ -16,7 +16,7 @@ actions for :mod:`hp_pp.timeline`. Costs are in milliseconds by convention (the 
 reads them so); any unit works for the ratios.
 
 See Also:
-    ``torch.distributed.pipelining.schedules._simulate_comms_compute`` (a lock-step
+    :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute` (a lock-step
     dry run without costs).
 """
 
@@ -55,7 +55,8 @@ class StageCosts:
         activation_memory: Memory one micro-batch's activations of this stage hold.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._simulate_comms_compute`` (a dry run without costs)
+        :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute` (a dry run without
+        costs)
     """
 
     forward: float = 1.0
@@ -119,7 +120,8 @@ class PipelineCosts:
             MPipe's ``PRE_B`` costs ``preprocess_forward + preprocess_backward`` (recompute).
 
     See Also:
-        ``torch.distributed.pipelining.schedules._simulate_comms_compute`` (a dry run without costs)
+        :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute` (a dry run without
+        costs)
     """
 
     default: StageCosts = field(default_factory=StageCosts)
@@ -242,7 +244,7 @@ class TimedAction:
     """One action of the simulated run: where and when it ran.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._simulate_comms_compute``
+        :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute`
     """
 
     rank: int
@@ -263,7 +265,7 @@ class SimulationResult:
         timeline: Every action that takes time, with start and end.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._simulate_comms_compute``
+        :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute`
     """
 
     step_time: float
@@ -286,7 +288,7 @@ def simulate_schedule(table: ScheduleTable, costs: PipelineCosts | None = None) 
         ValueError: the table cannot run (a deadlock); the message names the waiting ranks.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._simulate_comms_compute``
+        :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute`
     """
     run = _TimedRun(table, costs if costs is not None else PipelineCosts())
     run.execute()

@@ -20,7 +20,7 @@ as TorchTitan's models do.
   :func:`pipeline_llm` the whole pipeline with its schedule.
 
 See Also:
-    TorchTitan's ``torchtitan.distributed.pipeline_parallel``: ``pipeline_llm``,
+    TorchTitan's :titan:`torchtitan.distributed.pipeline_parallel`: ``pipeline_llm``,
     ``pipeline_module_split``, ``generate_llm_fqn_per_model_part``.
 """
 
@@ -108,7 +108,7 @@ def generate_llm_fqn_per_model_part(
         ValueError: fewer parts than stages, or ``layer_costs`` of the wrong length.
 
     See Also:
-        TorchTitan's ``generate_llm_fqn_per_model_part``
+        TorchTitan's :titan:`generate_llm_fqn_per_model_part`
     """
     if num_stages < 1 or num_layers < 0:
         raise ValueError(
@@ -169,7 +169,7 @@ def split_module_by_fqns(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
         ValueError: an FQN names no child of ``model``.
 
     See Also:
-        TorchTitan's ``pipeline_module_split`` (its per-stage pruning).
+        TorchTitan's :titan:`pipeline_module_split` (its per-stage pruning).
     """
     children = dict(model.named_children())
     keep_top: set[str] = set()
@@ -229,7 +229,7 @@ def pipeline_module_split(
         ValueError: the number of stages does not fit the schedule's placement.
 
     See Also:
-        TorchTitan's ``pipeline_module_split``
+        TorchTitan's :titan:`pipeline_module_split`
     """
     group = _group_of(pp_mesh)
     indices, models, num_stages = _local_parts(
@@ -313,7 +313,7 @@ def pipeline_llm(
         ValueError: sizes that do not fit the schedule.
 
     See Also:
-        TorchTitan's ``pipeline_llm``
+        TorchTitan's :titan:`pipeline_llm`
     """
     group = _group_of(pp_mesh)
     pp_size = dist.get_world_size(group)

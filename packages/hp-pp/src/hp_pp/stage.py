@@ -23,7 +23,7 @@ pipeline group (one all-reduce per tie name over the group; ranks without it add
 each copy receives the gradient of the shared weight.
 
 See Also:
-    ``torch.distributed.pipelining.PipelineStage``
+    :pt:`torch.distributed.pipelining.PipelineStage`
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class PipelineStage:
         RuntimeError: the default process group is not initialized.
 
     See Also:
-        ``torch.distributed.pipelining.PipelineStage``
+        :pt:`torch.distributed.pipelining.PipelineStage`
     """
 
     def __init__(

@@ -9,7 +9,7 @@ Agg backend (no display). The Chrome trace (open it in ``chrome://tracing`` or P
 needs nothing.
 
 See Also:
-    ``torch.distributed.pipelining.schedules._dump_chrometrace``
+    :pt:`torch.distributed.pipelining.schedules._dump_chrometrace`
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def write_chrome_trace(
     """Write the simulated step as a Chrome trace: one thread per rank, costs read as ms.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._dump_chrometrace``
+        :pt:`torch.distributed.pipelining.schedules._dump_chrometrace`
     """
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": name}},
@@ -109,7 +109,7 @@ def write_timeline_png(
         ImportError: matplotlib is missing (the message names the pip command).
 
     See Also:
-        ``torch.distributed.pipelining.schedules._dump_chrometrace`` (PyTorch draws no picture)
+        :pt:`torch.distributed.pipelining.schedules._dump_chrometrace` (PyTorch draws no picture)
     """
     plt = _pyplot()
     ranks = sorted(result.busy_time)

@@ -13,7 +13,7 @@ of a stage are live from its forward until its backward finishes (``B``, or ``W`
 backward is split).
 
 See Also:
-    ``torch.distributed.pipelining.schedules._simulate_comms_compute`` and HyperParallel's
+    :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute` and HyperParallel's
     ``validate_pipeline_execution`` (the same idea, here with a report instead of a hang).
 """
 
@@ -52,7 +52,7 @@ class ValidationReport:
         peak_in_flight: Per rank, the most micro-batch activations alive at once.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._validate_schedule``
+        :pt:`torch.distributed.pipelining.schedules._validate_schedule`
     """
 
     pp_size: int
@@ -89,7 +89,7 @@ def check_schedule(
     See :func:`validate_schedule` for the arguments.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._validate_schedule``
+        :pt:`torch.distributed.pipelining.schedules._validate_schedule`
     """
     report = validate_schedule(
         table, num_stages=num_stages, n_microbatches=n_microbatches, style=style
@@ -120,7 +120,7 @@ def validate_schedule(
         TypeError: ``table`` is not a mapping from rank to a list of actions.
 
     See Also:
-        ``torch.distributed.pipelining.schedules._validate_schedule``
+        :pt:`torch.distributed.pipelining.schedules._validate_schedule`
     """
     _check_shape(table)
     leaves = [

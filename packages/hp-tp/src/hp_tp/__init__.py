@@ -7,7 +7,7 @@ own, built on DTensor (``distribute_tensor``, ``DTensor.from_local``, ``redistri
 parameters are torch DTensors and compose with ``hp_fsdp.fully_shard`` and torch's own tools.
 
 See Also:
-    ``torch.distributed.tensor.parallel``: PyTorch's tensor-parallel API.
+    :pt:`torch.distributed.tensor.parallel`: PyTorch's tensor-parallel API.
 """
 
 from hp_tp.__about__ import __version__

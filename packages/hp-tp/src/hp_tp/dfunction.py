@@ -1,7 +1,7 @@
 """``DFunction``: an autograd function on local shards with declared input and output layouts.
 
 See Also:
-    ``torch.distributed.tensor.experimental.local_map``: PyTorch's local-function wrapper.
+    :pt:`torch.distributed.tensor.experimental.local_map`: PyTorch's local-function wrapper.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class DFunction(torch.autograd.Function):
             arguments on different meshes, or no mesh at all.
 
     See Also:
-        ``torch.distributed.tensor.experimental.local_map``: PyTorch's local-function wrapper;
-        ``torch.autograd.Function``: the base class.
+        :pt:`torch.distributed.tensor.experimental.local_map`: PyTorch's local-function wrapper;
+        :pt:`torch.autograd.Function`: the base class.
     """
 
     input_layouts: ClassVar[tuple[Any, ...]] = ()
@@ -82,7 +82,7 @@ class DFunction(torch.autograd.Function):
             ValueError: for a wrong number of arguments or outputs, or no mesh.
 
         See Also:
-            ``torch.autograd.Function.apply``: the base method.
+            :pt:`torch.autograd.Function.apply`: the base method.
         """
         if kwargs:
             raise TypeError(f"{cls.__name__}.apply takes positional arguments only")

@@ -11,7 +11,7 @@ flag, nothing global survives the block. Unlike PyTorch's version, the backward 
 block has exited (the gradient is an autograd function of its own).
 
 See Also:
-    ``torch.distributed.tensor.parallel.loss_parallel``: PyTorch's loss-parallel context.
+    :pt:`torch.distributed.tensor.parallel.loss_parallel`: PyTorch's loss-parallel context.
 """
 
 from __future__ import annotations
@@ -547,8 +547,8 @@ def loss_parallel() -> Iterator[None]:
             dimension, or logits with a ``Partial`` placement.
 
     See Also:
-        ``torch.distributed.tensor.parallel.loss_parallel``: PyTorch's loss-parallel context;
-        ``torchtitan.components.loss``: TorchTitan's loss functions used with it.
+        :pt:`torch.distributed.tensor.parallel.loss_parallel`: PyTorch's loss-parallel context;
+        :titan:`torchtitan.components.loss`: TorchTitan's loss functions used with it.
     """
     with _LossParallelMode():
         yield

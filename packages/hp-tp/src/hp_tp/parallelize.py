@@ -1,7 +1,7 @@
 """``parallelize_module``: apply tensor-parallel styles to a module by fully qualified name.
 
 See Also:
-    ``torch.distributed.tensor.parallel.parallelize_module``: PyTorch's entry point.
+    :pt:`torch.distributed.tensor.parallel.parallelize_module`: PyTorch's entry point.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def parallelize_module(
             support a module type.
 
     See Also:
-        ``torch.distributed.tensor.parallel.parallelize_module``: PyTorch's entry point.
+        :pt:`torch.distributed.tensor.parallel.parallelize_module`: PyTorch's entry point.
     """
     mesh = device_mesh if device_mesh is not None else get_current_mesh(required=False)
     if mesh is None:

@@ -6,7 +6,7 @@ placements (one per mesh dimension; a bare Placement on a 1-D mesh) or an ``hp_d
 Unlike ``parallelize_module``, ``shard_module`` accepts a mesh of any number of dimensions.
 
 See Also:
-    ``torch.distributed.tensor.distribute_module``: PyTorch's lower-level module distribution.
+    :pt:`torch.distributed.tensor.distribute_module`: PyTorch's lower-level module distribution.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ShardingPlan:
             into local tensors (after ``output_plan``).
 
     See Also:
-        ``torch.distributed.tensor.parallel.parallelize_module``: PyTorch's style-based plans.
+        :pt:`torch.distributed.tensor.parallel.parallelize_module`: PyTorch's style-based plans.
     """
 
     plan: dict[str, Any] = field(default_factory=dict)
@@ -158,8 +158,8 @@ def shard_module(
         TypeError: for a layout that is not a Placement, a sequence of them, or a Layout.
 
     See Also:
-        ``torch.distributed.tensor.distribute_module``: PyTorch's module distribution;
-        ``torch.distributed.tensor.parallel.parallelize_module``: PyTorch's TP plans.
+        :pt:`torch.distributed.tensor.distribute_module`: PyTorch's module distribution;
+        :pt:`torch.distributed.tensor.parallel.parallelize_module`: PyTorch's TP plans.
     """
     if not isinstance(sharding_plan, ShardingPlan):
         raise TypeError(f"sharding_plan must be a ShardingPlan, got {type(sharding_plan).__name__}")

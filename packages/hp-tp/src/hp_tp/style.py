@@ -10,7 +10,7 @@ Extending a style to a custom module: subclass it and override ``param_placement
 for the given module, the placement of each of its parameters; the hooks stay the same.
 
 See Also:
-    ``torch.distributed.tensor.parallel.style``: PyTorch's parallel styles.
+    :pt:`torch.distributed.tensor.parallel.style`: PyTorch's parallel styles.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class ParallelStyle(ABC):
     local values.
 
     See Also:
-        ``torch.distributed.tensor.parallel.ParallelStyle``: PyTorch's style contract.
+        :pt:`torch.distributed.tensor.parallel.ParallelStyle`: PyTorch's style contract.
     """
 
     src_data_rank: int | None = 0
@@ -219,7 +219,7 @@ class _LinearLikeStyle(ParallelStyle):
             device_mesh: the 1-D mesh.
 
         See Also:
-            ``torch.distributed.tensor.parallel.ColwiseParallel._partition_linear_fn``.
+            :pt:`torch.distributed.tensor.parallel.ColwiseParallel._partition_linear_fn`.
         """
         self._partition_by_placements(module, device_mesh)
 
@@ -234,7 +234,7 @@ class _LinearLikeStyle(ParallelStyle):
             device_mesh: the 1-D mesh.
 
         See Also:
-            ``torch.distributed.tensor.parallel.ColwiseParallel._partition_embedding_fn``.
+            :pt:`torch.distributed.tensor.parallel.ColwiseParallel._partition_embedding_fn`.
         """
         self._partition_by_placements(module, device_mesh)
 
@@ -253,7 +253,7 @@ class _LinearLikeStyle(ParallelStyle):
             tuple with the first replaced.
 
         See Also:
-            ``torch.distributed.tensor.parallel.ColwiseParallel._prepare_input_fn``.
+            :pt:`torch.distributed.tensor.parallel.ColwiseParallel._prepare_input_fn`.
         """
         name = type(mod).__name__
         if not inputs:
@@ -273,7 +273,7 @@ class _LinearLikeStyle(ParallelStyle):
         """Lay out the output (override point, as in PyTorch's styles).
 
         See Also:
-            ``torch.distributed.tensor.parallel.ColwiseParallel._prepare_output_fn``.
+            :pt:`torch.distributed.tensor.parallel.ColwiseParallel._prepare_output_fn`.
         """
         if not isinstance(outputs, DTensor):
             raise TypeError(
@@ -307,7 +307,7 @@ class ColwiseParallel(_LinearLikeStyle):
             :meth:`param_placements` to extend it).
 
     See Also:
-        ``torch.distributed.tensor.parallel.ColwiseParallel``: PyTorch's column-wise style.
+        :pt:`torch.distributed.tensor.parallel.ColwiseParallel`: PyTorch's column-wise style.
     """
 
     def __init__(
@@ -338,7 +338,7 @@ class ColwiseParallel(_LinearLikeStyle):
             TypeError: for a module type other than ``nn.Linear`` and ``nn.Embedding``.
 
         See Also:
-            ``torch.distributed.tensor.parallel.ColwiseParallel``: the same partitioning.
+            :pt:`torch.distributed.tensor.parallel.ColwiseParallel`: the same partitioning.
         """
         if isinstance(module, nn.Linear):
             return {name: Shard(0) for name, _ in module.named_parameters(recurse=False)}
@@ -359,7 +359,7 @@ class ColwiseParallel(_LinearLikeStyle):
             ``Replicate()`` for column-wise sharding.
 
         See Also:
-            ``torch.distributed.tensor.parallel.ColwiseParallel``: the same input layout.
+            :pt:`torch.distributed.tensor.parallel.ColwiseParallel`: the same input layout.
         """
         return self.desired_input_layouts[0]
 
@@ -383,7 +383,7 @@ class RowwiseParallel(_LinearLikeStyle):
             :meth:`param_placements` to extend it).
 
     See Also:
-        ``torch.distributed.tensor.parallel.RowwiseParallel``: PyTorch's row-wise style.
+        :pt:`torch.distributed.tensor.parallel.RowwiseParallel`: PyTorch's row-wise style.
     """
 
     def __init__(
@@ -414,7 +414,7 @@ class RowwiseParallel(_LinearLikeStyle):
             TypeError: for a module type other than ``nn.Linear`` and ``nn.Embedding``.
 
         See Also:
-            ``torch.distributed.tensor.parallel.RowwiseParallel``: the same partitioning.
+            :pt:`torch.distributed.tensor.parallel.RowwiseParallel`: the same partitioning.
         """
         if isinstance(module, nn.Linear):
             placements: dict[str, Placement] = {"weight": Shard(1)}
@@ -442,7 +442,7 @@ class RowwiseParallel(_LinearLikeStyle):
             TypeError: for a module type other than ``nn.Linear`` and ``nn.Embedding``.
 
         See Also:
-            ``torch.distributed.tensor.parallel.RowwiseParallel``: the same input layouts.
+            :pt:`torch.distributed.tensor.parallel.RowwiseParallel`: the same input layouts.
         """
         if isinstance(module, nn.Linear):
             return Shard(-1)
@@ -468,7 +468,7 @@ class SequenceParallel(ParallelStyle):
         use_local_output: return the local shard of the output instead of a DTensor.
 
     See Also:
-        ``torch.distributed.tensor.parallel.SequenceParallel``: PyTorch's sequence-parallel style.
+        :pt:`torch.distributed.tensor.parallel.SequenceParallel`: PyTorch's sequence-parallel style.
     """
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
@@ -520,7 +520,7 @@ class NoParallel(ParallelStyle):
         use_local_output: return the local output instead of a DTensor.
 
     See Also:
-        ``torchtitan.distributed.tensor_parallel.NoParallel``: TorchTitan's replicated style.
+        :titan:`torchtitan.distributed.tensor_parallel.NoParallel`: TorchTitan's replicated style.
     """
 
     def __init__(
@@ -588,7 +588,7 @@ class PrepareModuleInput(ParallelStyle):
             number of positional inputs differs from ``input_layouts``.
 
     See Also:
-        ``torch.distributed.tensor.parallel.PrepareModuleInput``: PyTorch's input preparation.
+        :pt:`torch.distributed.tensor.parallel.PrepareModuleInput`: PyTorch's input preparation.
     """
 
     def __init__(
@@ -705,7 +705,7 @@ class PrepareModuleOutput(ParallelStyle):
             number of outputs differs from ``output_layouts``.
 
     See Also:
-        ``torch.distributed.tensor.parallel.PrepareModuleOutput``: PyTorch's output preparation.
+        :pt:`torch.distributed.tensor.parallel.PrepareModuleOutput`: PyTorch's output preparation.
     """
 
     def __init__(
@@ -781,7 +781,7 @@ class PrepareModuleInputOutput(ParallelStyle):
         ValueError: as :class:`PrepareModuleInput` and :class:`PrepareModuleOutput` do.
 
     See Also:
-        ``torch.distributed.tensor.parallel.PrepareModuleInputOutput``: PyTorch's combined style.
+        :pt:`torch.distributed.tensor.parallel.PrepareModuleInputOutput`: PyTorch's combined style.
     """
 
     def __init__(

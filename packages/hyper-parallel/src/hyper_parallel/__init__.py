@@ -5,7 +5,7 @@ the stack; where two packages share a helper (the state-dict helpers live in ``h
 re-exported by ``hp_fsdp`` and ``hp_dcp``) the objects are identical.
 
 See Also:
-    ``torch.distributed``: the substrate every component builds on.
+    :pt:`torch.distributed`: the substrate every component builds on.
 """
 
 from hyper_parallel.__about__ import __version__

@@ -5,7 +5,7 @@ One engine (:class:`ContextParallelAttention`) and three fronts over it: PyTorch
 TorchTitan's trainer-side ``create_context_parallel_ctx``.
 
 See Also:
-    ``torch.distributed.tensor.experimental.context_parallel``
+    :pt:`torch.distributed.tensor.experimental.context_parallel`
 """
 
 from hp_cp_ep.cp.attention import CP_MODES, ContextParallelAttention

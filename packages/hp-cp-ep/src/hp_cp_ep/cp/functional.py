@@ -50,7 +50,7 @@ def set_rotate_method(rotate_method: str) -> None:
         ValueError: Any other name.
 
     See Also:
-        ``torch.distributed.tensor.experimental._attention.set_rotate_method``
+        :pt:`torch.distributed.tensor.experimental._attention.set_rotate_method`
     """
     if rotate_method not in _ROTATE_ALIASES:
         raise ValueError(
@@ -63,7 +63,7 @@ def get_rotate_method() -> str:
     """The context-parallel mode :func:`context_parallel` uses when none is given.
 
     See Also:
-        ``torch.distributed.tensor.experimental._attention.set_rotate_method``
+        :pt:`torch.distributed.tensor.experimental._attention.set_rotate_method`
     """
     return _DEFAULT.mode
 
@@ -114,7 +114,7 @@ def context_parallel(
         >>> #     loss.backward()
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel``: PyTorch's version (CUDA
+        :pt:`torch.distributed.tensor.experimental.context_parallel`: PyTorch's version (CUDA
         attention kernels only; same signature).
     """
     bufs = list(buffers or [])
@@ -173,7 +173,8 @@ def context_parallel_unshard(
         TypeError: ``load_balancer`` is not None.
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel_unshard``
+        :pt:`context_parallel_unshard
+        <torch.distributed.tensor.experimental._context_parallel._attention.context_parallel_unshard>`
     """
     if load_balancer is not None:
         raise TypeError(

@@ -63,7 +63,7 @@ def shard_sequence(
         >>> # tokens: [batch, seq] on every rank; local = shard_sequence(tokens, cp_mesh, 1)
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel``: PyTorch's context manager
+        :pt:`torch.distributed.tensor.experimental.context_parallel`: PyTorch's context manager
         shards its ``buffers`` in place the same way (head-tail for causal attention).
     """
     dim = _check_dim(tensor, seq_dim)
@@ -95,7 +95,8 @@ def unshard_sequence(
         ValueError: ``seq_dim`` out of range, or a load-balanced shard of odd length.
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel_unshard``
+        :pt:`context_parallel_unshard
+        <torch.distributed.tensor.experimental._context_parallel._attention.context_parallel_unshard>`
     """
     dim = _check_dim(tensor, seq_dim)
     layout = ChunkLayout(mesh.size(), load_balance)

@@ -73,8 +73,8 @@ class ContextParallel(ParallelStyle):
         >>> # ContextParallel(seq_dim=2, head_dim=1, ulysses_degree=1)._apply(attn, cp_mesh)
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel``: PyTorch's functional CP;
-        ``torch.distributed.tensor.parallel.ParallelStyle``: the style protocol.
+        :pt:`torch.distributed.tensor.experimental.context_parallel`: PyTorch's functional CP;
+        :pt:`torch.distributed.tensor.parallel.ParallelStyle`: the style protocol.
     """
 
     concurrent = False
@@ -160,7 +160,7 @@ class AsyncContextParallel(ContextParallel):
     :class:`ContextParallel`.
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel``
+        :pt:`torch.distributed.tensor.experimental.context_parallel`
     """
 
     concurrent = True

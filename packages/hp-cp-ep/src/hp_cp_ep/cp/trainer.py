@@ -48,8 +48,8 @@ def create_context_parallel_ctx(
         >>> #     loss_fn(model(x), y).backward()
 
     See Also:
-        ``torchtitan.distributed.utils.create_context_parallel_ctx``: TorchTitan's helper over
-        PyTorch's ``context_parallel``.
+        :titan:`torchtitan.distributed.utils.create_context_parallel_ctx`: TorchTitan's helper over
+        PyTorch's :pt:`context_parallel <torch.distributed.tensor.experimental.context_parallel>`.
     """
     if cp_rotate_method not in _ROTATE_ALIASES:
         raise ValueError(

@@ -7,7 +7,7 @@ Plain modules usable on one device (:class:`TokenChoiceTopKRouter` / :class:`Rou
 (:func:`update_expert_bias`) and load statistics (:class:`ExpertLoad`).
 
 See Also:
-    ``torchtitan.models.moe`` and ``torchtitan.distributed.expert_parallel``.
+    :titan:`torchtitan.models.moe` and :titan:`torchtitan.distributed.expert_parallel`.
 """
 
 from hp_cp_ep.ep.dispatch import DispatchedTokens, TokenDispatcher, all_to_all_tokens

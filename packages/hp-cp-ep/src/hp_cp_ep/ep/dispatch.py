@@ -20,8 +20,9 @@ rank computes a partial sum of the output: the combine all-reduces it over TP, a
 all-reduces the input gradient over TP in the backward (Megatron's f/g pair).
 
 See Also:
-    ``torch.distributed._functional_collectives.all_to_all_single_autograd``: PyTorch's
-    differentiable all-to-all; TorchTitan's ``ExpertParallel._token_dispatch``/``_token_combine``.
+    :pt:`torch.distributed._functional_collectives.all_to_all_single_autograd`: PyTorch's
+    differentiable all-to-all; TorchTitan's
+    :titan:`ExpertParallel._token_dispatch`/:titan:`_token_combine <ExpertParallel._token_combine>`.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def all_to_all_tokens(
             to its rows, or disagree with its peers' (the message names the ranks).
 
     See Also:
-        ``torch.distributed._functional_collectives.all_to_all_single_autograd``.
+        :pt:`torch.distributed._functional_collectives.all_to_all_single_autograd`.
     """
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None
@@ -213,7 +214,7 @@ class DispatchedTokens:
         num_tokens_per_expert: ``[E_local]`` int64 rows per local expert (known at issue time).
 
     See Also:
-        ``torch.distributed.Work``: the handle of the asynchronous all-to-all waited on here.
+        :pt:`torch.distributed.Work`: the handle of the asynchronous all-to-all waited on here.
     """
 
     def __init__(
@@ -248,7 +249,7 @@ class TokenDispatcher:
         tp_group: Tensor-parallel group over the experts' hidden dimension, or ``None``.
 
     See Also:
-        TorchTitan's ``ExpertParallel`` / ``ExpertTensorParallel`` token dispatch.
+        TorchTitan's :titan:`ExpertParallel` / :titan:`ExpertTensorParallel` token dispatch.
     """
 
     def __init__(

@@ -44,8 +44,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         function), and every inner dimension times the element size is a multiple of 16 bytes.
 
     See Also:
-        ``torch._grouped_mm``: the kernel; TorchTitan's ``GroupedExperts`` makes the same choice
-        with its ``use_grouped_mm`` flag.
+        :pt:`torch._grouped_mm`: the kernel; TorchTitan's :titan:`GroupedExperts` makes the same
+        choice with its ``use_grouped_mm`` flag.
     """
     dtypes = {x.dtype, *(w.dtype for w in weights)}
     if len(dtypes) != 1:
@@ -127,7 +127,7 @@ class GroupedExperts(nn.Module):
         torch.Size([5, 8])
 
     See Also:
-        ``torchtitan.models.moe.GroupedExperts``: TorchTitan's experts.
+        :titan:`torchtitan.models.moe.GroupedExperts`: TorchTitan's experts.
     """
 
     #: Dimension of each weight that indexes the expert's hidden units (split by TP).

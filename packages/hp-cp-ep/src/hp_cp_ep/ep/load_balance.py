@@ -30,7 +30,7 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """Every :class:`~hp_cp_ep.MoE` in ``model`` by fully qualified name.
 
     See Also:
-        ``torch.nn.Module.named_modules``.
+        :pt:`torch.nn.Module.named_modules`.
     """
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
@@ -55,7 +55,7 @@ def update_expert_bias(
         ``last_load``).
 
     See Also:
-        TorchTitan's ``build_optimizers_with_moe_load_balancing`` (its optimizer hook);
+        TorchTitan's :titan:`build_optimizers_with_moe_load_balancing` (its optimizer hook);
         DeepSeek-V3's auxiliary-loss-free load balancing.
     """
     layers = moe_layers(model)
@@ -92,7 +92,7 @@ def register_expert_bias_update(
         The hook handle (``.remove()`` to stop).
 
     See Also:
-        ``torch.optim.Optimizer.register_step_post_hook``; TorchTitan registers its bias update
+        :pt:`torch.optim.Optimizer.register_step_post_hook`; TorchTitan registers its bias update
         as an optimizer step pre-hook (``build_optimizers_with_moe_load_balancing``).
     """
 

@@ -61,7 +61,7 @@ class MoEArgs:
         _debug_force_load_balance: Route round-robin (debugging, benchmarks).
 
     See Also:
-        ``torchtitan.models.moe.MoEArgs``: TorchTitan's options.
+        :titan:`torchtitan.models.moe.MoEArgs`: TorchTitan's options.
     """
 
     num_experts: int = 8
@@ -88,7 +88,8 @@ class SharedExperts(nn.Module):
         hidden_dim: Hidden dimension (``per-expert hidden * num_shared_experts``).
 
     See Also:
-        ``torchtitan.models.moe.FeedForward`` used as TorchTitan's ``shared_experts``.
+        :titan:`torchtitan.models.moe.FeedForward` used as TorchTitan's :titan:`shared_experts
+        <MoE>`.
     """
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -156,7 +157,7 @@ class MoE(nn.Module):
         torch.Size([2, 3, 8])
 
     See Also:
-        ``torchtitan.models.moe.MoE``: TorchTitan's MoE layer; DeepSeek-V3's ``DeepseekV3MoE``.
+        :titan:`torchtitan.models.moe.MoE`: TorchTitan's MoE layer; DeepSeek-V3's ``DeepseekV3MoE``.
     """
 
     def __init__(self, moe_args: MoEArgs, dim: int, hidden_dim: int) -> None:

@@ -37,7 +37,7 @@ class Routing(NamedTuple):
     ``num_tokens_per_expert`` (``[E]`` int64 number of choices per expert).
 
     See Also:
-        ``torchtitan.models.moe.TokenChoiceTopKRouter.forward``, which returns the last three.
+        :titan:`torchtitan.models.moe.TokenChoiceTopKRouter.forward`, which returns the last three.
     """
 
     scores: torch.Tensor
@@ -106,7 +106,7 @@ class TokenChoiceTopKRouter(nn.Module):
         (torch.Size([5, 2]), torch.Size([5, 2]), 10)
 
     See Also:
-        ``torchtitan.models.moe.TokenChoiceTopKRouter``: TorchTitan's router;
+        :titan:`torchtitan.models.moe.TokenChoiceTopKRouter`: TorchTitan's router;
         DeepSeek-V3's node-limited routing (``n_group`` / ``topk_group``).
     """
 

@@ -19,7 +19,7 @@ plans do with ``PrepareModuleInput``): every TP rank routes the same tokens and 
 of each expert's hidden units.
 
 See Also:
-    ``torchtitan.distributed.expert_parallel``: TorchTitan's ``ExpertParallel``,
+    :titan:`torchtitan.distributed.expert_parallel`: TorchTitan's :titan:`ExpertParallel`,
     ``ExpertTensorParallel`` and ``TensorParallel``.
 """
 
@@ -105,7 +105,7 @@ class ExpertParallel(ParallelStyle):
             parallelize_module(moe.experts, ep_mesh, ExpertParallel())
 
     See Also:
-        ``torchtitan.distributed.expert_parallel.ExpertParallel``.
+        :titan:`torchtitan.distributed.expert_parallel.ExpertParallel`.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -136,7 +136,7 @@ class ExpertTensorParallel(ParallelStyle):
         TypeError: When the module is not ``GroupedExperts``-like.
 
     See Also:
-        ``torchtitan.distributed.expert_parallel.ExpertTensorParallel``.
+        :titan:`torchtitan.distributed.expert_parallel.ExpertTensorParallel`.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -175,7 +175,7 @@ class TensorParallel(ParallelStyle):
         TypeError: When the module is not ``GroupedExperts``-like.
 
     See Also:
-        ``torchtitan.distributed.expert_parallel.TensorParallel``.
+        :titan:`torchtitan.distributed.expert_parallel.TensorParallel`.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -40,7 +40,7 @@ needs more; tests grouped by world size (the pytest plugin orders them so); worl
 tests that kill processes run in their own subprocesses, outside the pool.
 
 See Also:
-    ``torch.testing._internal.common_distributed.MultiProcessTestCase``: PyTorch's own harness,
+    :pt:`torch.testing._internal.common_distributed.MultiProcessTestCase`: PyTorch's own harness,
     which spawns a process group per test.
 """
 
@@ -112,7 +112,7 @@ def run_distributed(
         ValueError: ``world_size`` is below 1 or ``fn`` is not a module-level function.
 
     See Also:
-        ``torch.multiprocessing.spawn``: starts processes per call instead of reusing a pool.
+        :pt:`torch.multiprocessing.spawn`: starts processes per call instead of reusing a pool.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -145,7 +145,7 @@ def distributed(
         group tests by world size.
 
     See Also:
-        ``torch.testing._internal.common_distributed.MultiProcessTestCase``
+        :pt:`torch.testing._internal.common_distributed.MultiProcessTestCase`
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, None]:
@@ -199,7 +199,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         RuntimeError: a default process group already exists in this process.
 
     See Also:
-        ``torch.testing._internal.distributed.fake_pg.FakeStore``
+        :pt:`torch.testing._internal.distributed.fake_pg.FakeStore`
     """
     import torch.distributed as dist
 

@@ -8,7 +8,7 @@ the result. Names are case-insensitive and PyTorch's
 class names (``"ScheduleGPipe"``, ...) are accepted.
 
 See Also:
-    ``torch.distributed.pipelining.schedules.get_schedule_class``
+    :pt:`torch.distributed.pipelining.schedules.get_schedule_class`
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def canonical_schedule_name(name: str) -> str:
         ValueError: ``name`` is no built-in schedule; the message lists the valid names.
 
     See Also:
-        ``torch.distributed.pipelining.schedules.get_schedule_class``
+        :pt:`torch.distributed.pipelining.schedules.get_schedule_class`
     """
     if not isinstance(name, str):
         raise TypeError(f"schedule name must be a str, got {type(name).__name__}")
@@ -97,7 +97,7 @@ def generate(name: str, *, pp_size: int, num_stages: int, n_microbatches: int) -
             values and the rule).
 
     See Also:
-        ``torch.distributed.pipelining.schedules.PipelineScheduleMulti`` (its
+        :pt:`torch.distributed.pipelining.schedules.PipelineScheduleMulti` (its
         ``pipeline_order``).
     """
     return _GENERATORS[canonical_schedule_name(name)](
@@ -109,7 +109,7 @@ class _StyleByName(Mapping[str, StageStyle]):
     """Stage placement style of each built-in schedule; keys accept any spelling of a name.
 
     See Also:
-        ``torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping``
+        :pt:`torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping`
     """
 
     def __init__(self, styles: dict[str, StageStyle]) -> None:

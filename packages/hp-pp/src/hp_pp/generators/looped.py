@@ -10,9 +10,9 @@
 Orders per rank equal PyTorch 2.13's for the same sizes, so results can match bitwise.
 
 See Also:
-    ``torch.distributed.pipelining.ScheduleLoopedBFS``,
-    ``torch.distributed.pipelining.ScheduleInterleaved1F1B``,
-    ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``
+    :pt:`torch.distributed.pipelining.ScheduleLoopedBFS`,
+    :pt:`torch.distributed.pipelining.ScheduleInterleaved1F1B`,
+    :pt:`torch.distributed.pipelining.ScheduleInterleavedZeroBubble`
 """
 
 from __future__ import annotations

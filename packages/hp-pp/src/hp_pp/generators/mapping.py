@@ -6,7 +6,7 @@ model goes down the ranks and comes back up, as in ZBV and DualPipeV), so the la
 on rank 0 next to the first.
 
 See Also:
-    ``torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping``
+    :pt:`torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping`
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def stage_to_rank(stage_index: int, pp_size: int, style: str = "loop") -> int:
         ValueError: an unknown style, a negative stage, or a stage a V placement cannot hold.
 
     See Also:
-        ``torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping``
+        :pt:`torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping`
     """
     if pp_size < 1:
         raise ValueError(f"pp_size must be >= 1, got {pp_size}")
@@ -56,7 +56,7 @@ def rank_to_stages(rank: int, pp_size: int, num_stages: int, style: str = "loop"
         ValueError: see :func:`stage_to_rank`; also a rank outside ``[0, pp_size)``.
 
     See Also:
-        ``torch.distributed.pipelining.schedules.generate_rank_to_stage_mapping``
+        :pt:`torch.distributed.pipelining.schedules.generate_rank_to_stage_mapping`
     """
     if not 0 <= rank < pp_size:
         raise ValueError(f"rank must be in [0, {pp_size}), got {rank}")

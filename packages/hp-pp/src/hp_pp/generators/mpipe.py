@@ -13,7 +13,7 @@ Before the step the executor broadcasts the preprocess parameters from stage 0's
 frozen preprocess (``trainable_preprocess=False``) has no ``PRE_B``: only the forward moves.
 
 See Also:
-    ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` (the body schedule) and
+    :pt:`torch.distributed.pipelining.ScheduleInterleaved1F1B` (the body schedule) and
     HyperParallel's ``ScheduleMPipeTranspose``.
 """
 

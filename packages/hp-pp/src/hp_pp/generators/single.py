@@ -4,7 +4,8 @@ The slots (``None`` = idle) follow PyTorch's lock-step picture of these schedule
 printed here lines up with ``torch.distributed.pipelining``'s for the same sizes.
 
 See Also:
-    ``torch.distributed.pipelining.ScheduleGPipe``, ``torch.distributed.pipelining.Schedule1F1B``
+    :pt:`torch.distributed.pipelining.ScheduleGPipe`,
+    :pt:`torch.distributed.pipelining.Schedule1F1B`
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
 Orders per rank equal PyTorch 2.13's for the same sizes.
 
 See Also:
-    ``torch.distributed.pipelining.ScheduleZBVZeroBubble``,
-    ``torch.distributed.pipelining.ScheduleDualPipeV``
+    :pt:`torch.distributed.pipelining.ScheduleZBVZeroBubble`,
+    :pt:`torch.distributed.pipelining.ScheduleDualPipeV`
 """
 
 from __future__ import annotations
