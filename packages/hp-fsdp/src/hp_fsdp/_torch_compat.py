@@ -31,6 +31,8 @@ __all__ = [
     "local_tensor",
     "queue_engine_callback",
     "symm_mem_empty",
+    "symm_mem_rendezvous",
+    "symm_mem_set_backend",
     "unsafe_preserve_version_counter",
 ]
 
@@ -48,6 +50,13 @@ queue_engine_callback: Callable[[Callable[[], None]], None] = require(
 symm_mem_empty: Callable[..., torch.Tensor] = require(
     _PACKAGE, "torch.distributed._symmetric_memory.empty"
 )
+#: Collective: maps a ``symm_mem_empty`` buffer into every rank of a group (once per buffer).
+symm_mem_rendezvous: Callable[..., Any] = require(
+    _PACKAGE, "torch.distributed._symmetric_memory.rendezvous"
+)
+symm_mem_set_backend: Callable[[str], None] = require(
+    _PACKAGE, "torch.distributed._symmetric_memory.set_backend"
+)
 
 PRIVATE_NAMES = (
     "torch.autograd.grad_mode._unsafe_preserve_version_counter",
@@ -55,4 +64,6 @@ PRIVATE_NAMES = (
     "torch._dynamo.disable",
     "torch.autograd.Variable._execution_engine.queue_callback",
     "torch.distributed._symmetric_memory.empty",
+    "torch.distributed._symmetric_memory.rendezvous",
+    "torch.distributed._symmetric_memory.set_backend",
 )

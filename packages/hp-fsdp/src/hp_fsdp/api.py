@@ -12,7 +12,7 @@ import functools
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, NoReturn, cast, overload
 
 import torch
@@ -22,8 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from hp_dtensor.device import (
-    BACKEND_NCCL,
-    DEVICE_TYPE_CUDA,
     Event,
     Stream,
     current_stream,
@@ -53,8 +51,9 @@ from hp_fsdp.policies import (
 )
 from hp_fsdp.root_state import RootContext
 from hp_fsdp.state import FSDPState, get_state
+from hp_fsdp.symm_mem import NCCLSymmetricMemory, SymmetricMemory, SymmetricMemoryAllGather
 from hp_fsdp.unit_init import default_mesh, root_modules, shard_units
-from hp_kernels import AllGather, DefaultAllGather, ReduceScatter
+from hp_kernels import AllGather, ReduceScatter
 
 __all__ = ["FSDPModule", "HSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -71,20 +70,6 @@ def _log_hint_once(ctx: RootContext, key: str, message: str) -> None:
         return
     ctx.comm.logged_hints.add(key)
     _log.debug(message)
-
-
-def _symm_mem_unavailable(state: FSDPState) -> str | None:
-    """Why symmetric memory cannot be used by this unit, or None when it can."""
-    if state.device.type != DEVICE_TYPE_CUDA:
-        return f"this unit computes on {state.device.type}"
-    for group in state.groups:
-        backend = dist.get_backend(group.mesh_info.shard_group)
-        if backend != BACKEND_NCCL:
-            return f"its process group uses {backend}"
-    major, _ = getattr(torch, DEVICE_TYPE_CUDA).get_device_capability(state.device)
-    if major < 9:
-        return f"the device has compute capability {major}.x"
-    return None
 
 
 class UnshardHandle:
@@ -488,17 +473,24 @@ class FSDPModule:
         for group in state.groups:
             group.configure(all_reduce_hook=chosen)
 
-    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """Use symmetric memory for this unit's all-gather buffers.
+    def set_symm_mem_for_comm(
+        self, backend: Literal["NCCL"] = "NCCL", *, memory: SymmetricMemory | None = None
+    ) -> None:
+        """All-gather this unit's parameters into pooled symmetric-memory buffers.
 
         Kind (a): a capability of NCCL on accelerators of compute capability 9.0 (SM90) or
-        newer; elsewhere it raises.
+        newer; elsewhere it raises. Each buffer is allocated and rendezvoused once, then reused
+        by later all-gathers of the same dtype and size (of any unit of the root) and steps;
+        see :mod:`hp_fsdp.symm_mem`.
 
         Args:
             backend: ``"NCCL"``, PyTorch's only option.
+            memory: where the buffers come from (extension, keyword-only; default: PyTorch's
+                NCCL symmetric memory).
 
         Raises:
-            RuntimeError: when the unit is not on such an accelerator with NCCL.
+            RuntimeError: when ``memory`` cannot be used by this unit (the default: not on
+                such an accelerator with NCCL).
             ValueError: for another backend name.
 
         See Also:
@@ -507,27 +499,14 @@ class FSDPModule:
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL', got {backend!r}")
         state = self._get_fsdp_state()
-        reason = _symm_mem_unavailable(state)
+        chosen: SymmetricMemory = NCCLSymmetricMemory(backend) if memory is None else memory
+        reason = chosen.unavailable(state.device, [g.mesh_info.shard_group for g in state.groups])
         if reason is not None:
-            raise RuntimeError(
-                "set_symm_mem_for_comm needs NCCL symmetric memory on an accelerator of compute "
-                f"capability 9.0 (SM90) or newer; {reason}"
-            )
-        from hp_fsdp._torch_compat import symm_mem_empty as symm_empty
-
-        class _SymmMemAllGather(DefaultAllGather):
-            def allocate(
-                self,
-                size: Sequence[int | torch.SymInt],
-                *,
-                dtype: torch.dtype,
-                device: torch.device,
-            ) -> torch.Tensor:
-                dims = [int(d) for d in size]
-                return symm_empty(*dims, dtype=dtype, device=device)
-
+            raise RuntimeError(f"set_symm_mem_for_comm {reason}")
+        # Looked up per all-gather: the unit joins its root's context at lazy initialization.
+        comm = SymmetricMemoryAllGather(chosen, lambda: state.ctx.comm.symmetric_buffers)
         for group in state.groups:
-            group.configure(custom_all_gather=_SymmMemAllGather())
+            group.configure(custom_all_gather=comm)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate communication buffers from the process group's allocator where it has one.

@@ -13,9 +13,11 @@ See Also:
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,9 @@ __all__ = [
     "AllGatherResult",
     "ProcessGroupAllGather",
     "ProcessGroupReduceScatter",
+    "ReleasesBuffers",
     "apply_gradient_scaling_factor",
+    "discard_all_gather",
     "divide_factors",
     "issue_all_gather",
     "issue_reduce_scatter",
@@ -49,6 +53,15 @@ __all__ = [
     "pg_supports_alloc",
     "wait_all_gather",
 ]
+
+
+@runtime_checkable
+class ReleasesBuffers(Protocol):
+    """A custom all-gather whose output buffers are lent and must be given back once read."""
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Give back a buffer from ``allocate`` after its contents were copied out."""
+        ...
 
 
 @dataclass
@@ -65,6 +78,8 @@ class AllGatherResult:
     work: dist.Work | None
     #: Recorded on the all-gather stream after the collective was issued (None: no streams).
     event: Event | None = None
+    #: Gives ``output`` back to its lender once read (a pooled buffer; None: nothing to do).
+    release: Callable[[], None] | None = None
 
 
 @torch.no_grad()
@@ -102,6 +117,7 @@ def issue_all_gather(
         ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather``.
     """
     splits = [t.numel() for t in inputs]
+    release: Callable[[], None] | None = None
     copy_in_stream = streams.copy_in if streams is not None else None
     with device_stream(copy_in_stream):
         if streams is not None:
@@ -116,6 +132,8 @@ def issue_all_gather(
             )
         else:
             buffer = comm.allocate((world_size * sum(splits),), dtype=dtype, device=device)
+            if isinstance(comm, ReleasesBuffers):
+                release = functools.partial(comm.release, buffer)
             ag_input, ag_output = all_gather_copy_in(
                 inputs, splits, world_size, rank, dtype, device, out=buffer
             )
@@ -124,7 +142,7 @@ def issue_all_gather(
     else:
         event = streams.copy_in.record_event(streams.new_event("all_gather_copy_in"))
     if world_size == 1:
-        return AllGatherResult(ag_output, splits, 1, None, event)
+        return AllGatherResult(ag_output, splits, 1, None, event, release)
     ag_stream = streams.all_gather if streams is not None else None
     with device_stream(ag_stream):
         if streams is not None:
@@ -139,7 +157,9 @@ def issue_all_gather(
             work = streams.order_on_stream(work)
     if streams is not None:
         event = streams.all_gather.record_event(streams.new_event("all_gather"))
-    return AllGatherResult(ag_output, splits, world_size, work if async_op else None, event)
+    return AllGatherResult(
+        ag_output, splits, world_size, work if async_op else None, event, release
+    )
 
 
 @torch.no_grad()
@@ -166,6 +186,26 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
         result.event = None
     with unsafe_preserve_version_counter(tuple(outs)):
         all_gather_copy_out(result.output, result.split_sizes, result.world_size, outs)
+    if result.release is not None:  # read on the current stream: the buffer can be reused
+        result.release()
+        result.release = None
+
+
+def discard_all_gather(result: AllGatherResult) -> None:
+    """Wait for an all-gather whose output will not be used, and give its buffer back.
+
+    Args:
+        result: the pending all-gather.
+    """
+    if result.work is not None:
+        result.work.wait()
+        result.work = None
+    if result.release is not None:  # the buffer's next writer waits for this gather
+        if result.event is not None:
+            result.event.wait()
+            result.event = None
+        result.release()
+        result.release = None
 
 
 def divide_factors(

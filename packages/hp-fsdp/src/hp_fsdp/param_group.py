@@ -30,6 +30,7 @@ from hp_dtensor.device import stream as device_stream
 from hp_fsdp.collectives import (
     AllGatherResult,
     apply_gradient_scaling_factor,
+    discard_all_gather,
     divide_factors,
     issue_all_gather,
     issue_reduce_scatter,
@@ -759,6 +760,13 @@ class ParamGroup:
     def _copy_replicated(self) -> None:
         """The unsharded data of replicated parameters: a local copy in the compute dtype."""
         for param in self._replicated:
+            if param.extension is not None:  # the subclass's inputs, as a one-rank all-gather
+                inputs = param.all_gather_inputs()
+                outs = param.all_gather_outputs(inputs, 1)
+                with _unsafe_preserve_version_counter(tuple(outs)):
+                    for gathered, local in zip(outs, inputs, strict=True):
+                        gathered.copy_(local)
+                continue
             out = param.unsharded_out(1)
             with _unsafe_preserve_version_counter((out,)):
                 out.copy_(param.all_gather_input())
@@ -810,8 +818,7 @@ class ParamGroup:
         self._ag_inputs = []
         parts, self._ag_parts = self._ag_parts or [result], []
         for part in parts:
-            if part.work is not None:
-                part.work.wait()
+            discard_all_gather(part)
 
     @_outside_functorch
     def reshard(self) -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hp_dtensor.device import Event
 from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
 from hp_fsdp.streams import CommStreams
+from hp_fsdp.symm_mem import SymmetricBufferPools
 
 if TYPE_CHECKING:
     from hp_fsdp.param_group import ParamGroup, PendingReduction
@@ -50,6 +51,8 @@ class CommResources:
         self.logged_hints: set[str] = set()
         #: The communication streams (created on first use for the root's device).
         self.streams: CommStreams | None = None
+        #: Pooled symmetric all-gather buffers (``set_symm_mem_for_comm``), shared by the units.
+        self.symmetric_buffers = SymmetricBufferPools()
 
     def streams_for(self, device: torch.device) -> CommStreams:
         """The communication streams of this context, created on first use.
