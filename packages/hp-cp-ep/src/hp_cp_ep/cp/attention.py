@@ -186,7 +186,7 @@ class ContextParallelAttention:
         >>> # out = attn(q, k, v, is_causal=True)
 
     See Also:
-        ``torch.distributed.tensor.experimental.context_parallel``: PyTorch's ring attention
+        :pt:`torch.distributed.tensor.experimental.context_parallel`: PyTorch's ring attention
         (CUDA kernels only), which this engine serves through :func:`context_parallel`.
     """
 
