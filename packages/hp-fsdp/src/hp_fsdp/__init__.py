@@ -1,7 +1,7 @@
 """A drop-in replacement for PyTorch FSDP2 (`fully_shard`) with its own runtime.
 
 See Also:
-    ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.
+    :pt:`torch.distributed.fsdp.fully_shard`: PyTorch's FSDP2 API.
 """
 
 from hp_dtensor import (

@@ -1,7 +1,7 @@
 """``fully_shard``, the ``FSDPModule`` mix-in and ``UnshardHandle``.
 
 See Also:
-    ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.
+    :pt:`torch.distributed.fsdp.fully_shard`: PyTorch's FSDP2 API.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class UnshardHandle:
     """A handle on an :meth:`FSDPModule.unshard` issued with ``async_op=True``.
 
     See Also:
-        ``torch.distributed.fsdp.UnshardHandle``: PyTorch's handle.
+        :pt:`torch.distributed.fsdp.UnshardHandle`: PyTorch's handle.
     """
 
     def __init__(self, *, groups: list[ParamGroup] | None = None) -> None:
@@ -86,7 +86,7 @@ class UnshardHandle:
         """Wait for the all-gather; afterwards the unsharded parameters are registered.
 
         See Also:
-            ``torch.distributed.fsdp.UnshardHandle.wait``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.UnshardHandle.wait`: PyTorch's method.
         """
         if self._groups is not None:
             for group in self._groups:
@@ -109,7 +109,7 @@ class FSDPModule:
     same class under HyperParallel's name.
 
     See Also:
-        ``torch.distributed.fsdp.FSDPModule``: PyTorch's mix-in (same methods).
+        :pt:`torch.distributed.fsdp.FSDPModule`: PyTorch's mix-in (same methods).
     """
 
     _orig_cls_mro_index: int = 2
@@ -141,7 +141,7 @@ class FSDPModule:
         """Free the unsharded parameters and register the sharded ones (not recursive).
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.reshard``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.reshard`: PyTorch's method.
         """
         for group in self._get_fsdp_state().groups:
             group.to_sharded()
@@ -156,7 +156,7 @@ class FSDPModule:
             The handle when ``async_op`` is True, else None.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.unshard``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.unshard`: PyTorch's method.
         """
         state = self._get_fsdp_state()
         for group in state.groups:
@@ -175,7 +175,7 @@ class FSDPModule:
             is_last_backward: False for all but the last micro-batch's backward.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_is_last_backward``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_is_last_backward`: PyTorch's method.
         """
         self._get_fsdp_state().ctx.is_last_backward = is_last_backward
 
@@ -189,7 +189,7 @@ class FSDPModule:
             recurse: apply to every unit under this module.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_requires_gradient_sync``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_requires_gradient_sync`.
         """
         for group in self._groups(recurse):
             group.configure(reduce_grads=requires_gradient_sync)
@@ -203,7 +203,7 @@ class FSDPModule:
             recurse: apply to every unit under this module.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_requires_all_reduce``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_requires_all_reduce`.
         """
         for group in self._groups(recurse):
             group.configure(all_reduce_grads=requires_all_reduce)
@@ -219,7 +219,7 @@ class FSDPModule:
             ValueError: when ``reshard_after_forward`` is not a bool.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_reshard_after_forward``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_reshard_after_forward`.
         """
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
@@ -242,7 +242,7 @@ class FSDPModule:
             recurse: apply to every unit under this module.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_reshard_after_backward``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_reshard_after_backward`.
         """
         for group in self._groups(recurse):
             group.configure(reshard_after_backward=reshard_after_backward)
@@ -257,7 +257,7 @@ class FSDPModule:
             TypeError: when an entry is not a fully_shard module.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_modules_to_forward_prefetch``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_modules_to_forward_prefetch`.
         """
         self._get_fsdp_state().forward_prefetch = _states_of(modules)
 
@@ -271,7 +271,7 @@ class FSDPModule:
             TypeError: when an entry is not a fully_shard module.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_modules_to_backward_prefetch``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_modules_to_backward_prefetch`.
         """
         self._get_fsdp_state().backward_prefetch = _states_of(modules)
 
@@ -290,7 +290,7 @@ class FSDPModule:
             RuntimeError: when called on a nested unit rather than the root.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.reset_iter_state``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.reset_iter_state`: PyTorch's method.
         """
         self._get_fsdp_state().reset_iter_state()
 
@@ -305,7 +305,7 @@ class FSDPModule:
             event: an event recorded after the optimizer step.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_post_optim_event``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_post_optim_event`: PyTorch's method.
         """
         state = self._get_fsdp_state()
         if is_accelerator(state.device) or isinstance(event, Event):
@@ -331,7 +331,7 @@ class FSDPModule:
             ValueError: for a non-positive factor.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor`: PyTorch's method.
         """
         if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
@@ -345,7 +345,7 @@ class FSDPModule:
             factor: the divide factor.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_reduce_scatter_divide_factor``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_reduce_scatter_divide_factor`.
         """
         warnings.warn(
             "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
@@ -363,7 +363,7 @@ class FSDPModule:
             enable: force sum reductions for this unit (not recursive, as in PyTorch).
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms`.
         """
         for group in self._groups(False):
             group.configure(force_sum_reduction=bool(enable))
@@ -378,7 +378,7 @@ class FSDPModule:
             unshard_in_backward: gather in backward (default True).
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_unshard_in_backward``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_unshard_in_backward`: PyTorch's method.
         """
         for group in self._groups(False):
             group.configure(unshard_in_backward=bool(unshard_in_backward))
@@ -396,7 +396,7 @@ class FSDPModule:
             TypeError: when ``comm`` is not an ``AllGather``.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_custom_all_gather``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_custom_all_gather`: PyTorch's method.
         """
         if not isinstance(comm, AllGather):
             raise TypeError(f"expected an hp_kernels.AllGather, got {type(comm).__name__}")
@@ -416,7 +416,7 @@ class FSDPModule:
             TypeError: when ``comm`` is not a ``ReduceScatter``.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter`: PyTorch's method.
         """
         if not isinstance(comm, ReduceScatter):
             raise TypeError(f"expected an hp_kernels.ReduceScatter, got {type(comm).__name__}")
@@ -443,7 +443,7 @@ class FSDPModule:
             ValueError: for a stream on a CPU unit.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_all_reduce_hook``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_all_reduce_hook`: PyTorch's method.
         """
         state = self._get_fsdp_state()
         if stream is not None and any(g.mesh_info.is_hsdp for g in state.groups):
@@ -494,7 +494,7 @@ class FSDPModule:
             ValueError: for another backend name.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_symm_mem_for_comm``: PyTorch's method.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_symm_mem_for_comm`: PyTorch's method.
         """
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL', got {backend!r}")
@@ -518,7 +518,7 @@ class FSDPModule:
             enable: use the process group's allocator.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm`.
         """
         state = self._get_fsdp_state()
         for group in state.groups:
@@ -552,7 +552,7 @@ class FSDPModule:
             recurse: apply to every unit under this module.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_reduce_scatter_unused_params``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_reduce_scatter_unused_params`.
         """
         for group in self._groups(recurse):
             group.configure(reduce_scatter_unused_params=bool(reduce_scatter_unused_params))
@@ -573,7 +573,7 @@ class FSDPModule:
             ValueError: for a value below 1 or not an int.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_reduce_scatter_max_input_buffers``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_reduce_scatter_max_input_buffers`.
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
@@ -596,7 +596,7 @@ class FSDPModule:
             recurse: apply to every unit under this module.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_separate_reduce_scatter_group``.
+            :pt:`torch.distributed.fsdp.FSDPModule.set_separate_reduce_scatter_group`.
         """
         ctx = self._get_fsdp_state().ctx
         for group in self._groups(recurse):
@@ -622,7 +622,7 @@ class FSDPModule:
             ValueError: for a tensor with more than one element.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: PyTorch's
+            :pt:`torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor`: PyTorch's
             nearest counterpart (a divisor applied through the collective).
         """
         if isinstance(factor, torch.Tensor):
@@ -656,7 +656,7 @@ class FSDPModule:
             ValueError: for another value.
 
         See Also:
-            ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: ``1.0`` there is
+            :pt:`torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor`: ``1.0`` there is
             ``"sum"`` here.
         """
         kind = reduce_op_type.lower() if isinstance(reduce_op_type, str) else reduce_op_type
@@ -685,7 +685,7 @@ class FSDPModule:
             ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
 
         See Also:
-            ``torch.nn.Module.load_state_dict``: the contract.
+            :pt:`torch.nn.Module.load_state_dict`: the contract.
         """
         module = cast(nn.Module, self)
         groups = self._groups(True)
@@ -719,7 +719,7 @@ class FSDPModule:
             set_to_none: set gradients to None instead of zeroing them.
 
         See Also:
-            ``torch.nn.Module.zero_grad``: the contract.
+            :pt:`torch.nn.Module.zero_grad`: the contract.
         """
         super().zero_grad(set_to_none)  # type: ignore[misc]
         for group in self._groups(True):
@@ -882,7 +882,7 @@ def fully_shard(
             ``replicate_params``.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard``: PyTorch's FSDP2 API.
+        :pt:`torch.distributed.fsdp.fully_shard`: PyTorch's FSDP2 API.
     """
     if isinstance(module, nn.Module):
         roots: tuple[nn.Module, ...] = (module,)
@@ -960,7 +960,7 @@ def _fully_shard_state(module: nn.Module) -> FSDPState | None:
         Its state, or None.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard.state``: PyTorch's accessor.
+        :pt:`torch.distributed.fsdp.fully_shard.state`: PyTorch's accessor.
     """
     return get_state(module)
 
@@ -975,7 +975,7 @@ def get_cls_to_fsdp_cls() -> dict[type, type]:
         The live mapping (shared by all ``fully_shard`` calls in the process).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fully_shard.get_cls_to_fsdp_cls``.
+        :pt:`torch.distributed.fsdp._fully_shard._fully_shard.get_cls_to_fsdp_cls`.
     """
     return _CLS_TO_FSDP_CLS
 
@@ -992,7 +992,7 @@ def disable_fsdp_module_new_init() -> Iterator[None]:
         Nothing.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fully_shard.disable_fsdp_module_new_init``.
+        :pt:`torch.distributed.fsdp._fully_shard._fully_shard.disable_fsdp_module_new_init`.
     """
     token = _NEW_INIT_ENABLED.set(False)
     try:
@@ -1014,7 +1014,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         ValueError: when the module has no such method.
 
     See Also:
-        ``torch.distributed.fsdp.register_fsdp_forward_method``: PyTorch's function.
+        :pt:`torch.distributed.fsdp.register_fsdp_forward_method`: PyTorch's function.
     """
     if not isinstance(module, FSDPModule):
         return
@@ -1047,7 +1047,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         ValueError: for an empty list.
 
     See Also:
-        ``torch.distributed.fsdp.share_comm_ctx``: PyTorch's function (shares streams).
+        :pt:`torch.distributed.fsdp.share_comm_ctx`: PyTorch's function (shares streams).
     """
     states = _states_of(modules)
     if not states:

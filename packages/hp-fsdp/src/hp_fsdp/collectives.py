@@ -8,7 +8,7 @@ the runtime waits on, so communication overlaps computation on the CPU (gloo's w
 and on accelerators (the backend's own stream).
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_collectives``: PyTorch's FSDP2 collectives.
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives`: PyTorch's FSDP2 collectives.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class AllGatherResult:
     """An issued all-gather: its flat output buffer, split sizes and work handle.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.AllGatherResult``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.AllGatherResult`.
     """
 
     output: torch.Tensor
@@ -114,7 +114,7 @@ def issue_all_gather(
         The pending :class:`AllGatherResult`.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather`.
     """
     splits = [t.numel() for t in inputs]
     release: Callable[[], None] | None = None
@@ -175,7 +175,7 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
         outs: one contiguous flat tensor of ``world_size * split`` elements per parameter.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather_copy_out``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_all_gather_copy_out`.
     """
     if result.work is not None:
         result.work.wait()
@@ -236,7 +236,7 @@ def divide_factors(
         division.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors`.
     """
     data_parallel_size = shard_size * replicate_size
     overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
@@ -289,7 +289,7 @@ def issue_reduce_scatter(
         ``comm``, ``output`` is this rank's row of ``input`` (see :func:`owned_storage`).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce`.
     """
     rs_input = reduce_scatter_copy_in(
         grads, shard_dims, world_size, reduce_dtype, predivide_factor=pre_divide
@@ -341,7 +341,7 @@ def apply_gradient_scaling_factor(
         ValueError: for a tensor factor with more than one element.
 
     See Also:
-        ``torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor``: PyTorch's nearest
+        :pt:`torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor`: PyTorch's nearest
         counterpart (a divisor applied through the collective).
     """
     if factor is None:
@@ -376,7 +376,7 @@ def pg_allocate(
         The buffer.
 
     See Also:
-        ``torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm``.
+        :pt:`torch.distributed.fsdp.FSDPModule.set_allocate_memory_from_process_group_for_comm`.
     """
     backend = group._get_backend(device)
     if backend.supports_tensor_alloc(device):

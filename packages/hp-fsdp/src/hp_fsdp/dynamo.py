@@ -5,7 +5,7 @@ the hooks' own work (all-gathers, resharding, reductions) runs in eager mode. Mo
 a unit carry the attributes PyTorch sets for Dynamo (:data:`DYNAMO_MODULE_FLAGS`).
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_common._dynamo_disable``: PyTorch's wrapper.
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_common._dynamo_disable`: PyTorch's wrapper.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def run_eagerly(fn: _Fn) -> _Fn:
         The wrapped function.
 
     See Also:
-        ``torch._dynamo.disable``: the wrapper used.
+        :pt:`torch._dynamo.disable`: the wrapper used.
     """
     disabled = dynamo_disable(fn, recursive=True, reason="hp_fsdp hooks run eagerly")
     return cast(_Fn, disabled)

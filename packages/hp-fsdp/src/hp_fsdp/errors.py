@@ -6,7 +6,7 @@ instance of both, so ``except`` clauses written for either library catch it. Mes
 PyTorch's key phrase.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard``: PyTorch's checks these mirror.
+    :pt:`torch.distributed.fsdp._fully_shard`: PyTorch's checks these mirror.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class FSDPUsageError(ValueError, AssertionError):
     """A wrong argument that PyTorch's FSDP2 rejects with an ``AssertionError``.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard``: asserts on re-application, 2-D meshes without
+        :pt:`torch.distributed.fsdp.fully_shard`: asserts on re-application, 2-D meshes without
         dim names and out-of-range shard dims.
     """
 
@@ -27,7 +27,7 @@ class FSDPUnsupportedParamError(ValueError, NotImplementedError):
     """A parameter layout PyTorch's FSDP2 rejects with ``NotImplementedError``.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``: its layout checks.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam`: its layout checks.
     """
 
 
@@ -35,5 +35,5 @@ class FSDPDeepCopyError(TypeError, AssertionError):
     """Deep-copying a ``fully_shard`` module (PyTorch raises ``AssertionError``).
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard``: its modules refuse ``copy.deepcopy``.
+        :pt:`torch.distributed.fsdp.fully_shard`: its modules refuse ``copy.deepcopy``.
     """

@@ -11,7 +11,7 @@ weight) and how the gathered tensors become the unsharded parameter:
   ``out`` (the existing unsharded parameter) in place.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.all_gather_inputs`` and
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.all_gather_inputs` and
     ``FSDPParam.init_unsharded_param``: PyTorch's implementation of the protocol.
 """
 

@@ -1,7 +1,7 @@
 """HyperParallel-style helpers: state access, managed-parameter test, waiting for reductions.
 
 See Also:
-    ``torch.distributed.fsdp.fully_shard``: PyTorch's API these helpers complement.
+    :pt:`torch.distributed.fsdp.fully_shard`: PyTorch's API these helpers complement.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def get_hsdp_state(module: nn.Module) -> FSDPState | None:
         Its state, or None when ``fully_shard`` was not applied to it.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard.state``: PyTorch's accessor.
+        :pt:`torch.distributed.fsdp.fully_shard.state`: PyTorch's accessor.
     """
     return get_state(module)
 
@@ -49,7 +49,7 @@ def is_dtensor_managed_param(param: torch.Tensor) -> bool:
         True for the sharded parameters of hp-fsdp units (and ``replicate``), else False.
 
     See Also:
-        ``torch.distributed.tensor.DTensor``: the parameter type checked.
+        :pt:`torch.distributed.tensor.DTensor`: the parameter type checked.
     """
     return isinstance(param, DTensor) and bool(getattr(param, MANAGED_FLAG, False))
 
@@ -67,7 +67,7 @@ def infer_fully_shard_param_mode(param: torch.Tensor) -> str | None:
         tensor no ``fully_shard`` unit manages (including ``ignored_params``).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo``: PyTorch keeps the
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo`: PyTorch keeps the
         same distinction in its mesh-info classes (FSDP / HSDP / DDP).
     """
     if not is_dtensor_managed_param(param):
@@ -91,7 +91,7 @@ def hsdp_sync_stream(module: nn.Module | None = None) -> None:
         TypeError: when ``module`` is not a fully_shard unit.
 
     See Also:
-        ``torch.distributed.fsdp.FSDPModule.set_is_last_backward``: the setting that leaves
+        :pt:`torch.distributed.fsdp.FSDPModule.set_is_last_backward`: the setting that leaves
         reductions pending.
     """
     contexts: list[RootContext]

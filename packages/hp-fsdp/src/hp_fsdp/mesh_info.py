@@ -1,7 +1,7 @@
 """Which process groups a ``fully_shard`` unit shards over and replicates over.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo``: PyTorch's equivalent.
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo`: PyTorch's equivalent.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class MeshInfo:
         dp_mesh_dims: the data-parallel dim names of ``spmd_mesh``; None otherwise.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo``: PyTorch's class.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo`: PyTorch's class.
     """
 
     mesh: DeviceMesh
@@ -102,7 +102,7 @@ class PostForwardInfo:
         rank: this rank's index in ``group``.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard``: ``reshard_after_forward`` given as an int.
+        :pt:`torch.distributed.fsdp.fully_shard`: ``reshard_after_forward`` given as an int.
     """
 
     group: dist.ProcessGroup
@@ -123,7 +123,7 @@ def mesh_info_from_mesh(mesh: DeviceMesh) -> MeshInfo:
         ValueError: for a mesh of another dimensionality, or a 2-D mesh without dim names.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard``: the ``mesh`` argument.
+        :pt:`torch.distributed.fsdp.fully_shard`: the ``mesh`` argument.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(
@@ -147,7 +147,7 @@ class DataParallelMeshDims:
         replicate: the dim name(s) parameters are replicated over.
 
     See Also:
-        ``torch.distributed.fsdp.DataParallelMeshDims``: PyTorch's dataclass (same fields).
+        :pt:`torch.distributed.fsdp.DataParallelMeshDims`: PyTorch's dataclass (same fields).
     """
 
     shard: str | tuple[str, ...] | None = None
@@ -199,7 +199,7 @@ class FSDPMeshInfo(_DataParallelMeshInfoBase):
         spmd_mesh: that full mesh.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo``: PyTorch's class.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.FSDPMeshInfo`: PyTorch's class.
     """
 
     def __post_init__(self) -> None:
@@ -223,7 +223,7 @@ class DDPMeshInfo(_DataParallelMeshInfoBase):
         spmd_mesh: that full mesh.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.DDPMeshInfo``: PyTorch's class.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.DDPMeshInfo`: PyTorch's class.
     """
 
     def __post_init__(self) -> None:
@@ -249,7 +249,7 @@ class HSDPMeshInfo(FSDPMeshInfo, DDPMeshInfo):
         spmd_mesh: that full mesh.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo``: PyTorch's class.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo`: PyTorch's class.
     """
 
 
@@ -262,7 +262,7 @@ class ShardPlacementResult:
         mesh_info: the parameter's data-parallel mesh.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult`.
     """
 
     placement: Shard | None
@@ -279,7 +279,7 @@ def is_placement_result(value: object) -> bool:
         True for an object with ``placement`` and ``mesh_info``.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult`.
     """
     if isinstance(value, ShardPlacementResult):
         return True
@@ -305,7 +305,7 @@ def placement_mesh_info(user_info: object, default: MeshInfo) -> MeshInfo:
         ValueError: for a mesh info without a shard dim, or a layout other than those above.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult`.
     """
     mesh = getattr(user_info, "mesh", None)
     if not isinstance(mesh, DeviceMesh):

@@ -4,7 +4,7 @@ A unit all-gathers all its parameters with one collective and reduce-scatters al
 gradients with one collective (plus one all-reduce over the replicate axis for HSDP).
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup``: PyTorch's class.
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup`: PyTorch's class.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class TrainingState(enum.Enum):
     """Where a unit is in the iteration.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_common.TrainingState``: PyTorch's enum.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.TrainingState`: PyTorch's enum.
     """
 
     IDLE = enum.auto()
@@ -106,7 +106,7 @@ def resolve_reshard_after_forward(value: bool | int, shard_size: int) -> bool | 
         ValueError: for an int that does not divide the shard size, or another type.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard``: the ``reshard_after_forward`` argument.
+        :pt:`torch.distributed.fsdp.fully_shard`: the ``reshard_after_forward`` argument.
     """
     if isinstance(value, bool):
         return value
@@ -216,7 +216,7 @@ class PendingReduction:
     parameters' ``.grad`` (accumulated when a gradient exists).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce`.
     """
 
     def __init__(
@@ -416,7 +416,7 @@ class GroupOptions:
         sharded_accumulated_grad: reduce every micro-batch and accumulate sharded gradients.
 
     See Also:
-        ``torch.distributed.fsdp.FSDPModule``: the setters that fill it.
+        :pt:`torch.distributed.fsdp.FSDPModule`: the setters that fill it.
     """
 
     reduce_grads: bool = True
@@ -453,7 +453,7 @@ class ParamGroup:
         offload_policy: the offload policy.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup`.
     """
 
     def __init__(

@@ -5,7 +5,7 @@ PyTorch's own policy instances (``torch.distributed.fsdp.MixedPrecisionPolicy``,
 :func:`to_offload_policy` convert them field by field.
 
 See Also:
-    ``torch.distributed.fsdp.MixedPrecisionPolicy``: PyTorch's FSDP2 policies.
+    :pt:`torch.distributed.fsdp.MixedPrecisionPolicy`: PyTorch's FSDP2 policies.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class MixedPrecisionPolicy:
             or its cast to the parameter dtype otherwise, so a standard optimizer still works.
 
     See Also:
-        ``torch.distributed.fsdp.MixedPrecisionPolicy``: PyTorch's policy (same fields).
+        :pt:`torch.distributed.fsdp.MixedPrecisionPolicy`: PyTorch's policy (same fields).
     """
 
     param_dtype: torch.dtype | None = None
@@ -55,7 +55,7 @@ class OffloadPolicy:
     """No offloading: sharded parameters, gradients and optimizer states stay on the device.
 
     See Also:
-        ``torch.distributed.fsdp.OffloadPolicy``: PyTorch's default policy.
+        :pt:`torch.distributed.fsdp.OffloadPolicy`: PyTorch's default policy.
     """
 
 
@@ -71,7 +71,7 @@ class CPUOffloadPolicy(OffloadPolicy):
         pin_memory: allocate the host copies in pinned memory (needs an accelerator).
 
     See Also:
-        ``torch.distributed.fsdp.CPUOffloadPolicy``: PyTorch's policy (same field).
+        :pt:`torch.distributed.fsdp.CPUOffloadPolicy`: PyTorch's policy (same field).
     """
 
     pin_memory: bool = True
@@ -103,7 +103,7 @@ def to_mp_policy(policy: object) -> MixedPrecisionPolicy:
         TypeError: for any other object.
 
     See Also:
-        ``torch.distributed.fsdp.MixedPrecisionPolicy``: PyTorch's policy.
+        :pt:`torch.distributed.fsdp.MixedPrecisionPolicy`: PyTorch's policy.
     """
     if isinstance(policy, MixedPrecisionPolicy):
         return policy
@@ -135,7 +135,7 @@ def to_offload_policy(policy: object) -> OffloadPolicy:
         TypeError: for any other object.
 
     See Also:
-        ``torch.distributed.fsdp.OffloadPolicy``: PyTorch's policy.
+        :pt:`torch.distributed.fsdp.OffloadPolicy`: PyTorch's policy.
     """
     if isinstance(policy, OffloadPolicy):
         return policy

@@ -5,7 +5,7 @@ Parameters stay whole on every rank (``Replicate()`` DTensors) and gradients are
 as PyTorch's FSDP-based ``replicate`` does.
 
 See Also:
-    ``torch.distributed._composable.replicate_with_fsdp.replicate``: PyTorch's function.
+    :pt:`torch.distributed._composable.replicate_with_fsdp.replicate`: PyTorch's function.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ReplicateModule(FSDPModule):
     ``set_all_reduce_hook``, ...).
 
     See Also:
-        ``torch.distributed._composable.replicate_with_fsdp.ReplicateModule``: PyTorch's class.
+        :pt:`torch.distributed._composable.replicate_with_fsdp.ReplicateModule`: PyTorch's class.
     """
 
     _orig_cls_mro_index: int = 3
@@ -89,7 +89,7 @@ def replicate(
         NotImplementedError: for ``dp_mesh_dims`` or DTensor parameters.
 
     See Also:
-        ``torch.distributed._composable.replicate_with_fsdp.replicate``: PyTorch's function.
+        :pt:`torch.distributed._composable.replicate_with_fsdp.replicate`: PyTorch's function.
     """
     if dp_mesh_dims is not None:
         raise NotImplementedError(

@@ -8,7 +8,7 @@ end-of-backward callback flag, and the process groups created once for
 not interact.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext``: PyTorch's
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext`: PyTorch's
     shared communication context.
 """
 
@@ -42,7 +42,7 @@ class CommResources:
         logged_hints: the best-effort hints already logged (each logs once).
 
     See Also:
-        ``torch.distributed.fsdp.share_comm_ctx``: PyTorch's shared communication context.
+        :pt:`torch.distributed.fsdp.share_comm_ctx`: PyTorch's shared communication context.
     """
 
     def __init__(self) -> None:
@@ -103,7 +103,7 @@ class RootContext:
             issues its own.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPStateContext``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_state.FSDPStateContext`.
     """
 
     def __init__(self) -> None:
@@ -137,7 +137,7 @@ class RootContext:
             This rank's :class:`PostForwardInfo`.
 
         See Also:
-            ``torch.distributed.fsdp.fully_shard``: ``reshard_after_forward`` as an int.
+            :pt:`torch.distributed.fsdp.fully_shard`: ``reshard_after_forward`` as an int.
         """
         mesh_ranks = mesh_info.mesh.mesh.reshape(-1, mesh_info.shard_size)
         key = (tuple(int(r) for r in mesh_ranks.reshape(-1).tolist()), k)

@@ -1,7 +1,7 @@
 """Per-``fully_shard`` state: forward/backward hooks, lazy root initialization, prefetching.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState``: PyTorch's counterpart.
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState`: PyTorch's counterpart.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def get_state(module: nn.Module) -> FSDPState | None:
         Its :class:`FSDPState` or None.
 
     See Also:
-        ``torch.distributed.fsdp.fully_shard.state``: PyTorch's state accessor.
+        :pt:`torch.distributed.fsdp.fully_shard.state`: PyTorch's state accessor.
     """
     state = module.__dict__.get(STATE_ATTR)
     return state if isinstance(state, FSDPState) else None
@@ -61,7 +61,7 @@ class FSDPState:
         auto_reshard_after_forward: ``reshard_after_forward`` was None (root keeps unsharded).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState`.
     """
 
     def __init__(

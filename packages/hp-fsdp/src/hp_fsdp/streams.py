@@ -16,7 +16,7 @@ On the CPU every stream is the device layer's no-op stream, so the same code run
 program order; tests substitute :meth:`CommStreams.recording` to observe the order.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext``: PyTorch's
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPCommContext`: PyTorch's
     streams.
 """
 

@@ -6,7 +6,7 @@ dataclasses, so a unit whose forward returned one got no pre-backward hook; this
 the same containers PyTorch's FSDP2 visits, in the same order.
 
 See Also:
-    ``torch.distributed.utils._apply_to_tensors``: PyTorch's traversal.
+    :pt:`torch.distributed.utils._apply_to_tensors`: PyTorch's traversal.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
         The rebuilt structure.
 
     See Also:
-        ``torch.distributed.utils._apply_to_tensors``: PyTorch's traversal.
+        :pt:`torch.distributed.utils._apply_to_tensors`: PyTorch's traversal.
     """
     if isinstance(value, torch.Tensor):
         return fn(value)

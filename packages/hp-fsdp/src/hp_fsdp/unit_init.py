@@ -5,7 +5,7 @@ excluded), its parameters (ignored and tied ones once), moving them to the compu
 one :class:`~hp_fsdp.param_group.ParamGroup` per data-parallel mesh.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_init``: PyTorch's initialization helpers.
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_init`: PyTorch's initialization helpers.
 """
 
 from __future__ import annotations
