@@ -97,7 +97,7 @@ def split_launch_options(args: list[str]) -> tuple[LaunchOptions, list[str]]:
             ``--rdzv-endpoint``.
 
     See Also:
-        ``torch.distributed.run``: ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``.
+        :pt:`torch.distributed.run`: ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``.
     """
     found: dict[str, str] = {}
     rest: list[str] = []
@@ -153,7 +153,7 @@ def nproc_for(config: JobConfig) -> int:
         The number of processes.
 
     See Also:
-        ``torch.distributed.run``: ``--nproc-per-node``.
+        :pt:`torch.distributed.run`: ``--nproc-per-node``.
     """
     if config.job.nproc_per_node > 0:
         return config.job.nproc_per_node
@@ -178,7 +178,7 @@ def needs_launcher(config: JobConfig) -> bool:
         True when no launcher environment is present and more than one rank is wanted.
 
     See Also:
-        ``torch.distributed.run``: the launcher ``hp-train`` uses.
+        :pt:`torch.distributed.run`: the launcher ``hp-train`` uses.
     """
     under_launcher = any(name in os.environ for name in _LAUNCHER_ENV)
     return not under_launcher and nproc_for(config) > 1
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         ``<run folder>/stopped.json`` with the step and whether it was saved.
 
     See Also:
-        ``torchtitan.train.main``: TorchTitan's entry point (run via ``run_train.sh``).
+        :titan:`torchtitan.train.main`: TorchTitan's entry point (run via ``run_train.sh``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:

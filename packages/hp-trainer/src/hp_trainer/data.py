@@ -98,7 +98,7 @@ class HuggingFaceTokenizer:
             neither BOS nor EOS is known (the message names the files looked at).
 
     See Also:
-        ``torchtitan.components.tokenizer.HuggingFaceTokenizer``: TorchTitan's tokenizer.
+        :titan:`torchtitan.components.tokenizer.HuggingFaceTokenizer`: TorchTitan's tokenizer.
     """
 
     def __init__(
@@ -150,7 +150,7 @@ class HuggingFaceTokenizer:
         """Number of token ids (including special tokens).
 
         See Also:
-            ``torchtitan.components.tokenizer.HuggingFaceTokenizer.get_vocab_size``.
+            :titan:`torchtitan.components.tokenizer.HuggingFaceTokenizer.get_vocab_size`.
         """
         return int(self._tok.get_vocab_size())
 
@@ -161,7 +161,7 @@ class HuggingFaceTokenizer:
             The vocabulary size.
 
         See Also:
-            ``torchtitan.components.tokenizer.HuggingFaceTokenizer.get_vocab_size``.
+            :titan:`torchtitan.components.tokenizer.HuggingFaceTokenizer.get_vocab_size`.
         """
         return self.vocab_size
 
@@ -177,7 +177,7 @@ class HuggingFaceTokenizer:
             Token ids.
 
         See Also:
-            ``torchtitan.components.tokenizer.HuggingFaceTokenizer.encode``.
+            :titan:`torchtitan.components.tokenizer.HuggingFaceTokenizer.encode`.
         """
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         if add_bos and self.bos_id is not None:
@@ -213,7 +213,7 @@ class HuggingFaceTokenizer:
             The text.
 
         See Also:
-            ``torchtitan.components.tokenizer.HuggingFaceTokenizer.decode``.
+            :titan:`torchtitan.components.tokenizer.HuggingFaceTokenizer.decode`.
         """
         return str(self._tok.decode(ids))
 
@@ -232,7 +232,7 @@ def build_tokenizer(
         The tokenizer.
 
     See Also:
-        ``torchtitan.components.tokenizer.build_hf_tokenizer``.
+        :titan:`torchtitan.components.tokenizer.build_hf_tokenizer`.
     """
     return HuggingFaceTokenizer(tokenizer_path, bos_token=bos_token, eos_token=eos_token)
 
@@ -271,7 +271,7 @@ def load_documents(dataset: str, text_field: str = "text") -> list[str]:
         ValueError: For an unknown name / missing path, or an empty dataset.
 
     See Also:
-        ``torchtitan.hf_datasets.text_datasets.DATASETS``: TorchTitan's dataset registry.
+        :titan:`torchtitan.hf_datasets.text_datasets.DATASETS`: TorchTitan's dataset registry.
     """
     path = BUILTIN_DATASETS.get(dataset, Path(dataset))
     if path.is_dir():
@@ -304,7 +304,7 @@ class TokenizedDataset:
         ValueError: If the corpus yields no complete sample.
 
     See Also:
-        ``torchtitan.hf_datasets.text_datasets.HuggingFaceTextDataset``: TorchTitan's packing.
+        :titan:`torchtitan.hf_datasets.text_datasets.HuggingFaceTextDataset`: TorchTitan's packing.
     """
 
     def __init__(self, documents: list[str], tokenizer: HuggingFaceTokenizer, seq_len: int) -> None:
@@ -330,7 +330,7 @@ class TokenizedDataset:
             Two ``(seq_len,)`` int64 tensors.
 
         See Also:
-            ``torch.utils.data.Dataset.__getitem__``.
+            :pt:`torch.utils.data.Dataset.__getitem__`.
         """
         start = index * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1]
@@ -369,7 +369,7 @@ class ParallelAwareDataloader:
         ValueError: If the dataset is smaller than one global batch or the rank is out of range.
 
     See Also:
-        ``torchtitan.components.dataloader.ParallelAwareDataloader``: TorchTitan's loader.
+        :titan:`torchtitan.components.dataloader.ParallelAwareDataloader`: TorchTitan's loader.
     """
 
     def __init__(

@@ -29,7 +29,7 @@ class ExpertLoadTracker:
             default group when one is initialized).
 
     See Also:
-        TorchTitan's ``build_optimizers_with_moe_load_balancing`` (its optimizer hook).
+        TorchTitan's :titan:`build_optimizers_with_moe_load_balancing` (its optimizer hook).
     """
 
     def __init__(

@@ -147,7 +147,7 @@ class StateDictAdapter:
         hf_assets_path: Folder of HF assets (``config.json``, tokenizer); kept for reference.
 
     See Also:
-        ``torchtitan.protocols.state_dict_adapter.StateDictAdapter``: TorchTitan's protocol.
+        :titan:`torchtitan.protocols.state_dict_adapter.StateDictAdapter`: TorchTitan's protocol.
     """
 
     def __init__(self, model_args: Any, hf_assets_path: str | None = None) -> None:
@@ -168,7 +168,7 @@ class StateDictAdapter:
             NotImplementedError: In the base class.
 
         See Also:
-            ``torchtitan.protocols.state_dict_adapter.StateDictAdapter.to_hf``.
+            :titan:`torchtitan.protocols.state_dict_adapter.StateDictAdapter.to_hf`.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement to_hf")
 
@@ -185,7 +185,7 @@ class StateDictAdapter:
             NotImplementedError: In the base class.
 
         See Also:
-            ``torchtitan.protocols.state_dict_adapter.StateDictAdapter.from_hf``.
+            :titan:`torchtitan.protocols.state_dict_adapter.StateDictAdapter.from_hf`.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement from_hf")
 
@@ -220,7 +220,7 @@ class DecoderStateDictAdapter(StateDictAdapter):
         TypeError: If ``model_args`` is not a ``DecoderArgs``.
 
     See Also:
-        ``torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter``.
+        :titan:`torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter`.
     """
 
     model_type: ClassVar[str] = "llama"
@@ -264,7 +264,7 @@ class DecoderStateDictAdapter(StateDictAdapter):
             KeyError: For a key this adapter does not know.
 
         See Also:
-            ``torchtitan.protocols.state_dict_adapter.StateDictAdapter.fqn_to_index_mapping``.
+            :titan:`torchtitan.protocols.state_dict_adapter.StateDictAdapter.fqn_to_index_mapping`.
         """
         if key in _TOP_KEYS:
             if key == "lm_head.weight" and self.args.enable_weight_tying:
@@ -291,7 +291,7 @@ class DecoderStateDictAdapter(StateDictAdapter):
             TypeError: For a value that is not a tensor.
 
         See Also:
-            ``torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter.to_hf``.
+            :titan:`torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter.to_hf`.
         """
         out: dict[str, torch.Tensor] = {}
         for key in state_dict:
@@ -328,7 +328,7 @@ class DecoderStateDictAdapter(StateDictAdapter):
             KeyError: For a key this adapter does not know.
 
         See Also:
-            ``torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter.from_hf``.
+            :titan:`torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter.from_hf`.
         """
         out: dict[str, torch.Tensor] = {}
         for key, value in hf_state_dict.items():
@@ -398,7 +398,7 @@ class Llama3StateDictAdapter(DecoderStateDictAdapter):
         hf_assets_path: Folder of HF assets; kept for reference.
 
     See Also:
-        ``torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter``.
+        :titan:`torchtitan.models.llama3.model.state_dict_adapter.Llama3StateDictAdapter`.
     """
 
     model_type: ClassVar[str] = "llama"
@@ -413,7 +413,7 @@ class Qwen3StateDictAdapter(DecoderStateDictAdapter):
         hf_assets_path: Folder of HF assets; kept for reference.
 
     See Also:
-        ``torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter``.
+        :titan:`torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter`.
     """
 
     model_type: ClassVar[str] = "qwen3"

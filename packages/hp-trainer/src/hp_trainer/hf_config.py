@@ -146,7 +146,7 @@ def decoder_args_from_hf_config(config: Mapping[str, Any], *, source: str = "") 
             or a missing size.
 
     See Also:
-        ``torchtitan.protocols.state_dict_adapter``: TorchTitan reads the HF assets likewise.
+        :titan:`torchtitan.protocols.state_dict_adapter`: TorchTitan reads the HF assets likewise.
     """
     where = f" in {source}" if source else ""
     model_type = config.get("model_type")
@@ -254,7 +254,7 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
         FileNotFoundError: ``auto`` and the checkpoint has no config.json.
 
     See Also:
-        ``torchtitan.train.Trainer``: TorchTitan takes the flavor as given.
+        :titan:`torchtitan.train.Trainer`: TorchTitan takes the flavor as given.
     """
     ckpt = job_config.checkpoint
     hf_path = ckpt.initial_load_path if ckpt.initial_load_in_hf else None

@@ -53,7 +53,7 @@ class MoEStateDictAdapter(DecoderStateDictAdapter):
         hf_assets_path: Folder of HF assets; kept for reference.
 
     See Also:
-        ``torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter`` (MoE keys).
+        :titan:`torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter` (MoE keys).
     """
 
     extra_block_keys: ClassVar[dict[str, str]] = {}
@@ -85,7 +85,7 @@ class MoEStateDictAdapter(DecoderStateDictAdapter):
             KeyError: For a key this adapter does not know.
 
         See Also:
-            ``torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter``.
+            :titan:`torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter`.
         """
         out: dict[str, torch.Tensor] = {}
         dense: dict[str, Any] = {}
@@ -114,7 +114,7 @@ class MoEStateDictAdapter(DecoderStateDictAdapter):
             KeyError: For a key this adapter does not know, or missing experts.
 
         See Also:
-            ``torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter``.
+            :titan:`torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter`.
         """
         hf_extra = {v: k for k, v in self.extra_block_keys.items()}
         hf_moe = {v: k for k, v in _MOE_KEYS.items()}
@@ -167,7 +167,7 @@ class Qwen3MoeStateDictAdapter(MoEStateDictAdapter):
         hf_assets_path: Folder of HF assets; kept for reference.
 
     See Also:
-        ``torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter``.
+        :titan:`torchtitan.models.qwen3.model.state_dict_adapter.Qwen3StateDictAdapter`.
     """
 
     model_type: ClassVar[str] = "qwen3_moe"
@@ -201,7 +201,7 @@ class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
         hf_assets_path: Folder of HF assets; kept for reference.
 
     See Also:
-        ``torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter``.
+        :titan:`torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter`.
     """
 
     model_type: ClassVar[str] = "deepseek_v3"

@@ -48,7 +48,7 @@ def get_peak_flops(device_name: str) -> float | None:
         FLOP/s, or None when unknown (CPUs, unlisted devices).
 
     See Also:
-        ``torchtitan.tools.utils.get_peak_flops``: TorchTitan's table.
+        :titan:`torchtitan.tools.utils.get_peak_flops`: TorchTitan's table.
     """
     compact = device_name.replace(" ", "")
     for key, flops in _PEAK_FLOPS:
@@ -146,7 +146,7 @@ class MetricsProcessor:
         ImportError: If TensorBoard is enabled but not installed.
 
     See Also:
-        ``torchtitan.components.metrics.MetricsProcessor``: TorchTitan's metrics.
+        :titan:`torchtitan.components.metrics.MetricsProcessor`: TorchTitan's metrics.
     """
 
     def __init__(
@@ -217,7 +217,7 @@ class MetricsProcessor:
             RuntimeError: If called after logging started.
 
         See Also:
-            ``torchtitan.components.metrics.MetricsProcessor``: TorchTitan's writers.
+            :titan:`torchtitan.components.metrics.MetricsProcessor`: TorchTitan's writers.
         """
         if self._started:
             raise RuntimeError("MetricsProcessor.start() called after logging started")
@@ -258,7 +258,7 @@ class MetricsProcessor:
             True on the first, every ``log_freq``-th and the last step.
 
         See Also:
-            ``torchtitan.components.metrics.MetricsProcessor.should_log``.
+            :titan:`torchtitan.components.metrics.MetricsProcessor.should_log`.
         """
         return step == 1 or step % self.config.log_freq == 0 or step == self.total_steps
 
@@ -270,7 +270,7 @@ class MetricsProcessor:
             loss: Global mean loss of the step.
 
         See Also:
-            ``torchtitan.components.metrics.MetricsProcessor.log``.
+            :titan:`torchtitan.components.metrics.MetricsProcessor.log`.
         """
         if not self._started:
             self.start()
@@ -286,7 +286,7 @@ class MetricsProcessor:
             num_tokens: Tokens of one micro-batch on this rank.
 
         See Also:
-            ``torchtitan.components.metrics.MetricsProcessor.ntokens_since_last_log``.
+            :titan:`torchtitan.components.metrics.MetricsProcessor.ntokens_since_last_log`.
         """
         self._tokens_since_log += num_tokens
 
@@ -311,7 +311,7 @@ class MetricsProcessor:
             The record written.
 
         See Also:
-            ``torchtitan.components.metrics.MetricsProcessor.log``.
+            :titan:`torchtitan.components.metrics.MetricsProcessor.log`.
         """
         if not self._started:
             self.start()
@@ -373,7 +373,7 @@ class MetricsProcessor:
             The JSONL record ``{"step", "validation_loss", "validation_perplexity"}``.
 
         See Also:
-            ``torchtitan.components.metrics.MetricsProcessor.log_validation``.
+            :titan:`torchtitan.components.metrics.MetricsProcessor.log_validation`.
         """
         if not self._started:
             self.start()
@@ -403,7 +403,7 @@ class MetricsProcessor:
             The path of ``loss.png`` when written, else None.
 
         See Also:
-            ``torchtitan.components.metrics.MetricsProcessor.close``.
+            :titan:`torchtitan.components.metrics.MetricsProcessor.close`.
         """
         if self._closed:
             return None

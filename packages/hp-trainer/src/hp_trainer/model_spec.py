@@ -44,7 +44,7 @@ class ModelSpec:
             has a context-parallel path (SDPA and a ``rope_cache`` indexed by position).
 
     See Also:
-        ``torchtitan.protocols.model_spec.ModelSpec``: TorchTitan's spec.
+        :titan:`torchtitan.protocols.model_spec.ModelSpec`: TorchTitan's spec.
     """
 
     name: str
@@ -68,7 +68,7 @@ class ModelSpec:
             ValueError: For an unknown flavor, listing the known ones.
 
         See Also:
-            ``torchtitan.models.llama3.model_registry``: TorchTitan's flavor lookup.
+            :titan:`torchtitan.models.llama3.model_registry`: TorchTitan's flavor lookup.
         """
         import copy
 
@@ -89,7 +89,7 @@ class ModelSpec:
             The (uninitialized or default-initialized) model.
 
         See Also:
-            ``torchtitan.protocols.model.BaseModel.Config.build``.
+            :titan:`torchtitan.protocols.model.BaseModel.Config.build`.
         """
         args = self.model_args(flavor)
         for key, value in overrides.items():
@@ -113,7 +113,7 @@ def register_model_spec(spec: ModelSpec) -> ModelSpec:
         ValueError: If the name is already registered with a different spec.
 
     See Also:
-        ``torchtitan.protocols.train_spec.register_train_spec``: TorchTitan's former registry.
+        :titan:`torchtitan.protocols.train_spec.register_train_spec`: TorchTitan's former registry.
     """
     existing = _REGISTRY.get(spec.name)
     if existing is not None and existing is not spec:
@@ -139,7 +139,7 @@ def get_model_spec(name: str) -> ModelSpec:
         ValueError: For an unknown name, listing the registered ones.
 
     See Also:
-        ``torchtitan.protocols.train_spec.get_train_spec``: TorchTitan's former lookup.
+        :titan:`torchtitan.protocols.train_spec.get_train_spec`: TorchTitan's former lookup.
     """
     import hp_trainer.models  # noqa: F401  (registers the built-in models)
 
@@ -155,7 +155,7 @@ def list_model_specs() -> list[str]:
         Sorted names.
 
     See Also:
-        ``torchtitan.models._supported_models``: TorchTitan's model list.
+        :titan:`torchtitan.models._supported_models`: TorchTitan's model list.
     """
     import hp_trainer.models  # noqa: F401
 

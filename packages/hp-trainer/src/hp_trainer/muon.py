@@ -88,8 +88,8 @@ class Muon(torch.optim.Optimizer):
             ``use_muon=False``), or a hyper-parameter is out of range.
 
     See Also:
-        ``torch.optim.Muon``: PyTorch's single-process Muon; HyperParallel's Muon via
-        ``get_hyper_optimizer``; TorchTitan's ``DistMuon``.
+        :pt:`torch.optim.Muon`: PyTorch's single-process Muon; HyperParallel's Muon via
+        ``get_hyper_optimizer``; TorchTitan's :titan:`DistMuon`.
     """
 
     def __init__(
@@ -157,7 +157,7 @@ class Muon(torch.optim.Optimizer):
             The closure's loss, if any.
 
         See Also:
-            ``torch.optim.Muon.step``.
+            :pt:`torch.optim.Muon.step`.
         """
         loss = None
         if closure is not None:
@@ -261,7 +261,7 @@ def get_hyper_optimizer(
         One optimizer over all trainable parameters.
 
     See Also:
-        HyperParallel's ``get_hyper_optimizer``; ``torch.optim.Muon`` (its docstring's recipe).
+        HyperParallel's ``get_hyper_optimizer``; :pt:`torch.optim.Muon` (its docstring's recipe).
     """
     hidden: list[nn.Parameter] = []
     rest: list[nn.Parameter] = []

@@ -33,7 +33,7 @@ class OptimizersContainer:
         optimizer_config: The ``[optimizer]`` section.
 
     See Also:
-        ``torchtitan.components.optimizer.OptimizersContainer``: TorchTitan's container.
+        :titan:`torchtitan.components.optimizer.OptimizersContainer`: TorchTitan's container.
     """
 
     def __init__(self, model_parts: Iterable[nn.Module], optimizer_config: OptimizerConfig) -> None:
@@ -73,7 +73,7 @@ class OptimizersContainer:
         """Step every optimizer.
 
         See Also:
-            ``torch.optim.Optimizer.step``.
+            :pt:`torch.optim.Optimizer.step`.
         """
         for opt in self.optimizers:
             opt.step()
@@ -85,7 +85,7 @@ class OptimizersContainer:
             set_to_none: Free gradients instead of zeroing them.
 
         See Also:
-            ``torch.optim.Optimizer.zero_grad``.
+            :pt:`torch.optim.Optimizer.zero_grad`.
         """
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
@@ -103,7 +103,7 @@ class OptimizersContainer:
             One state dict per model part.
 
         See Also:
-            ``torch.optim.Optimizer.state_dict``.
+            :pt:`torch.optim.Optimizer.state_dict`.
         """
         return [opt.state_dict() for opt in self.optimizers]
 
@@ -121,7 +121,7 @@ def build_optimizers(
         The container.
 
     See Also:
-        ``torchtitan.components.optimizer.build_optimizers``.
+        :titan:`torchtitan.components.optimizer.build_optimizers`.
     """
     return OptimizersContainer(model_parts, optimizer_config)
 
@@ -142,7 +142,7 @@ def lr_factor(step: int, total_steps: int, config: LRSchedulerConfig) -> float:
         The factor.
 
     See Also:
-        ``torchtitan.components.lr_scheduler.linear_warmup_stable_decay``.
+        :titan:`torchtitan.components.lr_scheduler.linear_warmup_stable_decay`.
     """
     s = step + 1
     warmup = config.warmup_steps
@@ -176,7 +176,7 @@ class LRSchedulersContainer:
         config: The ``[lr_scheduler]`` section.
 
     See Also:
-        ``torchtitan.components.lr_scheduler.LRSchedulersContainer``: TorchTitan's container.
+        :titan:`torchtitan.components.lr_scheduler.LRSchedulersContainer`: TorchTitan's container.
     """
 
     def __init__(
@@ -192,7 +192,7 @@ class LRSchedulersContainer:
         """Advance every scheduler by one optimizer step.
 
         See Also:
-            ``torch.optim.lr_scheduler.LRScheduler.step``.
+            :pt:`torch.optim.lr_scheduler.LRScheduler.step`.
         """
         for sched in self.schedulers:
             sched.step()
@@ -204,7 +204,7 @@ class LRSchedulersContainer:
             The learning rate.
 
         See Also:
-            ``torch.optim.lr_scheduler.LRScheduler.get_last_lr``.
+            :pt:`torch.optim.lr_scheduler.LRScheduler.get_last_lr`.
         """
         return float(self.schedulers[0].get_last_lr()[0])
 
@@ -215,7 +215,7 @@ class LRSchedulersContainer:
             ``{"last_epoch": ...}``.
 
         See Also:
-            ``torch.optim.lr_scheduler.LRScheduler.state_dict``.
+            :pt:`torch.optim.lr_scheduler.LRScheduler.state_dict`.
         """
         return {"last_epoch": int(self.schedulers[0].last_epoch)}
 
@@ -234,6 +234,6 @@ def build_lr_schedulers(
         The container.
 
     See Also:
-        ``torchtitan.components.lr_scheduler.build_lr_schedulers``.
+        :titan:`torchtitan.components.lr_scheduler.build_lr_schedulers`.
     """
     return LRSchedulersContainer(optimizers, total_steps, config)

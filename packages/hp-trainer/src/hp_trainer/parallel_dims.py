@@ -48,7 +48,7 @@ class ParallelDims:
         ValueError: If a degree is invalid or the product does not match ``world_size``.
 
     See Also:
-        ``torchtitan.distributed.parallel_dims.ParallelDims``: TorchTitan's class.
+        :titan:`torchtitan.distributed.parallel_dims.ParallelDims`: TorchTitan's class.
     """
 
     dp_replicate: int
@@ -106,7 +106,8 @@ class ParallelDims:
             The world mesh with axes ``pp, dp_replicate, dp_shard, cp, tp``.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.build_mesh``: TorchTitan's mesh.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.build_mesh`: TorchTitan's
+            mesh.
         """
         shape = tuple(getattr(self, axis) for axis in _AXES)
         world = init_device_mesh(device_type, shape, mesh_dim_names=_AXES)
@@ -147,7 +148,8 @@ class ParallelDims:
             ValueError: For an unknown name.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.get_mesh``: TorchTitan's getter.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.get_mesh`: TorchTitan's
+            getter.
         """
         if not self._meshes:
             raise RuntimeError("ParallelDims.get_mesh() needs build_mesh() to have run first")
@@ -165,7 +167,7 @@ class ParallelDims:
             The mesh, or None for a trivial (size-1) or absent mesh.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.get_optional_mesh``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.get_optional_mesh`.
         """
         if name not in self._meshes:
             if name in ("ep", "efsdp") and self._meshes:
@@ -181,7 +183,7 @@ class ParallelDims:
         """Whether any data parallelism (replicate or shard) is on.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.dp_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.dp_enabled`.
         """
         return self.dp_replicate > 1 or self.dp_shard > 1
 
@@ -190,7 +192,7 @@ class ParallelDims:
         """Whether HSDP/DDP replication is on.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.dp_replicate_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.dp_replicate_enabled`.
         """
         return self.dp_replicate > 1
 
@@ -199,7 +201,7 @@ class ParallelDims:
         """Whether FSDP sharding is on.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.dp_shard_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.dp_shard_enabled`.
         """
         return self.dp_shard > 1
 
@@ -208,7 +210,7 @@ class ParallelDims:
         """Whether FSDP wraps the model (dp_shard or cp greater than 1).
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.fsdp_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.fsdp_enabled`.
         """
         return self.dp_shard > 1 or self.cp > 1
 
@@ -217,7 +219,7 @@ class ParallelDims:
         """Whether context parallelism is on.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.cp_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.cp_enabled`.
         """
         return self.cp > 1
 
@@ -226,7 +228,7 @@ class ParallelDims:
         """Whether tensor parallelism is on.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.tp_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.tp_enabled`.
         """
         return self.tp > 1
 
@@ -235,7 +237,7 @@ class ParallelDims:
         """Whether pipeline parallelism is on.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.pp_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.pp_enabled`.
         """
         return self.pp > 1
 
@@ -244,7 +246,7 @@ class ParallelDims:
         """Whether expert parallelism is on.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.ep_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.ep_enabled`.
         """
         return self.ep > 1
 
@@ -253,7 +255,7 @@ class ParallelDims:
         """Whether the loss can run on vocab-sharded logits (TP on).
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.loss_parallel_enabled``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.loss_parallel_enabled`.
         """
         return self.tp > 1
 
@@ -262,7 +264,7 @@ class ParallelDims:
         """Data-parallel degree, ``dp_replicate * dp_shard``.
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims`.
         """
         return self.dp_replicate * self.dp_shard
 
@@ -271,7 +273,7 @@ class ParallelDims:
         """Ranks that share one sample, ``cp * tp * pp`` (used for per-device tokens/s).
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.non_data_parallel_size``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.non_data_parallel_size`.
         """
         return self.cp * self.tp * self.pp
 
@@ -280,7 +282,7 @@ class ParallelDims:
         """Sequence lengths must be multiples of this, ``tp * 2 * cp`` (SP and CP load balance).
 
         See Also:
-            ``torchtitan.distributed.parallel_dims.ParallelDims.seq_len_divisor``.
+            :titan:`torchtitan.distributed.parallel_dims.ParallelDims.seq_len_divisor`.
         """
         return self.tp * (self.cp * 2 if self.cp > 1 else 1)
 

@@ -295,7 +295,7 @@ def prepare_corpus(options: PrepareOptions, *, stream: TextIO | None = None) -> 
             output folder that already holds a prepared corpus, or a tokenizer without BOS/EOS.
 
     See Also:
-        ``torchtitan.hf_datasets``: TorchTitan tokenizes on the fly instead.
+        :titan:`torchtitan.hf_datasets`: TorchTitan tokenizes on the fly instead.
     """
     sources = _sources(options.inputs)
     if any(source.path is None for source in sources):
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         The exit status (2 for bad input, named in the message).
 
     See Also:
-        ``torchtitan``'s data preparation is external; this mirrors Megatron's
+        :titan:`torchtitan`'s data preparation is external; this mirrors Megatron's
         ``preprocess_data.py`` workflow.
     """
     parser = argparse.ArgumentParser(

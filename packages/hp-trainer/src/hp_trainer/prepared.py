@@ -45,7 +45,7 @@ def is_prepared_corpus(path: str | Path) -> bool:
         True when it holds an ``index.json``.
 
     See Also:
-        ``torchtitan.hf_datasets``: TorchTitan streams raw text instead.
+        :titan:`torchtitan.hf_datasets`: TorchTitan streams raw text instead.
     """
     return (Path(path) / INDEX_FILE).is_file()
 
@@ -122,7 +122,7 @@ class PreparedTokenDataset:
         ValueError: For a damaged corpus, or one shorter than one sample.
 
     See Also:
-        ``torchtitan.hf_datasets.text_datasets.HuggingFaceTextDataset``: TorchTitan's packing.
+        :titan:`torchtitan.hf_datasets.text_datasets.HuggingFaceTextDataset`: TorchTitan's packing.
     """
 
     def __init__(self, folder: str | Path, seq_len: int) -> None:
@@ -215,7 +215,7 @@ class PreparedTokenDataset:
             Two ``(seq_len,)`` int64 tensors.
 
         See Also:
-            ``torch.utils.data.Dataset.__getitem__``.
+            :pt:`torch.utils.data.Dataset.__getitem__`.
         """
         start = index * self.seq_len
         window = self.tokens(start, start + self.seq_len + 1)

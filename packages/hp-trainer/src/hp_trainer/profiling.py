@@ -39,8 +39,8 @@ class StepProfiler:
         rank: Global rank (in the file names).
 
     See Also:
-        ``torchtitan.tools.profiling.maybe_enable_profiling``: TorchTitan's profiler context;
-        ``torch.profiler.profile``: the profiler used.
+        :titan:`torchtitan.tools.profiling.maybe_enable_profiling`: TorchTitan's profiler context;
+        :pt:`torch.profiler.profile`: the profiler used.
     """
 
     def __init__(self, config: ProfilingConfig, run_folder: Path, rank: int) -> None:
@@ -103,7 +103,7 @@ class StepProfiler:
         """Mark the end of a training step.
 
         See Also:
-            ``torch.profiler.profile.step``.
+            :pt:`torch.profiler.profile.step`.
         """
         self.step_num += 1
         if self._profiler is not None:

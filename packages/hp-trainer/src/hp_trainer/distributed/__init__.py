@@ -1,5 +1,5 @@
 """Parallelism helpers applied by the models' ``parallelize`` functions (TP, AC, compile, FSDP).
 
 See Also:
-    ``torchtitan.distributed``: TorchTitan's distributed helpers.
+    :titan:`torchtitan.distributed`: TorchTitan's distributed helpers.
 """

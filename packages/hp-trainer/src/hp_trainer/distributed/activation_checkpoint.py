@@ -120,8 +120,8 @@ def apply_ac(model: nn.Module, ac_config: ActivationCheckpointConfig) -> None:
         ValueError: If ``mode`` is ``none`` (nothing to apply) or the model has no ``layers``.
 
     See Also:
-        ``torchtitan.distributed.activation_checkpoint.apply_ac``: TorchTitan's AC (its
-        ``memory_budget`` mode sets ``torch._functorch.config.activation_memory_budget``).
+        :titan:`torchtitan.distributed.activation_checkpoint.apply_ac`: TorchTitan's AC (its
+        ``memory_budget`` mode sets :pt:`torch._functorch.config.activation_memory_budget`).
     """
     if ac_config.mode == "none":
         raise ValueError("apply_ac() called with activation_checkpoint.mode = 'none'")
@@ -318,7 +318,7 @@ def checkpoint(
             with ``use_reentrant=True``.
 
     See Also:
-        ``torch.utils.checkpoint.checkpoint`` and ``create_selective_checkpoint_contexts``;
+        :pt:`torch.utils.checkpoint.checkpoint` and ``create_selective_checkpoint_contexts``;
         HyperParallel's ``checkpoint``.
     """
     if policy_fn is not None and context_fn is not None:
@@ -423,7 +423,7 @@ def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
         The wrapper (its state-dict keys are the wrapped module's).
 
     See Also:
-        ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``;
+        :pt:`torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper`;
         HyperParallel's ``checkpoint_wrapper``.
     """
     return _CheckpointedModule(module, kwargs)
@@ -449,7 +449,7 @@ def swap(
         ``fn(*args)``.
 
     See Also:
-        ``torch.autograd.graph.save_on_cpu``; HyperParallel's ``swap``. On CPU this is a
+        :pt:`torch.autograd.graph.save_on_cpu`; HyperParallel's ``swap``. On CPU this is a
         pass-through in memory terms (see :class:`~hp_trainer.SwapManager`).
     """
     mgr = manager if manager is not None else SwapManager()

@@ -24,7 +24,7 @@ def apply_compile(model: nn.Module, compile_config: CompileConfig) -> None:
         ValueError: If the model has no ``layers``.
 
     See Also:
-        ``torchtitan.distributed.compile.apply_compile``: TorchTitan's per-block compile.
+        :titan:`torchtitan.distributed.compile.apply_compile`: TorchTitan's per-block compile.
     """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):

@@ -55,8 +55,8 @@ def apply_moe_ep_tp(
             divisible by the EP degree, hidden size by the TP degree).
 
     See Also:
-        ``torchtitan.distributed.expert_parallel`` and
-        ``torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp``.
+        :titan:`torchtitan.distributed.expert_parallel` and
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp`.
     """
     if etp_enabled and ep_etp_mesh is None:
         raise ValueError("etp_enabled=True needs the 2-D [ep, tp] mesh ep_etp_mesh")
@@ -115,8 +115,8 @@ def apply_tp_to_moe_decoder(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel
         ValueError: A head count not divisible by the TP degree, or tied embeddings.
 
     See Also:
-        ``torchtitan.models.qwen3.infra.parallelize.apply_non_moe_tp`` and
-        ``torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp``.
+        :titan:`torchtitan.models.qwen3.infra.parallelize.apply_non_moe_tp` and
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp`.
     """
     from hp_trainer._parallel_api import (
         ColwiseParallel,
@@ -257,8 +257,8 @@ def parallelize_moe_decoder(
             attention; degrees not dividing the experts, their hidden size or ``dp_shard``).
 
     See Also:
-        ``torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3`` and
-        ``torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3``.
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` and
+        :titan:`torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3`.
     """
     dims = parallel_dims
     problem = moe_layout_error(dims, model.args)

@@ -52,7 +52,7 @@ def get_fsdp_reshard_after_forward_policy(
         ValueError: For another policy name.
 
     See Also:
-        ``torchtitan.distributed.fsdp.get_fsdp_reshard_after_forward_policy``.
+        :titan:`torchtitan.distributed.fsdp.get_fsdp_reshard_after_forward_policy`.
     """
     if reshard_after_forward_policy == "always":
         return True
@@ -157,7 +157,7 @@ def apply_fsdp_to_decoder(
         ValueError: If ``ep_degree > 1`` without ``edp_mesh``, or for a bad policy.
 
     See Also:
-        ``torchtitan.distributed.fsdp.apply_fsdp_to_decoder``: TorchTitan's wrapper.
+        :titan:`torchtitan.distributed.fsdp.apply_fsdp_to_decoder`: TorchTitan's wrapper.
     """
     mp_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
@@ -250,7 +250,7 @@ def disable_fsdp_gradient_division(model: nn.Module) -> None:
         model: A model containing FSDP units.
 
     See Also:
-        ``torchtitan.distributed.fsdp.disable_fsdp_gradient_division``.
+        :titan:`torchtitan.distributed.fsdp.disable_fsdp_gradient_division`.
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -276,7 +276,7 @@ def enable_fsdp_symm_mem(model: nn.Module) -> None:
             lacks the symmetric-memory switches.
 
     See Also:
-        ``torchtitan.distributed.fsdp.enable_fsdp_symm_mem``.
+        :titan:`torchtitan.distributed.fsdp.enable_fsdp_symm_mem`.
     """
     kind = hp_device.get_device_type()
     if kind != hp_device.DEVICE_TYPE_CUDA:

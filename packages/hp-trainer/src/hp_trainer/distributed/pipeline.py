@@ -50,7 +50,7 @@ def stages_per_rank_of(schedule: str) -> int:
         ValueError: An unknown schedule name (the message lists the valid ones).
 
     See Also:
-        ``torchtitan.distributed.pipeline_parallel.pipeline_module_split``: TorchTitan's
+        :titan:`torchtitan.distributed.pipeline_parallel.pipeline_module_split`: TorchTitan's
         placement (one or several stages per rank, by schedule type).
     """
     from hp_pp import PipelineScheduleSingle
@@ -108,7 +108,7 @@ def pipeline_decoder(
             schedule cannot place.
 
     See Also:
-        ``torchtitan.distributed.pipeline_parallel.pipeline_llm``: TorchTitan's function.
+        :titan:`torchtitan.distributed.pipeline_parallel.pipeline_llm`: TorchTitan's function.
     """
     par = job_config.parallelism
     local_batch = job_config.training.local_batch_size
@@ -150,7 +150,7 @@ class PipelinedStep:
         pp_group: The pipeline process group (the loss is shared over it).
 
     See Also:
-        ``torchtitan.train.Trainer.forward_backward_step``: TorchTitan's PP branch.
+        :titan:`torchtitan.train.Trainer.forward_backward_step`: TorchTitan's PP branch.
     """
 
     def __init__(self, parts: PipelineParts, pp_group: dist.ProcessGroup) -> None:

@@ -36,7 +36,7 @@ class CheckpointPolicy(enum.IntEnum):
     forward and backward.
 
     See Also:
-        ``torch.utils.checkpoint.CheckpointPolicy``: PyTorch's four values (same numbers).
+        :pt:`torch.utils.checkpoint.CheckpointPolicy`: PyTorch's four values (same numbers).
     """
 
     MUST_SAVE = 0
@@ -304,7 +304,7 @@ class SwapManager:
         pool: Host buffer pool (a new one by default).
 
     See Also:
-        HyperParallel's ``SwapManager``; ``torch.autograd.graph.save_on_cpu`` (PyTorch's
+        HyperParallel's ``SwapManager``; :pt:`torch.autograd.graph.save_on_cpu` (PyTorch's
         synchronous, unpooled, unprefetched counterpart).
     """
 

@@ -45,7 +45,7 @@ def apply_tp(
             option is requested.
 
     See Also:
-        ``torchtitan.models.llama3.infra.parallelize.apply_tp``: TorchTitan's TP plan.
+        :titan:`torchtitan.models.llama3.infra.parallelize.apply_tp`: TorchTitan's TP plan.
     """
     if enable_float8_tensorwise_tp:
         raise ValueError("float8 tensor parallelism is not available in hp-trainer 0.1")

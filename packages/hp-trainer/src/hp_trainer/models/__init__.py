@@ -2,7 +2,7 @@
 ``deepseek_v3``.
 
 See Also:
-    ``torchtitan.models``: TorchTitan's model families.
+    :titan:`torchtitan.models`: TorchTitan's model families.
 """
 
 from hp_trainer.models import deepseek_v3, llama3, qwen3, qwen3_moe

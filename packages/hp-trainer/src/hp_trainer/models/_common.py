@@ -36,7 +36,7 @@ def parallelize_dense_decoder(
         The model, parallelized in place.
 
     See Also:
-        ``torchtitan.models.llama3.infra.parallelize.parallelize_llama``: TorchTitan's recipe.
+        :titan:`torchtitan.models.llama3.infra.parallelize.parallelize_llama`: TorchTitan's recipe.
     """
     par = job_config.parallelism
     if parallel_dims.tp_enabled:

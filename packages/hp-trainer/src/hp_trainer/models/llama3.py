@@ -79,7 +79,7 @@ def parallelize_llama(
         The parallelized model (modified in place).
 
     See Also:
-        ``torchtitan.models.llama3.infra.parallelize.parallelize_llama``.
+        :titan:`torchtitan.models.llama3.infra.parallelize.parallelize_llama`.
     """
     return parallelize_dense_decoder(model, parallel_dims, job_config)
 

@@ -70,7 +70,7 @@ def parallelize_qwen3(
         The parallelized model (modified in place).
 
     See Also:
-        ``torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3``.
+        :titan:`torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3`.
     """
     return parallelize_dense_decoder(model, parallel_dims, job_config)
 

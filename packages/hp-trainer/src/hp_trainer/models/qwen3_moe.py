@@ -71,7 +71,7 @@ class Qwen3MoE(MoEDecoder):
         args: Model arguments (a :data:`qwen3_moe_flavors` entry).
 
     See Also:
-        ``torchtitan.models.qwen3`` (its MoE flavors); ``transformers.Qwen3MoeForCausalLM``.
+        :titan:`torchtitan.models.qwen3` (its MoE flavors); ``transformers.Qwen3MoeForCausalLM``.
     """
 
     def __init__(self, args: MoEDecoderArgs) -> None:
@@ -93,7 +93,7 @@ def parallelize_qwen3_moe(
         The parallelized model (modified in place).
 
     See Also:
-        ``torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3``.
+        :titan:`torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3`.
     """
     from hp_trainer.distributed.expert_parallel import parallelize_moe_decoder
 
