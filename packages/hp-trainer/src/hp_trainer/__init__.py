@@ -90,6 +90,7 @@ from hp_trainer.optimizer import (
     lr_factor,
 )
 from hp_trainer.parallel_dims import ParallelDims
+from hp_trainer.streaming import StreamingTextLoader
 from hp_trainer.trainer import BaseTrainer, LLMTrainer, Trainer, clip_grad_norm_
 
 HyperTrainerConfig = JobConfig
@@ -140,6 +141,7 @@ __all__ = [
     "Qwen3StateDictAdapter",
     "RNGState",
     "StateDictAdapter",
+    "StreamingTextLoader",
     "SwapManager",
     "TokenizedDataset",
     "Trainer",

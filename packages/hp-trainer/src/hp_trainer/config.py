@@ -408,11 +408,18 @@ class DataConfig:
     eos_token: str | None = None
     """EOS token text; None takes the ``eos_token`` of the tokenizer's config files."""
     shuffle: bool = True
-    """Shuffle the global sample order every epoch (seeded, identical on every rank)."""
+    """Shuffle the global sample order every epoch (seeded, identical on every rank); must be
+    false with ``streaming`` (a stream is read in its order)."""
+    streaming: bool = False
+    """Read ``dataset`` with HuggingFace ``datasets`` (the ``datasets`` extra) as a stream and
+    tokenize on the fly, each data-parallel rank its own part, instead of reading it whole:
+    a ``.jsonl``/``.json``/``.parquet``/``.arrow``/``.txt`` file or folder, or a hub name."""
 
     def __post_init__(self) -> None:
         if not self.dataset:
             _fail("data", "dataset", self.dataset, "a dataset name or path")
+        if self.streaming and self.shuffle:
+            _fail("data", "shuffle", self.shuffle, "false with data.streaming (read in order)")
 
 
 @dataclass(kw_only=True)

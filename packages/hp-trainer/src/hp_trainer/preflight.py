@@ -63,6 +63,8 @@ def missing_optional_dependencies(config: JobConfig) -> list[OptionalDependency]
         wanted.append(OptionalDependency("metrics.enable_wandb", "wandb", "wandb", True))
     if config.metrics.enable_plot:
         wanted.append(OptionalDependency("metrics.enable_plot", "matplotlib", "plot", False))
+    if config.data.streaming:
+        wanted.append(OptionalDependency("data.streaming", "datasets", "datasets", True))
     return [dep for dep in wanted if importlib.util.find_spec(dep.module) is None]
 
 
@@ -105,12 +107,13 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
     from hp_trainer.layout_validation import validate_parallel_layout
     from hp_trainer.model_spec import get_model_spec
     from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
+    from hp_trainer.streaming import check_streaming_source
 
     args = resolve_model_args(get_model_spec(config.model.name), config)
     validate_parallel_layout(config, world_size, args)
     dataset = config.data.dataset
     for option, value in (
-        ("data.dataset", dataset),
+        ("data.dataset", None if config.data.streaming else dataset),  # streamed: checked below
         ("validation.dataset", config.validation.dataset if config.validation.enable else None),
     ):
         if value is not None and value not in BUILTIN_DATASETS and not os.path.exists(value):
@@ -148,4 +151,6 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
             f"{dep.option} is off for this run: it needs '{dep.module}' ({dep.pip_command})"
         )
         overrides += [f"--{dep.option}", "false"]
+    if data.streaming:  # opens the stream: a missing file, field or record fails here, once
+        check_streaming_source(dataset, data.jsonl_text_field)
     return PreflightReport(tuple(notes), tuple(overrides))

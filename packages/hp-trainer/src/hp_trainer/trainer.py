@@ -42,6 +42,7 @@ from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
 from hp_trainer.parallel_dims import _parallel_dims_from_config
 from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
 from hp_trainer.profiling import StepProfiler
+from hp_trainer.streaming import StreamingTextLoader
 from hp_trainer.validation import Validator
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
@@ -241,15 +242,29 @@ class Trainer:
         self.expert_load = ExpertLoadTracker(
             self.model_parts, dims.get_mesh("dp_cp").get_group() if self.world_size > 1 else None
         )
-        self.dataset = self._build_dataset(cfg.data.dataset, args.vocab_size)
-        self.dataloader = ParallelAwareDataloader(
-            self.dataset,
-            self.dp_rank,
-            dims.dp_degree,
-            training.local_batch_size,
-            seed=self.seed,
-            shuffle=cfg.data.shuffle,
-        )
+        self.dataset: TokenizedDataset | PreparedTokenDataset | None = None  # None: streamed
+        self.dataloader: ParallelAwareDataloader | StreamingTextLoader
+        if cfg.data.streaming:  # tokenized on the fly, each dp rank its part
+            self.dataloader = StreamingTextLoader(
+                cfg.data.dataset,
+                self.tokenizer,
+                training.seq_len,
+                self.dp_rank,
+                dims.dp_degree,
+                training.local_batch_size,
+                text_field=cfg.data.jsonl_text_field,
+                dp_group=self.dp_group,
+            )
+        else:
+            self.dataset = self._build_dataset(cfg.data.dataset, args.vocab_size)
+            self.dataloader = ParallelAwareDataloader(
+                self.dataset,
+                self.dp_rank,
+                dims.dp_degree,
+                training.local_batch_size,
+                seed=self.seed,
+                shuffle=cfg.data.shuffle,
+            )
         self.validator: Validator | None = None
         if cfg.validation.enable:
             self.validator = Validator(
@@ -355,10 +370,10 @@ class Trainer:
             self.num_flops_per_token / 1e6,
         )
         logger.info(
-            "data %s: %d samples of %d tokens; global batch %d (%d tokens/step), "
+            "data %s: %s samples of %d tokens; global batch %d (%d tokens/step), "
             "gradient accumulation %d",
             cfg.data.dataset,
-            len(self.dataset),
+            "streamed" if self.dataset is None else len(self.dataset),
             cfg.training.seq_len,
             self.global_batch_size,
             tokens,
