@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
 from hp_dtensor._torch_compat import flatten_mesh, missing_torch_name, require
 
 try:
@@ -32,6 +35,8 @@ __all__ = [
     "memory_snapshot",
     "ptd_checkpoint_wrapper",
     "record_memory_history",
+    "register_load_state_dict_pre_hook",
+    "register_state_dict_hook",
     "tree_map",
     "tree_map_only",
 ]
@@ -46,6 +51,26 @@ record_memory_history: Callable[..., None] = require(
     _PACKAGE, "torch.cuda.memory._record_memory_history"
 )
 memory_snapshot: Callable[[], Any] = require(_PACKAGE, "torch.cuda.memory._snapshot")
+
+# The state-dict hooks that rename a wrapper's keys (private in torch): checked here, called
+# through the two functions below.
+require(_PACKAGE, "torch.nn.Module._register_state_dict_hook")
+require(_PACKAGE, "torch.nn.Module._register_load_state_dict_pre_hook")
+
+
+def register_state_dict_hook(module: nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
+    """``module._register_state_dict_hook(hook)``: ``hook(module, state, prefix, meta)``."""
+    handle: RemovableHandle = module._register_state_dict_hook(hook)  # type: ignore[no-untyped-call]
+    return handle
+
+
+def register_load_state_dict_pre_hook(
+    module: nn.Module, hook: Callable[..., Any]
+) -> RemovableHandle:
+    """``module._register_load_state_dict_pre_hook(hook)``: ``hook(state, prefix, ...)``."""
+    handle: RemovableHandle = module._register_load_state_dict_pre_hook(hook)  # type: ignore[no-untyped-call]
+    return handle
+
 
 _PRIVATE_OPS = (
     "torch.ops.aten._scaled_dot_product_efficient_attention.default",
@@ -66,5 +91,7 @@ PRIVATE_NAMES = (
     "torch._functorch.config.activation_memory_budget",
     "torch.cuda.memory._record_memory_history",
     "torch.cuda.memory._snapshot",
+    "torch.nn.Module._register_state_dict_hook",
+    "torch.nn.Module._register_load_state_dict_pre_hook",
     *_PRIVATE_OPS,
 )

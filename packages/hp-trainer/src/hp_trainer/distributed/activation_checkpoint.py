@@ -21,6 +21,8 @@ from hp_trainer._torch_compat import (
     TorchDispatchMode,
     functorch_config,
     ptd_checkpoint_wrapper,
+    register_load_state_dict_pre_hook,
+    register_state_dict_hook,
     tree_map,
     tree_map_only,
 )
@@ -373,8 +375,8 @@ class _CheckpointedModule(nn.Module):
         super().__init__()
         self.module = module
         self._checkpoint_kwargs = kwargs
-        self._register_state_dict_hook(_strip_prefix)  # type: ignore[no-untyped-call]
-        self._register_load_state_dict_pre_hook(_add_prefix)  # type: ignore[no-untyped-call]
+        register_state_dict_hook(self, _strip_prefix)
+        register_load_state_dict_pre_hook(self, _add_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(self.module, *args, **kwargs, **self._checkpoint_kwargs)
@@ -390,8 +392,8 @@ class _SwappedModule(nn.Module):
         self.module = module
         self.swap_manager = manager
         self._policy_fn = policy_fn
-        self._register_state_dict_hook(_strip_prefix)  # type: ignore[no-untyped-call]
-        self._register_load_state_dict_pre_hook(_add_prefix)  # type: ignore[no-untyped-call]
+        register_state_dict_hook(self, _strip_prefix)
+        register_load_state_dict_pre_hook(self, _add_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         def call(*a: Any) -> Any:
