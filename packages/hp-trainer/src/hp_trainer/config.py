@@ -105,6 +105,13 @@ class ModelConfig:
     """Where parameters are first created, ``cpu`` (full weights, seeded, then sharded, so
     identical numbers in every layout) or ``meta`` (shard first, then initialize: for models
     that do not fit on one host)."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """Attention mask, ``causal`` or ``block_causal`` (document masking: a position attends
+    only to earlier positions of its own document in the packed sample; documents are split at
+    the tokenizer's BOS/EOS). Not with pipeline or context parallel."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "model")
 
 
 @dataclass(kw_only=True)
@@ -587,6 +594,7 @@ class JobConfig:
     """Profiler traces and memory snapshots."""
 
     def __post_init__(self) -> None:
+        self._check_document_masking()
         if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
             _fail(
                 "activation_checkpoint",
@@ -595,6 +603,22 @@ class JobConfig:
                 "a mode other than memory_budget unless compile.enable = true (the budget is "
                 "applied by torch.compile's partitioner)",
             )
+
+    def _check_document_masking(self) -> None:
+        """Refuse the layouts that cannot carry the documents' mask to the attention."""
+        if self.model.attn_mask_type != "block_causal":
+            return
+        par = self.parallelism
+        if par.pipeline_parallel_degree > 1:
+            # the schedule passes activations between stages, not the per-sample document ids
+            _fail("model", "attn_mask_type", "block_causal",
+                  "causal with pipeline_parallel_degree = "
+                  f"{par.pipeline_parallel_degree} (the pipeline stages do not receive the "
+                  "document ids)")  # fmt: skip
+        if par.context_parallel_degree > 1:
+            _fail("model", "attn_mask_type", "block_causal",
+                  f"causal with context_parallel_degree = {par.context_parallel_degree} "
+                  "(document masks do not reach the context-parallel attention yet)")  # fmt: skip
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as nested plain dictionaries.

@@ -38,6 +38,7 @@ from hp_trainer.hf_config import resolve_model_args
 from hp_trainer.layout_validation import validate_parallel_layout
 from hp_trainer.metrics import MetricsProcessor, logger
 from hp_trainer.model_spec import ModelSpec, get_model_spec
+from hp_trainer.models.document_mask import DocumentBoundaries
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
 from hp_trainer.parallel_dims import _parallel_dims_from_config
 from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
@@ -188,6 +189,12 @@ class Trainer:
         self.tokenizer: HuggingFaceTokenizer = build_tokenizer(
             cfg.data.tokenizer_path, bos_token=cfg.data.bos_token, eos_token=cfg.data.eos_token
         )
+        # block_causal: each micro-batch's document ids, from the tokenizer's BOS/EOS
+        self.document_boundaries: DocumentBoundaries | None = None
+        if cfg.model.attn_mask_type == "block_causal":
+            self.document_boundaries = DocumentBoundaries(
+                self.tokenizer.bos_id, self.tokenizer.eos_id
+            )
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but model "
@@ -275,6 +282,7 @@ class Trainer:
                 dp_group=self.dp_group,
                 loss_context=self._loss_context,
                 device=self.device,
+                document_boundaries=self.document_boundaries,
             )
         self.run_folder = cfg.run_folder
         self.metrics = MetricsProcessor(
@@ -430,14 +438,19 @@ class Trainer:
 
     @contextlib.contextmanager
     def _sequence_shard(
-        self, inputs: torch.Tensor, labels: torch.Tensor
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Under CP: this rank's sequence shards, RoPE sharded, attention context-parallel."""
+        self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Under CP: this rank's sequence shards, RoPE sharded, attention context-parallel.
+
+        Yields inputs, labels and the document ids the model takes (None under CP, where the
+        context-parallel attention holds this rank's shard of them).
+        """
         if self.cp is None:
-            yield inputs, labels
+            yield inputs, labels, document_ids
             return
-        with self.cp.sharded(self.model_parts, inputs, labels) as shards:
-            yield shards
+        shards = self.cp.sharded(self.model_parts, inputs, labels, document_ids=document_ids)
+        with shards as (local_inputs, local_labels):
+            yield local_inputs, local_labels, None
 
     def _should_stop(self) -> bool:
         flag = torch.tensor([1 if self._stop_requested else 0], device=self.device)
@@ -448,7 +461,12 @@ class Trainer:
     # -- step ----------------------------------------------------------------------------------
 
     def forward_backward_step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch.
 
@@ -456,6 +474,8 @@ class Trainer:
             inputs: ``(batch, seq)`` token ids.
             labels: ``(batch, seq)`` next-token ids (``-100`` ignored).
             global_valid_tokens: Label tokens of the whole step over all DP ranks.
+            document_ids: Keyword-only extension: ``(batch, seq)`` document ids of the packed
+                inputs (``model.attn_mask_type = "block_causal"``); None: causal attention.
 
         Returns:
             The detached loss contribution (sum over tokens / global count).
@@ -469,7 +489,10 @@ class Trainer:
                 return self.pipeline.run(inputs, labels, self._loss_context)
         with self._loss_context():
             with self._autocast():
-                logits = self.model(inputs)
+                if document_ids is None:
+                    logits = self.model(inputs)
+                else:
+                    logits = self.model(inputs, document_ids=document_ids)
             loss = F.cross_entropy(
                 logits.flatten(0, 1).float(),
                 labels.flatten(0, 1),
@@ -504,8 +527,17 @@ class Trainer:
         for inputs, labels in batches:
             inputs = inputs.to(self.device)
             labels = labels.to(self.device)
-            with self._sequence_shard(inputs, labels) as (local_inputs, local_labels):
-                loss_sum += self.forward_backward_step(local_inputs, local_labels, global_tokens)
+            documents = None
+            if self.document_boundaries is not None:
+                documents = self.document_boundaries.document_ids(inputs)
+            with self._sequence_shard(inputs, labels, documents) as (
+                local_inputs,
+                local_labels,
+                local_documents,
+            ):
+                loss_sum += self.forward_backward_step(
+                    local_inputs, local_labels, global_tokens, document_ids=local_documents
+                )
             self.metrics.add_tokens(inputs.numel())
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_trainer.config import ValidationConfig
 from hp_trainer.data import ParallelAwareDataloader, SampleDataset
+from hp_trainer.models.document_mask import DocumentBoundaries
 
 __all__ = ["Validator"]
 
@@ -38,6 +39,8 @@ class Validator:
         dp_group: Keyword-only; the data-parallel process group (None: no reduction).
         loss_context: Keyword-only; context of the loss (loss parallel under TP).
         device: Keyword-only; where the batches go.
+        document_boundaries: Keyword-only; BOS/EOS of packed documents when the model
+            attends block-causally (``model.attn_mask_type = "block_causal"``), else None.
 
     Raises:
         ValueError: If the dataset is smaller than one global batch.
@@ -56,6 +59,7 @@ class Validator:
         dp_group: dist.ProcessGroup | None = None,
         loss_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         device: torch.device | None = None,
+        document_boundaries: DocumentBoundaries | None = None,
     ) -> None:
         self.config = config
         self.dataset = dataset
@@ -64,6 +68,7 @@ class Validator:
         self.dp_group = dp_group
         self.loss_context = loss_context
         self.device = device or torch.device("cpu")
+        self.document_boundaries = document_boundaries
         global_batch = config.local_batch_size * dp_degree
         if len(dataset) < global_batch:
             raise ValueError(
@@ -117,7 +122,11 @@ class Validator:
                 inputs, labels = next(batches)
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 with self.loss_context():
-                    logits = model(inputs)
+                    if self.document_boundaries is None:
+                        logits = model(inputs)
+                    else:
+                        documents = self.document_boundaries.document_ids(inputs)
+                        logits = model(inputs, document_ids=documents)
                     loss = F.cross_entropy(
                         logits.flatten(0, 1).float(),
                         labels.flatten(0, 1),

@@ -94,7 +94,12 @@ class ContextParallelStep:
 
     @contextlib.contextmanager
     def sharded(
-        self, model_parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
+        self,
+        model_parts: list[nn.Module],
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        document_ids: torch.Tensor | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Run a forward/backward on this rank's sequence shard.
 
@@ -105,10 +110,20 @@ class ContextParallelStep:
             model_parts: The model (parts) whose RoPE tables are sharded.
             inputs: ``(batch, seq)`` token ids of the whole sequence.
             labels: ``(batch, seq)`` targets of the whole sequence.
+            document_ids: ``(batch, seq)`` document ids of the whole sequence (block-causal
+                attention); not supported under context parallel yet.
 
         Yields:
             ``(inputs shard, labels shard)``.
+
+        Raises:
+            ValueError: If ``document_ids`` are given.
         """
+        if document_ids is not None:
+            raise ValueError(
+                "document masks (model.attn_mask_type = 'block_causal') do not reach the "
+                "context-parallel attention yet; use context_parallel_degree = 1"
+            )
         seq = inputs.shape[1]
         tables: list[torch.Tensor] = [part.get_buffer("rope_cache") for part in model_parts]
         try:

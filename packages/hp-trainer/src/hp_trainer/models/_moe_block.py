@@ -67,9 +67,16 @@ class MoEBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """``h = x + attn(norm(x)); h + ffn(norm(h))`` with the dense or MoE feed-forward."""
-        h: torch.Tensor = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``h = x + attn(norm(x)); h + ffn(norm(h))`` with the dense or MoE feed-forward.
+
+        ``attention_mask`` (optional bool ``(batch, 1, seq, seq)``) replaces the causal mask.
+        """
+        h: torch.Tensor = x + self.attention(
+            self.attention_norm(x), rope, attention_mask=attention_mask
+        )
         ffn = self.moe if self.moe is not None else self.feed_forward
         assert ffn is not None
         out: torch.Tensor = h + ffn(self.ffn_norm(h))

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_trainer.models.document_mask import block_causal_mask
+
 __all__ = [
     "Attention",
     "Decoder",
@@ -189,6 +191,15 @@ def _apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, S, H, D).type_as(x)
 
 
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    # no mask: SDPA's own causal path (what context parallelism redirects, documents included)
+    if attention_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learnable scale.
 
@@ -257,12 +268,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attend causally over the sequence.
 
         Args:
             x: ``(batch, seq, dim)`` input.
             rope: RoPE table from :func:`precompute_rope`.
+            attention_mask: Optional ``(batch, 1, seq, seq)`` bool mask replacing the causal
+                one (the block-causal mask of packed documents,
+                :func:`~hp_trainer.models.document_mask.block_causal_mask`).
 
         Returns:
             ``(batch, seq, dim)`` output.
@@ -283,9 +299,7 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask)
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         return result
 
@@ -377,12 +391,16 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run attention and the MLP with residual connections.
 
         Args:
             x: ``(batch, seq, dim)`` input.
             rope: RoPE table.
+            attention_mask: Optional bool mask replacing the causal one (see
+                :meth:`Attention.forward`).
 
         Returns:
             ``(batch, seq, dim)`` output.
@@ -390,7 +408,9 @@ class TransformerBlock(nn.Module):
         See Also:
             ``torchtitan.models.llama3.model.model.TransformerBlock.forward``.
         """
-        h: torch.Tensor = x + self.attention(self.attention_norm(x), rope)
+        h: torch.Tensor = x + self.attention(
+            self.attention_norm(x), rope, attention_mask=attention_mask
+        )
         out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
         return out
 
@@ -440,11 +460,18 @@ class Decoder(nn.Module):
             persistent=False,
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Compute next-token logits.
 
         Args:
             tokens: ``(batch, seq)`` token ids.
+            document_ids: Keyword-only extension: ``(batch, seq)`` document index of every
+                position of packed sequences (from
+                :class:`~hp_trainer.models.document_mask.DocumentBoundaries`); attention then
+                stays inside each document (block-causal). RoPE positions do not restart per
+                document. None: causal.
 
         Returns:
             ``(batch, seq, vocab)`` logits (a DTensor sharded on the vocabulary under loss
@@ -456,8 +483,13 @@ class Decoder(nn.Module):
         # a pipeline stage holds some of the parts: the others are None (hp-pp's splitter)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache
-        for layer in self.layers.values():
-            h = layer(h, rope)
+        if document_ids is None:
+            for layer in self.layers.values():
+                h = layer(h, rope)
+        else:
+            mask = block_causal_mask(document_ids)  # one mask for every layer and head
+            for layer in self.layers.values():
+                h = layer(h, rope, attention_mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h  # type: ignore[no-any-return]

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_ep import MoEArgs
 from hp_trainer.hf_moe_adapters import DeepSeekV3StateDictAdapter
 from hp_trainer.model_spec import ModelSpec, register_model_spec
 from hp_trainer.models._moe_block import MoEDecoder, MoEDecoderArgs
-from hp_trainer.models.decoder import RMSNorm, _apply_rope
+from hp_trainer.models.decoder import RMSNorm, _apply_rope, _attend
 
 if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
@@ -106,12 +105,16 @@ class MLAttention(nn.Module):
         )
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attend causally over the sequence.
 
         Args:
             x: ``(batch, seq, dim)`` input.
             rope: RoPE table of ``qk_rope_head_dim``.
+            attention_mask: Optional ``(batch, 1, seq, seq)`` bool mask replacing the causal
+                one (packed documents' block-causal mask).
 
         Returns:
             ``(batch, seq, dim)`` output.
@@ -138,9 +141,7 @@ class MLAttention(nn.Module):
         )
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask)
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         return result
 

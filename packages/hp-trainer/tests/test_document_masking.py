@@ -1,0 +1,218 @@
+"""Document masking (``model.attn_mask_type = "block_causal"``): packed documents attend only
+within themselves.
+
+Oracles: each document run on its own (same logits and gradients as the packed sequence), plain
+causal attention (one document: bitwise equal), one process (the trainer under FSDP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hp_dtensor.testing import load_test_module, run_distributed
+from hp_trainer import ConfigManager, Trainer
+from hp_trainer.models.decoder import Decoder
+from hp_trainer.models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
+from hp_trainer.models.document_mask import DocumentBoundaries, block_causal_mask
+from hp_trainer.models.llama3 import llama3_flavors
+from hp_trainer.models.qwen3 import qwen3_flavors
+from hp_trainer.models.qwen3_moe import Qwen3MoE, qwen3_moe_flavors
+
+BOS, EOS = 0, 1
+
+
+def _helpers() -> ModuleType:
+    return load_test_module(
+        Path(__file__).with_name("_parity_helpers.py"), "hp_trainer_tests_parity_helpers"
+    )
+
+
+# -- document ids --------------------------------------------------------------------------------
+
+
+def test_document_ids_start_at_bos_and_after_eos() -> None:
+    tokens = torch.tensor([[7, EOS, BOS, 5, 6, EOS, BOS, 8], [BOS, 4, 4, 4, EOS, 9, 9, 9]])
+    both = DocumentBoundaries(BOS, EOS).document_ids(tokens)
+    assert both.dtype == torch.int64
+    assert both.tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1]]
+    # BOS only: a document starts at each BOS
+    assert DocumentBoundaries(BOS, None).document_ids(tokens).tolist() == [
+        [0, 0, 1, 1, 1, 1, 2, 2],
+        [0, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    # EOS only: a document starts after each EOS
+    assert DocumentBoundaries(None, EOS).document_ids(tokens).tolist() == [
+        [0, 0, 1, 1, 1, 1, 2, 2],
+        [0, 0, 0, 0, 0, 1, 1, 1],
+    ]
+
+
+def test_bad_document_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="BOS or an EOS"):
+        DocumentBoundaries(None, None)
+    with pytest.raises(TypeError, match="integer tensor"):
+        DocumentBoundaries(BOS, EOS).document_ids(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"\(batch, seq\)"):
+        block_causal_mask(torch.zeros(4, dtype=torch.long))
+
+
+def test_block_causal_mask_is_causal_within_documents() -> None:
+    mask = block_causal_mask(torch.tensor([[0, 0, 1, 1, 1]]))
+    assert mask.shape == (1, 1, 5, 5)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask[0, 0], expected)
+
+
+# -- the attention of every model family ------------------------------------------------------
+
+
+def _model(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    model: nn.Module
+    if family == "llama3":
+        model = Decoder(llama3_flavors["tiny"])
+    elif family == "qwen3":  # QK-norm, grouped-query attention
+        model = Decoder(qwen3_flavors["tiny"])
+    elif family == "qwen3_moe":
+        model = Qwen3MoE(qwen3_moe_flavors["tiny"])
+    else:  # latent attention
+        model = DeepSeekV3(deepseek_v3_flavors["tiny"])
+    model.init_weights()  # type: ignore[operator]
+    return model
+
+
+def _loss_and_grads(
+    model: nn.Module, logits: torch.Tensor, labels: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_packed_documents_equal_each_document_alone(family: str) -> None:
+    model = _model(family)
+    gen = torch.Generator().manual_seed(1)
+    lengths = (7, 12, 9)  # three documents, each ending in EOS but the last (cut by the window)
+    docs = [torch.randint(2, 2000, (n,), generator=gen) for n in lengths]
+    for doc in docs[:-1]:
+        doc[-1] = EOS
+    packed = torch.cat(docs)[None]
+    labels = torch.randint(2, 2000, packed.shape, generator=gen)
+    ids = DocumentBoundaries(BOS, EOS).document_ids(packed)
+    assert ids[0].tolist() == [0] * 7 + [1] * 12 + [2] * 9
+
+    logits = model(packed, document_ids=ids)
+    grads = _loss_and_grads(model, logits, labels)
+
+    # oracle: every document on its own, at the RoPE positions it has in the packed sequence
+    table = model.get_buffer("rope_cache")
+    alone, start = [], 0
+    for doc in docs:
+        model.rope_cache = table[start:]
+        alone.append(model(doc[None]))
+        start += doc.numel()
+    model.rope_cache = table
+    separate = torch.cat(alone, dim=1)
+    separate_grads = _loss_and_grads(model, separate, labels)
+
+    torch.testing.assert_close(logits, separate, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, separate_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    # the mask matters: causal attention over the packed sequence is something else
+    causal = model(packed)
+    assert (causal[0, 7:] - logits[0, 7:]).abs().max() > 1e-2
+    torch.testing.assert_close(causal[0, :7], logits[0, :7], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+def test_one_document_is_causal_bitwise(family: str) -> None:
+    model = _model(family)
+    tokens = torch.randint(2, 2000, (2, 32), generator=torch.Generator().manual_seed(2))
+    labels = torch.roll(tokens, -1, dims=1)
+    ids = DocumentBoundaries(BOS, EOS).document_ids(tokens)
+    assert int(ids.max()) == 0
+    block = model(tokens, document_ids=ids)
+    block_grads = _loss_and_grads(model, block, labels)
+    causal = model(tokens)
+    causal_grads = _loss_and_grads(model, causal, labels)
+    assert torch.equal(block, causal)
+    for name, grad in block_grads.items():
+        assert torch.equal(grad, causal_grads[name]), name
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+def _parse(*args: str) -> Any:
+    return ConfigManager().parse_args(list(args))
+
+
+def test_config_option_and_its_refusals() -> None:
+    assert _parse().model.attn_mask_type == "causal"
+    assert _parse("--model.attn_mask_type", "block_causal").model.attn_mask_type == "block_causal"
+    with pytest.raises(ValueError, match=r"model.attn_mask_type = 'sliding'.*'block_causal'"):
+        _parse("--model.attn_mask_type", "sliding")
+    with pytest.raises(ValueError, match="pipeline_parallel_degree = 2"):
+        _parse(
+            "--model.attn_mask_type",
+            "block_causal",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        )
+    with pytest.raises(ValueError, match="context_parallel_degree = 2"):
+        _parse(
+            "--model.attn_mask_type",
+            "block_causal",
+            "--parallelism.context_parallel_degree",
+            "2",
+        )
+
+
+# -- the trainer -------------------------------------------------------------------------------
+
+
+def _train(folder: str, par: dict[str, Any], local_bs: int, mask: str) -> Any:
+    h = _helpers()
+    rank = dist.get_rank() if dist.is_initialized() else "ref"
+    cfg = h.job(Path(folder), par, run=f"{mask}-{rank}", local_bs=local_bs)
+    cfg.model.attn_mask_type = mask
+    trainer = Trainer(cfg)
+    try:
+        losses = trainer.train()
+        return losses, trainer.grad_norms, h.full_state(trainer.model_parts)
+    finally:
+        trainer.close()
+
+
+def test_trainer_block_causal_under_fsdp_and_tp_matches_one_process(tmp_path: Path) -> None:
+    folder = str(tmp_path)
+    fsdp = run_distributed(
+        _train, 2, folder, {"data_parallel_shard_degree": 2}, 2, "block_causal", timeout=120
+    )
+    # TP shards the heads; every rank applies the whole (batch, seq, seq) mask to its heads
+    tp = run_distributed(
+        _train, 2, folder, {"tensor_parallel_degree": 2}, 4, "block_causal", timeout=120
+    )
+    ref = _train(folder, {}, 4, "block_causal")
+    _helpers().assert_matches_reference(fsdp, ref, each_rank_whole=True)
+    _helpers().assert_matches_reference(tp, ref, each_rank_whole=True)
+    causal_losses = _train(str(tmp_path), {}, 4, "causal")[0]
+    # the option reaches the attention: the first step's loss already differs
+    assert abs(causal_losses[0] - ref[0][0]) > 1e-4
