@@ -10,7 +10,12 @@ world size and for fp32 and bf16 mixed precision:
 - **peak memory**: ``torch.cuda.max_memory_allocated`` over one step of each (ratio ours/torch);
 - **step time**: median of CUDA-event timed steps of each (ratio ours/torch);
 - **overlap**: from a profiler trace of two steps, the share of NCCL kernel time that overlaps
-  compute kernels on another stream, for each implementation.
+  compute kernels on another stream, for each implementation;
+- **symmetric memory** (2 processes, only where NCCL symmetric memory is available: compute
+  capability 9.0+): hp-fsdp with ``set_symm_mem_for_comm`` on every unit trains beside hp-fsdp
+  without it and beside PyTorch's FSDP2 with it (bf16); bitwise equality after every step, the
+  pool's buffer, rendezvous and all-gather counts (rendezvous == buffers, no allocation after the
+  first step) and the step-time ratio pooled/normal. Elsewhere the row says why it was skipped.
 
 Without a GPU it prints a line saying so and exits with status 0 (nothing is checked).
 
@@ -158,10 +163,94 @@ def _run_one(rank: int, world: int, precision: str, steps: int) -> dict[str, Any
     return result
 
 
+def _median_step_ms(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> float:
+    device = next(model.parameters()).device
+    times = []
+    for step in range(steps):
+        start = torch.Event(device.type, enable_timing=True)
+        end = torch.Event(device.type, enable_timing=True)
+        start.record()
+        _step(model, opt, _batch(400 + step, rank, device))
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _run_symm_mem(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Pooled symmetric-memory all-gathers against the normal path and torch's (bf16)."""
+    from hp_fsdp.symm_mem import NCCLSymmetricMemory, SymmetricMemoryAllGather
+
+    device = torch.device(get_device_type(), rank)
+    mesh = init_device_mesh(device.type, (world,))
+    row: dict[str, Any] = {"world": world, "precision": "bf16", "check": "symm_mem"}
+    reason = NCCLSymmetricMemory().unavailable(device, [mesh.get_group()])
+    if reason is not None:
+        row["skipped"] = reason
+        return row
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = TiedTransformer(VOCAB, DIM, HEADS, BLOCKS)
+    pooled, normal, theirs = (copy.deepcopy(base) for _ in range(3))
+    _shard(pooled, hp_fsdp, mesh, "bf16")
+    _shard(normal, hp_fsdp, mesh, "bf16")
+    _shard(theirs, torch_fsdp, mesh, "bf16")
+    units = [m for m in pooled.modules() if isinstance(m, hp_fsdp.FSDPModule)]
+    for unit in units:
+        unit.set_symm_mem_for_comm()
+    try:
+        for module in theirs.modules():
+            if isinstance(module, torch_fsdp.FSDPModule):
+                module.set_symm_mem_for_comm()
+        row["torch_symm_mem"] = True
+    except Exception as exc:  # an older torch, or a build without NCCL symmetric memory
+        row["torch_symm_mem"] = f"{type(exc).__name__}: {exc}"
+    models = {"pooled": pooled, "normal": normal, "torch": theirs}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for k, m in models.items()}
+    bitwise = {"normal": True, "torch": True}
+    allocations = []
+    comm = units[0]._get_fsdp_state().groups[0].options.custom_all_gather
+    assert isinstance(comm, SymmetricMemoryAllGather)
+    for step in range(steps):
+        batch = _batch(step, rank, device)
+        for name, model in models.items():
+            _step(model, opts[name], batch)
+        for name in bitwise:
+            for p, q in zip(pooled.parameters(), models[name].parameters(), strict=True):
+                bitwise[name] &= bool(torch.equal(p.to_local(), q.to_local()))
+        assert comm.pool is not None
+        allocations.append(comm.pool.allocations)
+    pool = comm.pool
+    assert pool is not None
+    row.update(
+        bitwise=bitwise["normal"] and bitwise["torch"],
+        bitwise_vs_normal=bitwise["normal"],
+        bitwise_vs_torch=bitwise["torch"],
+        buffers=pool.allocations,
+        rendezvous=pool.rendezvous_count,
+        all_gathers=pool.acquisitions,
+        allocations_per_step=allocations,
+    )
+    row["pooled_ok"] = (
+        pool.rendezvous_count == pool.allocations and allocations == [allocations[0]] * steps
+    )
+    pooled_ms = _median_step_ms(pooled, opts["pooled"], rank, steps)
+    normal_ms = _median_step_ms(normal, opts["normal"], rank, steps)
+    row["step_ratio_pooled_vs_normal"] = pooled_ms / normal_ms
+    return row
+
+
 def _worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     init_process_group(world_size=world, rank=rank, device_id=rank)
     results = [_run_one(rank, world, precision, steps) for precision in ("fp32", "bf16")]
+    if world >= 2:
+        try:
+            results.append(_run_symm_mem(rank, world, steps))
+        except Exception as exc:  # reported as a failed row; the other rows still print
+            results.append(
+                {"world": world, "check": "symm_mem", "error": f"{type(exc).__name__}: {exc}"}
+            )
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -169,6 +258,15 @@ def _worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
         for i, row in enumerate(results):
             per_rank = [g[i] for g in gathered]
             row = dict(row)
+            if row.get("check") == "symm_mem":
+                errors = [r["error"] for r in per_rank if "error" in r]
+                if errors:
+                    row["error"] = errors[0]
+                elif "skipped" not in row:
+                    row["bitwise"] = all(r["bitwise"] for r in per_rank)
+                    row["pooled_ok"] = all(r["pooled_ok"] for r in per_rank)
+                merged.append(row)
+                continue
             row["bitwise"] = all(r["bitwise"] for r in per_rank)
             row["step_ratio"] = max(r["step_ratio"] for r in per_rank)
             row["peak_ratio"] = max(r["peak_ratio"] for r in per_rank)
@@ -177,6 +275,25 @@ def _worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
             for row in merged:
                 handle.write(json.dumps(row) + "\n")
     dist.destroy_process_group()
+
+
+def _print_symm_mem(row: dict[str, Any]) -> bool:
+    """Print the symmetric-memory row; True when it failed."""
+    prefix = f"world={row['world']} symm_mem:"
+    if "error" in row:
+        print(f"{prefix} FAILED {row['error']}")
+        return True
+    if "skipped" in row:
+        print(f"{prefix} skipped ({row['skipped']})")
+        return False
+    print(
+        f"{prefix} bitwise vs normal={row['bitwise_vs_normal']} vs torch={row['bitwise_vs_torch']} "
+        f"(torch symm_mem: {row['torch_symm_mem']}) buffers={row['buffers']} "
+        f"rendezvous={row['rendezvous']} all-gathers={row['all_gathers']} "
+        f"allocations/step={row['allocations_per_step']} "
+        f"step pooled/normal={row['step_ratio_pooled_vs_normal']:.3f}"
+    )
+    return not (row["bitwise"] and row["pooled_ok"])
 
 
 def main() -> int:
@@ -195,6 +312,9 @@ def main() -> int:
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     failed = False
     for row in rows:
+        if row.get("check") == "symm_mem":
+            failed |= _print_symm_mem(row)
+            continue
         print(
             f"world={row['world']} {row['precision']}: bitwise={row['bitwise']} "
             f"step ours/torch={row['step_ratio']:.3f} peak ours/torch={row['peak_ratio']:.3f} "

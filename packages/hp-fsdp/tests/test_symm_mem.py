@@ -134,7 +134,7 @@ def _check_pooled_training(world: int) -> None:
     assert pool.rendezvous_count == len(buffers)
     assert len(set(memory.prepared)) == len(memory.prepared) == 1
     # Every all-gather wrote into a pooled buffer; far fewer buffers than all-gathers.
-    assert gathers.ptrs
+    assert len(gathers.ptrs) == pool.acquisitions
     assert set(gathers.ptrs) == buffers, (gathers.ptrs, buffers)
     units = len(_units(pooled))
     assert len(buffers) <= units < len(gathers.ptrs) // cfg.steps, (buffers, gathers.ptrs)

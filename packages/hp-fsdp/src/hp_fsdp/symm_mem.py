@@ -154,6 +154,7 @@ class SymmetricBufferPool:
         device: their device.
 
     Attributes:
+        acquisitions: buffers handed out so far (one per all-gather).
         allocations: buffers allocated so far (each once).
         rendezvous_count: rendezvous issued so far (each buffer once per group).
     """
@@ -161,6 +162,7 @@ class SymmetricBufferPool:
     def __init__(self, memory: SymmetricMemory, device: torch.device) -> None:
         self.memory = memory
         self.device = device
+        self.acquisitions = 0
         self.allocations = 0
         self.rendezvous_count = 0
         self._free: dict[tuple[torch.dtype, int], list[_PooledBuffer]] = {}
@@ -195,6 +197,7 @@ class SymmetricBufferPool:
             buffer = _PooledBuffer(self.memory.empty(numel, dtype, self.device))
             self.allocations += 1
         self._in_use.append(buffer)
+        self.acquisitions += 1
         return buffer.tensor
 
     def rendezvous(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
