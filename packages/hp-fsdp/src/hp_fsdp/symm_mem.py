@@ -15,7 +15,7 @@ Where the buffers come from is a :class:`SymmetricMemory` (PyTorch's NCCL symmet
 default; a test passes a double through ``set_symm_mem_for_comm(memory=...)``).
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_collectives.SymmMemAllGather``: PyTorch's
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.SymmMemAllGather`: PyTorch's
     all-gather, which allocates from the symmetric memory pool and rendezvouses per call.
 """
 
@@ -72,7 +72,7 @@ class NCCLSymmetricMemory:
         backend: the symmetric-memory backend name (``"NCCL"``).
 
     See Also:
-        ``torch.distributed._symmetric_memory``: ``empty``, ``rendezvous``, ``set_backend``.
+        :pt:`torch.distributed._symmetric_memory`: ``empty``, ``rendezvous``, ``set_backend``.
     """
 
     backend: str = "NCCL"
@@ -278,7 +278,7 @@ class SymmetricMemoryAllGather(DefaultAllGather):
             joins its root's communication context at lazy initialization).
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_collectives.SymmMemAllGather``.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.SymmMemAllGather`.
     """
 
     def __init__(self, memory: SymmetricMemory, pools: Callable[[], SymmetricBufferPools]) -> None:

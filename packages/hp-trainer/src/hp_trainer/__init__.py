@@ -5,7 +5,7 @@ registry with Llama 3 and Qwen 3, the parallelize helpers (TP -> AC -> compile -
 training loop, metrics, data and the ``hp-train`` launcher.
 
 See Also:
-    ``torchtitan.train.Trainer``: TorchTitan's trainer.
+    :titan:`torchtitan.train.Trainer`: TorchTitan's trainer.
 """
 
 from hp_trainer.__about__ import __version__

@@ -52,7 +52,7 @@ def missing_optional_dependencies(config: JobConfig) -> list[OptionalDependency]
         One entry per enabled option whose package is not importable.
 
     See Also:
-        ``torchtitan.tools.utils``: TorchTitan imports its optional packages lazily as well.
+        :titan:`torchtitan.tools.utils`: TorchTitan imports its optional packages lazily as well.
     """
     wanted: list[OptionalDependency] = []
     if config.metrics.enable_tensorboard:
@@ -100,7 +100,7 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
             a missing tokenizer.
 
     See Also:
-        ``torchtitan.train.main``: TorchTitan validates in each rank instead.
+        :titan:`torchtitan.train.main`: TorchTitan validates in each rank instead.
     """
     from hp_trainer.data import BUILTIN_DATASETS, build_tokenizer
     from hp_trainer.hf_config import resolve_model_args

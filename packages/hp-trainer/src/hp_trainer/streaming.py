@@ -190,7 +190,7 @@ def check_streaming_source(dataset: str, text_field: str = "text") -> StreamingS
         ValueError: Naming the file (or dataset) and the field.
 
     See Also:
-        ``torchtitan.hf_datasets.text_datasets``: TorchTitan meets these errors in every rank.
+        :titan:`torchtitan.hf_datasets.text_datasets`: TorchTitan meets these errors in every rank.
     """
     source = StreamingSource.resolve(dataset)
     field = source.text_field(text_field)
@@ -242,7 +242,7 @@ class StreamingTextLoader:
             rank out of range.
 
     See Also:
-        ``torchtitan.hf_datasets.text_datasets.HuggingFaceTextDataset``: TorchTitan's streamed
+        :titan:`torchtitan.hf_datasets.text_datasets.HuggingFaceTextDataset`: TorchTitan's streamed
         packing; ``datasets.distributed.split_dataset_by_node``.
     """
 

@@ -77,8 +77,8 @@ def clip_grad_norm_(
         The total norm before clipping (a plain scalar tensor).
 
     See Also:
-        ``torch.nn.utils.clip_grad_norm_``: PyTorch's clipping;
-        ``torchtitan.distributed.utils.clip_grad_norm_``: TorchTitan's DTensor-aware one.
+        :pt:`torch.nn.utils.clip_grad_norm_`: PyTorch's clipping;
+        :titan:`torchtitan.distributed.utils.clip_grad_norm_`: TorchTitan's DTensor-aware one.
     """
     # DTensor gradients on different meshes (experts on the expert mesh under EP) are normed
     # per mesh, then combined: the p-norm of the per-mesh p-norms is the total p-norm
@@ -132,7 +132,7 @@ class Trainer:
             the process group is created, or inconsistent sizes.
 
     See Also:
-        ``torchtitan.train.Trainer``: TorchTitan's trainer.
+        :titan:`torchtitan.train.Trainer`: TorchTitan's trainer.
     """
 
     def __init__(self, job_config: JobConfig) -> None:
@@ -336,7 +336,7 @@ class Trainer:
             ``{"step": step}``.
 
         See Also:
-            ``torchtitan.train.Trainer.state_dict``.
+            :titan:`torchtitan.train.Trainer.state_dict`.
         """
         return {"step": self.step}
 
@@ -347,7 +347,7 @@ class Trainer:
             state_dict: ``{"step": step}``.
 
         See Also:
-            ``torchtitan.train.Trainer.load_state_dict``.
+            :titan:`torchtitan.train.Trainer.load_state_dict`.
         """
         self.step = int(state_dict["step"])
 
@@ -481,7 +481,7 @@ class Trainer:
             The detached loss contribution (sum over tokens / global count).
 
         See Also:
-            ``torchtitan.train.Trainer.forward_backward_step``.
+            :titan:`torchtitan.train.Trainer.forward_backward_step`.
         """
         if self.pipeline is not None:  # loss on the last stage, shared over the pipeline
             self._global_tokens = global_valid_tokens
@@ -518,7 +518,7 @@ class Trainer:
             RuntimeError: If the loss or the gradient norm is not finite.
 
         See Also:
-            ``torchtitan.train.Trainer.train_step``.
+            :titan:`torchtitan.train.Trainer.train_step`.
         """
         self.optimizers.zero_grad()
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
@@ -596,7 +596,7 @@ class Trainer:
             The global mean loss of every step run by this call.
 
         See Also:
-            ``torchtitan.train.Trainer.train``.
+            :titan:`torchtitan.train.Trainer.train`.
         """
         cfg = self.job_config.training
         if self.job_config.checkpoint.create_seed_checkpoint:
@@ -682,7 +682,7 @@ class Trainer:
         """Release resources; destroys the process group if this trainer created it.
 
         See Also:
-            ``torchtitan.train.Trainer.close``.
+            :titan:`torchtitan.train.Trainer.close`.
         """
         self.checkpointer.close()
         self.metrics.close()

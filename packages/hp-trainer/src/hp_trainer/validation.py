@@ -46,7 +46,7 @@ class Validator:
         ValueError: If the dataset is smaller than one global batch.
 
     See Also:
-        ``torchtitan.components.validate.Validator``: TorchTitan's validator.
+        :titan:`torchtitan.components.validate.Validator`: TorchTitan's validator.
     """
 
     def __init__(
@@ -89,7 +89,7 @@ class Validator:
             True every ``freq`` steps and at the last step.
 
         See Also:
-            ``torchtitan.components.validate.Validator.should_validate``.
+            :titan:`torchtitan.components.validate.Validator.should_validate`.
         """
         return last_step or step % self.config.freq == 0
 
@@ -104,7 +104,7 @@ class Validator:
             ``(mean loss, perplexity)`` over all label tokens of all data-parallel ranks.
 
         See Also:
-            ``torchtitan.components.validate.Validator.validate``.
+            :titan:`torchtitan.components.validate.Validator.validate`.
         """
         loader = ParallelAwareDataloader(
             self.dataset,

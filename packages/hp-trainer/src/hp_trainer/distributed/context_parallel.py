@@ -66,7 +66,7 @@ class ContextParallelStep:
         parallelism: The ``[parallelism]`` section (rotate method, Ulysses degree of the hybrid).
 
     See Also:
-        ``torchtitan.distributed.utils.create_context_parallel_ctx``: TorchTitan's helper
+        :titan:`torchtitan.distributed.utils.create_context_parallel_ctx`: TorchTitan's helper
         (``hp_cp_ep.create_context_parallel_ctx`` on our engine).
     """
 

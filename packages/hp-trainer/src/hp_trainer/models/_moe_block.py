@@ -27,8 +27,8 @@ class MoEDecoderArgs(DecoderArgs):
     """:class:`~hp_trainer.models.decoder.DecoderArgs` plus the mixture-of-experts options.
 
     See Also:
-        ``torchtitan.models.deepseek_v3.model.args.DeepSeekV3ModelArgs`` and
-        ``torchtitan.models.qwen3.model.args.Qwen3ModelArgs`` (their ``moe_args``).
+        :titan:`torchtitan.models.deepseek_v3.model.args.DeepSeekV3ModelArgs` and
+        :titan:`torchtitan.models.qwen3.model.args.Qwen3ModelArgs` (their ``moe_args``).
     """
 
     moe_args: MoEArgs = field(default_factory=MoEArgs)
@@ -48,7 +48,7 @@ class MoEBlock(nn.Module):
         attention: The attention module of this block.
 
     See Also:
-        ``torchtitan.models.deepseek_v3.model.model.TransformerBlock``.
+        :titan:`torchtitan.models.deepseek_v3.model.model.TransformerBlock`.
     """
 
     def __init__(self, layer_id: int, args: MoEDecoderArgs, attention: nn.Module) -> None:
@@ -106,7 +106,7 @@ class MoEDecoder(Decoder):
         rope_dim: Size of the rotated part of each head.
 
     See Also:
-        ``torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model``.
+        :titan:`torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model`.
     """
 
     def __init__(
@@ -141,7 +141,7 @@ class MoEDecoder(Decoder):
             buffer_device: Device of the buffers (default: where they are, CPU for meta).
 
         See Also:
-            ``torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model.init_weights``.
+            :titan:`torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model.init_weights`.
         """
         device = buffer_device or self.rope_cache.device
         if device.type == "meta":
@@ -172,7 +172,7 @@ class MoEDecoder(Decoder):
             ``6 * active non-embedding params + 12 * layers * heads * qk_dim * seq``.
 
         See Also:
-            ``torchtitan.models.utils.get_moe_model_nparams_and_flops``.
+            :titan:`torchtitan.models.utils.get_moe_model_nparams_and_flops`.
         """
         total = sum(p.numel() for p in self.parameters())
         embedding = 0 if self.enable_weight_tying else self.tok_embeddings.weight.numel()

@@ -39,7 +39,7 @@ class RopeScaling:
     linearly (in ``original_max_position_embeddings / wavelength``) between the two.
 
     See Also:
-        ``torchtitan.models.llama3.model.args.RoPEScalingArgs``: TorchTitan's scaling args.
+        :titan:`torchtitan.models.llama3.model.args.RoPEScalingArgs`: TorchTitan's scaling args.
     """
 
     factor: float = 8.0
@@ -85,7 +85,7 @@ class DecoderArgs:
     """Shape and options of a :class:`Decoder`.
 
     See Also:
-        ``torchtitan.models.llama3.model.args.TransformerModelArgs``: TorchTitan's model args.
+        :titan:`torchtitan.models.llama3.model.args.TransformerModelArgs`: TorchTitan's model args.
     """
 
     dim: int = 256
@@ -148,7 +148,7 @@ def compute_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float
         The hidden size.
 
     See Also:
-        ``torchtitan.models.common.feed_forward.compute_ffn_hidden_dim``: TorchTitan's rule.
+        :titan:`torchtitan.models.common.feed_forward.compute_ffn_hidden_dim`: TorchTitan's rule.
     """
     hidden = int(2 * (4 * dim) / 3)
     if ffn_dim_multiplier is not None:
@@ -171,7 +171,7 @@ def precompute_rope(
         ``table[..., 0]`` is cos, ``table[..., 1]`` is sin (float32).
 
     See Also:
-        ``torchtitan.models.common.rope.precompute_freqs_cis``: TorchTitan's complex table.
+        :titan:`torchtitan.models.common.rope.precompute_freqs_cis`: TorchTitan's complex table.
     """
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is not None:
@@ -208,7 +208,7 @@ class RMSNorm(nn.Module):
         eps: Added to the mean square.
 
     See Also:
-        ``torch.nn.RMSNorm``: PyTorch's RMSNorm (this one computes in float32).
+        :pt:`torch.nn.RMSNorm`: PyTorch's RMSNorm (this one computes in float32).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -226,7 +226,7 @@ class RMSNorm(nn.Module):
             The normalized tensor, in ``x``'s dtype.
 
         See Also:
-            ``torch.nn.RMSNorm.forward``.
+            :pt:`torch.nn.RMSNorm.forward`.
         """
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -236,7 +236,7 @@ class RMSNorm(nn.Module):
         """Set the scale to ones.
 
         See Also:
-            ``torch.nn.RMSNorm.reset_parameters``.
+            :pt:`torch.nn.RMSNorm.reset_parameters`.
         """
         nn.init.ones_(self.weight)
 
@@ -248,7 +248,7 @@ class Attention(nn.Module):
         args: Model arguments.
 
     See Also:
-        ``torchtitan.models.llama3.model.model.Attention``: TorchTitan's attention.
+        :titan:`torchtitan.models.llama3.model.model.Attention`: TorchTitan's attention.
     """
 
     def __init__(self, args: DecoderArgs) -> None:
@@ -284,7 +284,7 @@ class Attention(nn.Module):
             ``(batch, seq, dim)`` output.
 
         See Also:
-            ``torch.nn.functional.scaled_dot_product_attention``: the attention kernel used.
+            :pt:`torch.nn.functional.scaled_dot_product_attention`: the attention kernel used.
         """
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, -1, self.head_dim)
@@ -310,7 +310,7 @@ class Attention(nn.Module):
             init_std: Standard deviation of ``wo``; the input projections use 0.02.
 
         See Also:
-            ``torchtitan.models.llama3.model.model.Attention.init_weights``.
+            :titan:`torchtitan.models.llama3.model.model.Attention.init_weights`.
         """
         for lin in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
@@ -328,7 +328,7 @@ class FeedForward(nn.Module):
         hidden_dim: Inner size.
 
     See Also:
-        ``torchtitan.models.llama3.model.model.FeedForward``: TorchTitan's SwiGLU.
+        :titan:`torchtitan.models.llama3.model.model.FeedForward`: TorchTitan's SwiGLU.
     """
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
@@ -347,7 +347,7 @@ class FeedForward(nn.Module):
             ``(..., dim)`` output.
 
         See Also:
-            ``torch.nn.functional.silu``.
+            :pt:`torch.nn.functional.silu`.
         """
         result: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
         return result
@@ -359,7 +359,7 @@ class FeedForward(nn.Module):
             init_std: Standard deviation of the output-side projections.
 
         See Also:
-            ``torchtitan.models.llama3.model.model.FeedForward.init_weights``.
+            :titan:`torchtitan.models.llama3.model.model.FeedForward.init_weights`.
         """
         nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
         for lin in (self.w2, self.w3):
@@ -374,7 +374,7 @@ class TransformerBlock(nn.Module):
         args: Model arguments.
 
     See Also:
-        ``torchtitan.models.llama3.model.model.TransformerBlock``: TorchTitan's block.
+        :titan:`torchtitan.models.llama3.model.model.TransformerBlock`: TorchTitan's block.
     """
 
     moe_enabled = False
@@ -406,7 +406,7 @@ class TransformerBlock(nn.Module):
             ``(batch, seq, dim)`` output.
 
         See Also:
-            ``torchtitan.models.llama3.model.model.TransformerBlock.forward``.
+            :titan:`torchtitan.models.llama3.model.model.TransformerBlock.forward`.
         """
         h: torch.Tensor = x + self.attention(
             self.attention_norm(x), rope, attention_mask=attention_mask
@@ -418,7 +418,7 @@ class TransformerBlock(nn.Module):
         """Initialize norms and projections.
 
         See Also:
-            ``torchtitan.models.llama3.model.model.TransformerBlock.init_weights``.
+            :titan:`torchtitan.models.llama3.model.model.TransformerBlock.init_weights`.
         """
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
@@ -436,7 +436,7 @@ class Decoder(nn.Module):
         args: Model arguments.
 
     See Also:
-        ``torchtitan.models.common.decoder.Decoder``: TorchTitan's decoder.
+        :titan:`torchtitan.models.common.decoder.Decoder`: TorchTitan's decoder.
     """
 
     rope_cache: torch.Tensor
@@ -478,7 +478,7 @@ class Decoder(nn.Module):
             parallel).
 
         See Also:
-            ``torchtitan.models.common.decoder.Decoder.forward``.
+            :titan:`torchtitan.models.common.decoder.Decoder.forward`.
         """
         # a pipeline stage holds some of the parts: the others are None (hp-pp's splitter)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -505,7 +505,7 @@ class Decoder(nn.Module):
             buffer_device: Device for the RoPE table (default: where it is now, or CPU for meta).
 
         See Also:
-            ``torchtitan.protocols.model.BaseModel.init_weights``: TorchTitan's init protocol.
+            :titan:`torchtitan.protocols.model.BaseModel.init_weights`: TorchTitan's init protocol.
         """
         device = buffer_device or self.rope_cache.device
         if device.type == "meta":
@@ -538,7 +538,8 @@ class Decoder(nn.Module):
             FLOPs per token (forward + backward).
 
         See Also:
-            ``torchtitan.models.utils.get_dense_model_nparams_and_flops``: TorchTitan's formula.
+            :titan:`torchtitan.models.utils.get_dense_model_nparams_and_flops`: TorchTitan's
+            formula.
         """
         nparams = sum(p.numel() for p in self.parameters())
         nparams_embedding = self.tok_embeddings.weight.numel()

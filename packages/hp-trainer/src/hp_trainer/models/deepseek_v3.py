@@ -41,7 +41,7 @@ class DeepSeekV3Args(MoEDecoderArgs):
     ``head_dim`` is set to ``qk_nope_head_dim + qk_rope_head_dim`` (the query/key size).
 
     See Also:
-        ``torchtitan.models.deepseek_v3.model.args.DeepSeekV3ModelArgs``.
+        :titan:`torchtitan.models.deepseek_v3.model.args.DeepSeekV3ModelArgs`.
     """
 
     q_lora_rank: int = 0
@@ -73,7 +73,7 @@ class MLAttention(nn.Module):
         args: Model arguments.
 
     See Also:
-        ``torchtitan.models.deepseek_v3.model.model.Attention``;
+        :titan:`torchtitan.models.deepseek_v3.model.model.Attention`;
         ``transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention``.
     """
 
@@ -120,7 +120,7 @@ class MLAttention(nn.Module):
             ``(batch, seq, dim)`` output.
 
         See Also:
-            ``torch.nn.functional.scaled_dot_product_attention`` (scale
+            :pt:`torch.nn.functional.scaled_dot_product_attention` (scale
             ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``).
         """
         B, S, _ = x.shape
@@ -149,7 +149,7 @@ class MLAttention(nn.Module):
         """Truncated-normal projections (``wo`` with ``init_std``, the others 0.02); norms 1.
 
         See Also:
-            ``torchtitan.models.deepseek_v3.model.model.Attention.init_weights``.
+            :titan:`torchtitan.models.deepseek_v3.model.model.Attention.init_weights`.
         """
         for lin in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
             if lin is not None:
@@ -210,7 +210,7 @@ class DeepSeekV3(MoEDecoder):
         args: Model arguments (a :data:`deepseek_v3_flavors` entry).
 
     See Also:
-        ``torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model``;
+        :titan:`torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model`;
         ``transformers.DeepseekV3ForCausalLM``.
     """
 
@@ -232,7 +232,7 @@ def parallelize_deepseek_v3(
         The parallelized model (modified in place).
 
     See Also:
-        ``torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3``.
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3`.
     """
     from hp_trainer.distributed.expert_parallel import parallelize_moe_decoder
 

@@ -33,7 +33,7 @@ class DocumentBoundaries:
         ValueError: If both are None (documents could not be told apart).
 
     See Also:
-        ``torchtitan.models.attention.get_document_mask_mod``: TorchTitan derives documents
+        :titan:`torchtitan.models.attention.get_document_mask_mod`: TorchTitan derives documents
         from EOS ids inside the model.
     """
 
@@ -90,8 +90,8 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
         ValueError: If ``document_ids`` is not 2-D.
 
     See Also:
-        ``torch.nn.attention.flex_attention.create_block_mask``: the block-sparse form of the
-        same mask (TorchTitan's ``block_causal`` with FlexAttention).
+        :pt:`torch.nn.attention.flex_attention.create_block_mask`: the block-sparse form of the
+        same mask (TorchTitan's block-causal mask with FlexAttention).
     """
     if document_ids.dim() != 2:
         raise ValueError(
