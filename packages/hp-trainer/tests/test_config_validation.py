@@ -85,10 +85,11 @@ def test_ulysses_degree_must_divide_the_heads() -> None:
         validate_parallel_layout(cfg, 3)
 
 
-def test_activation_checkpointing_with_cp_fails_up_front() -> None:
-    cfg = _cfg({"context_parallel_degree": 2}, activation_checkpoint={"mode": "full"})
-    with pytest.raises(ValueError, match=r"activation_checkpoint\.mode = 'full' with context_par"):
-        validate_parallel_layout(cfg, 2)
+def test_activation_checkpointing_with_cp_is_accepted() -> None:
+    # the recomputation is context-parallel (test_cp_activation_checkpoint.py trains them)
+    for ac in ({"mode": "full"}, {"mode": "selective", "selective_ac_option": "op"},
+               {"mode": "selective"}, {"mode": "swap"}):  # fmt: skip
+        validate_parallel_layout(_cfg({"context_parallel_degree": 2}, activation_checkpoint=ac), 2)
 
 
 def test_compile_with_cp_fails_up_front() -> None:

@@ -25,11 +25,11 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
     pipeline parallel needs a model with a splitter (``ModelSpec.pipelining_fn``), untied
     embeddings, enough blocks for the stages, a micro-batch size dividing the local batch and no
     validation loop; context parallel needs a model whose attention has a context-parallel
-    path, no activation checkpointing or compile, and Ulysses/hybrid degrees dividing the
-    heads; tensor parallel must divide the query and key/value heads and cannot shard tied
-    embeddings; expert parallel needs a mixture-of-experts model; the sequence length must be
-    a multiple of ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size`` times
-    the data-parallel degree.
+    path, no compile, and Ulysses/hybrid degrees dividing the heads; tensor parallel must
+    divide the query and key/value heads and cannot shard tied embeddings; expert parallel
+    needs a mixture-of-experts model; the sequence length must be a multiple of
+    ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size`` times the
+    data-parallel degree.
 
     Args:
         config: The job configuration.
@@ -127,14 +127,6 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
             _fail(
                 f"parallelism.context_parallel_degree = {dims.cp} but {model}'s attention has no "
                 "context-parallel path; use context_parallel_degree = 1"
-            )
-        ac_mode = config.activation_checkpoint.mode
-        if ac_mode != "none":
-            # the recomputation in backward leaves the context-parallel attention (tested: a
-            # CheckpointError, different tensors saved in forward and recomputation)
-            _fail(
-                f"activation_checkpoint.mode = {ac_mode!r} with context_parallel_degree = "
-                f"{dims.cp}: recomputed attention is not context-parallel yet; use mode 'none'"
             )
         if config.compile.enable:
             # the engine's collectives under Dynamo fail in the compiled blocks (tested)
