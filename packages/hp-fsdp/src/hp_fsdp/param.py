@@ -16,7 +16,7 @@ Tensors of one parameter:
   shape, created once, registered on the module while unsharded.
 
 See Also:
-    ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``: PyTorch's counterpart.
+    :pt:`torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam`: PyTorch's counterpart.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ShardedState(enum.Enum):
     """Which tensor of a parameter is registered on its module.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_param.ShardedState``: PyTorch's enum.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_param.ShardedState`: PyTorch's enum.
     """
 
     SHARDED = enum.auto()
@@ -73,7 +73,7 @@ class ParamModuleInfo:
     """Where a parameter is registered: its module and name, plus any tied registrations.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_param.ParamModuleInfo``: PyTorch's class.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_param.ParamModuleInfo`: PyTorch's class.
     """
 
     module: nn.Module
@@ -193,7 +193,7 @@ class ShardedParam:
             only one of ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``.
 
     See Also:
-        ``torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam``: PyTorch's class.
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam`: PyTorch's class.
     """
 
     def __init__(
