@@ -134,7 +134,7 @@ class ModelWrapper:
         TypeError: If a part is not an ``nn.Module``.
 
     See Also:
-        ``torchtitan.components.checkpoint.ModelWrapper``: TorchTitan's wrapper.
+        :titan:`torchtitan.components.checkpoint.ModelWrapper`: TorchTitan's wrapper.
     """
 
     def __init__(self, model: nn.Module | Iterable[nn.Module]) -> None:
@@ -151,7 +151,7 @@ class ModelWrapper:
             FQN -> tensor for every part.
 
         See Also:
-            ``torch.distributed.checkpoint.state_dict.get_model_state_dict``.
+            :pt:`torch.distributed.checkpoint.state_dict.get_model_state_dict`.
         """
         out: dict[str, Any] = {}
         for part in self.model_parts:
@@ -168,7 +168,7 @@ class ModelWrapper:
             RuntimeError: If a part's key is missing (with one part, also an unexpected key).
 
         See Also:
-            ``torch.distributed.checkpoint.state_dict.set_model_state_dict``.
+            :pt:`torch.distributed.checkpoint.state_dict.set_model_state_dict`.
         """
         strict = len(self.model_parts) == 1
         for part in self.model_parts:
@@ -197,7 +197,7 @@ class OptimizersWrapper:
         ValueError: If the numbers of parts and optimizers differ.
 
     See Also:
-        ``torchtitan.components.optimizer.OptimizersContainer.state_dict``.
+        :titan:`torchtitan.components.optimizer.OptimizersContainer.state_dict`.
     """
 
     _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -224,7 +224,7 @@ class OptimizersWrapper:
             Flat key -> value.
 
         See Also:
-            ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``.
+            :pt:`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`.
         """
         out: dict[str, Any] = {}
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
@@ -238,7 +238,7 @@ class OptimizersWrapper:
             state_dict: Flat key -> value, as from :meth:`state_dict`.
 
         See Also:
-            ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``.
+            :pt:`torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`.
         """
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
             set_optimizer_state_dict(part, opt, state_dict, options=self._OPTIONS)
@@ -257,7 +257,7 @@ class LRSchedulersState:
         TypeError: If no scheduler with ``state_dict``/``load_state_dict`` is found.
 
     See Also:
-        ``torchtitan.components.lr_scheduler.LRSchedulersContainer.state_dict``.
+        :titan:`torchtitan.components.lr_scheduler.LRSchedulersContainer.state_dict`.
     """
 
     def __init__(self, schedulers: Any) -> None:
@@ -278,7 +278,7 @@ class LRSchedulersState:
             ``{"<index>": state}``.
 
         See Also:
-            ``torch.optim.lr_scheduler.LRScheduler.state_dict``.
+            :pt:`torch.optim.lr_scheduler.LRScheduler.state_dict`.
         """
         return {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
 
@@ -292,7 +292,7 @@ class LRSchedulersState:
             ValueError: If the number of schedulers differs from the checkpoint's.
 
         See Also:
-            ``torch.optim.lr_scheduler.LRScheduler.load_state_dict``.
+            :pt:`torch.optim.lr_scheduler.LRScheduler.load_state_dict`.
         """
         if len(state_dict) != len(self.schedulers):
             raise ValueError(
@@ -325,7 +325,7 @@ class RNGState:
     own generators and a checkpoint holds all of them; on load each rank restores its own.
 
     See Also:
-        ``torch.random.get_rng_state``: PyTorch's CPU generator state.
+        :pt:`torch.random.get_rng_state`: PyTorch's CPU generator state.
     """
 
     def key(self) -> str:
@@ -335,7 +335,7 @@ class RNGState:
             The key.
 
         See Also:
-            ``torch.distributed.get_rank``.
+            :pt:`torch.distributed.get_rank`.
         """
         return f"rank_{_rank()}"
 
@@ -347,7 +347,7 @@ class RNGState:
             only on accelerators).
 
         See Also:
-            ``torch.random.get_rng_state``.
+            :pt:`torch.random.get_rng_state`.
         """
         state: dict[str, torch.Tensor] = {
             "torch_cpu": torch.get_rng_state(),
@@ -368,7 +368,7 @@ class RNGState:
             KeyError: If this rank's entry is missing.
 
         See Also:
-            ``torch.random.set_rng_state``.
+            :pt:`torch.random.set_rng_state`.
         """
         state = state_dict[self.key()]
         torch.set_rng_state(state["torch_cpu"])
@@ -493,7 +493,7 @@ class CheckpointManager:
         ValueError: For invalid options, or a key of ``states`` that collides with a built-in.
 
     See Also:
-        ``torchtitan.components.checkpoint.CheckpointManager``: TorchTitan's manager.
+        :titan:`torchtitan.components.checkpoint.CheckpointManager`: TorchTitan's manager.
     """
 
     def __init__(
@@ -565,7 +565,7 @@ class CheckpointManager:
             ``<folder>/step-<step>``.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager._create_checkpoint_id``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager._create_checkpoint_id`.
         """
         return self.folder / f"step-{step}"
 
@@ -579,7 +579,7 @@ class CheckpointManager:
             The steps.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager._find_load_step``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager._find_load_step`.
         """
         if not self.folder.is_dir():
             return []
@@ -661,7 +661,7 @@ class CheckpointManager:
             ValueError: ``last_save_in_hf`` without a state-dict adapter.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager.save``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager.save`.
         """
         if not (self._should_save(curr_step, last_step) or (force and self.enable)):
             return False
@@ -704,7 +704,7 @@ class CheckpointManager:
         there is nothing to wait for; a background stager is waited on here.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager.maybe_wait_for_staging``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager.maybe_wait_for_staging`.
         """
         if self._staging is not None:
             staging, self._staging = self._staging, None
@@ -717,7 +717,7 @@ class CheckpointManager:
             Exception: Whatever the background save raised.
 
         See Also:
-            ``torch.distributed.checkpoint.async_save``: returns the future waited on.
+            :pt:`torch.distributed.checkpoint.async_save`: returns the future waited on.
         """
         if self._pending is None:
             return
@@ -743,7 +743,7 @@ class CheckpointManager:
             The checkpoint directory.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager`` with
+            :titan:`torchtitan.components.checkpoint.CheckpointManager` with
             ``create_seed_checkpoint``: TorchTitan's seed checkpoint.
         """
         path = self.step_dir(0)
@@ -773,7 +773,7 @@ class CheckpointManager:
             ``path`` as a ``Path``.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager`` with
+            :titan:`torchtitan.components.checkpoint.CheckpointManager` with
             ``last_save_model_only`` and ``export_dtype``.
         """
         self._dcp_save(self._model_state(dtype), Path(path))
@@ -798,7 +798,7 @@ class CheckpointManager:
             ValueError: If the manager has no ``sd_adapter``.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager`` with ``last_save_in_hf``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager` with ``last_save_in_hf``.
         """
         if self.sd_adapter is None:
             raise ValueError(
@@ -836,7 +836,7 @@ class CheckpointManager:
             ValueError: If the manager has no ``sd_adapter``.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager`` with
+            :titan:`torchtitan.components.checkpoint.CheckpointManager` with
             ``initial_load_in_hf``.
         """
         if self.sd_adapter is None:
@@ -876,7 +876,7 @@ class CheckpointManager:
                 checkpoint) is corrupted.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager.load``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager.load`.
         """
         if not self.enable:
             return False
@@ -995,7 +995,7 @@ class CheckpointManager:
         """Wait for a pending save and release the background process group.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager.close``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager.close`.
         """
         self.wait()
         if self._stager is not None:

@@ -62,7 +62,7 @@ class JobSection:
     """General settings of the run: name, output folder, launcher and logging.
 
     See Also:
-        ``torchtitan.config.job_config.Job``: TorchTitan's ``[job]`` section.
+        :titan:`torchtitan.config.job_config.Job`: TorchTitan's ``[job]`` section.
     """
 
     config_file: str | None = None
@@ -91,7 +91,7 @@ class ModelConfig:
     """Which model to build.
 
     See Also:
-        ``torchtitan.config.job_config.Model``: TorchTitan's ``[model]`` section.
+        :titan:`torchtitan.config.job_config.Model`: TorchTitan's ``[model]`` section.
     """
 
     name: str = "llama3"
@@ -119,7 +119,7 @@ class TrainingConfig:
     """Batch, sequence, steps, precision and determinism.
 
     See Also:
-        ``torchtitan.config.job_config.Training``: TorchTitan's ``[training]`` section.
+        :titan:`torchtitan.config.job_config.Training`: TorchTitan's ``[training]`` section.
     """
 
     local_batch_size: int = 8
@@ -166,7 +166,7 @@ class ParallelismConfig:
     """Degrees of each parallel dimension and their options.
 
     See Also:
-        ``torchtitan.config.job_config.Parallelism``: TorchTitan's ``[parallelism]`` section.
+        :titan:`torchtitan.config.job_config.Parallelism`: TorchTitan's ``[parallelism]`` section.
     """
 
     data_parallel_replicate_degree: int = 1
@@ -247,7 +247,7 @@ class OptimizerConfig:
     """AdamW/Adam/SGD settings.
 
     See Also:
-        ``torchtitan.components.optimizer.OptimizersContainer``: TorchTitan's optimizer config.
+        :titan:`torchtitan.components.optimizer.OptimizersContainer`: TorchTitan's optimizer config.
     """
 
     name: Literal["AdamW", "Adam", "SGD", "Muon"] = "AdamW"
@@ -282,7 +282,7 @@ class LRSchedulerConfig:
     """Learning-rate schedule: linear warm-up, then stable, then decay.
 
     See Also:
-        ``torchtitan.components.lr_scheduler.LRSchedulersContainer``: TorchTitan's schedule.
+        :titan:`torchtitan.components.lr_scheduler.LRSchedulersContainer`: TorchTitan's schedule.
     """
 
     warmup_steps: int = 200
@@ -311,7 +311,7 @@ class ActivationCheckpointConfig:
     """Activation checkpointing (recompute activations in backward to save memory).
 
     See Also:
-        ``torchtitan.config.job_config.ActivationCheckpoint``: TorchTitan's AC section.
+        :titan:`torchtitan.config.job_config.ActivationCheckpoint`: TorchTitan's AC section.
     """
 
     mode: Literal["none", "full", "selective", "swap", "memory_budget"] = "none"
@@ -348,7 +348,7 @@ class CompileConfig:
     """``torch.compile`` of each transformer block.
 
     See Also:
-        ``torchtitan.config.job_config.Compile``: TorchTitan's ``[compile]`` section.
+        :titan:`torchtitan.config.job_config.Compile`: TorchTitan's ``[compile]`` section.
     """
 
     enable: bool = False
@@ -364,7 +364,7 @@ class MetricsConfig:
     """Logging of the per-step metrics.
 
     See Also:
-        ``torchtitan.components.metrics.MetricsProcessor``: TorchTitan's metrics config.
+        :titan:`torchtitan.components.metrics.MetricsProcessor`: TorchTitan's metrics config.
     """
 
     log_freq: int = 10
@@ -398,7 +398,7 @@ class DataConfig:
     """Training data and tokenizer.
 
     See Also:
-        ``torchtitan.config.job_config.Training.dataset``: TorchTitan's dataset options.
+        :titan:`torchtitan.config.job_config.Training.dataset`: TorchTitan's dataset options.
     """
 
     dataset: str = "tiny_stories_synth"
@@ -434,7 +434,7 @@ class ValidationConfig:
     """Validation loss and perplexity on a held-out dataset during training.
 
     See Also:
-        ``torchtitan.config.job_config.Validation``: TorchTitan's ``[validation]`` section.
+        :titan:`torchtitan.config.job_config.Validation`: TorchTitan's ``[validation]`` section.
     """
 
     enable: bool = False
@@ -464,7 +464,7 @@ class ProfilingConfig:
     """Torch profiler traces and allocator memory snapshots.
 
     See Also:
-        ``torchtitan.config.job_config.Profiling``: TorchTitan's ``[profiling]`` section.
+        :titan:`torchtitan.config.job_config.Profiling`: TorchTitan's ``[profiling]`` section.
     """
 
     enable_profiling: bool = False
@@ -508,7 +508,7 @@ class CheckpointConfig:
     and the previous one is used), saves every ``interval`` steps and on SIGTERM.
 
     See Also:
-        ``torchtitan.config.job_config.Checkpoint``: TorchTitan's ``[checkpoint]`` section.
+        :titan:`torchtitan.config.job_config.Checkpoint`: TorchTitan's ``[checkpoint]`` section.
     """
 
     enable: bool = False
@@ -561,7 +561,7 @@ class JobConfig:
     """The whole configuration of a training job, one attribute per section.
 
     See Also:
-        ``torchtitan.config.job_config.JobConfig``: TorchTitan's monolithic job config.
+        :titan:`torchtitan.config.job_config.JobConfig`: TorchTitan's monolithic job config.
     """
 
     job: JobSection = field(default_factory=JobSection)
@@ -627,7 +627,8 @@ class JobConfig:
             ``{section: {field: value}}``.
 
         See Also:
-            ``torchtitan.config.configurable.Configurable.Config.to_dict``: TorchTitan's export.
+            :titan:`torchtitan.config.configurable.Configurable.Config.to_dict`: TorchTitan's
+            export.
         """
         return dataclasses.asdict(self)
 
@@ -636,7 +637,7 @@ class JobConfig:
         """The folder this run writes to, ``<dump_folder>/<run_name>``.
 
         See Also:
-            ``torchtitan.config.job_config.Job.dump_folder``: TorchTitan's output folder.
+            :titan:`torchtitan.config.job_config.Job.dump_folder`: TorchTitan's output folder.
         """
         return Path(self.job.dump_folder) / self.job.run_name
 
@@ -754,7 +755,7 @@ def builtin_config_names() -> list[str]:
         Sorted config names (file stems under ``hp_trainer/configs``).
 
     See Also:
-        ``torchtitan.models.llama3.config_registry``: TorchTitan's registry of run configs.
+        :titan:`torchtitan.models.llama3.config_registry`: TorchTitan's registry of run configs.
     """
     return sorted(p.stem for p in _CONFIG_DIR.iterdir() if p.suffix in (".toml", ".yaml", ".yml"))
 
@@ -814,7 +815,7 @@ class ConfigManager:
         3
 
     See Also:
-        ``torchtitan.config.ConfigManager``: TorchTitan's config loader.
+        :titan:`torchtitan.config.ConfigManager`: TorchTitan's config loader.
     """
 
     def __init__(self, config_cls: type[JobConfig] = JobConfig) -> None:
@@ -837,7 +838,7 @@ class ConfigManager:
                 the field, the value and what is allowed.
 
         See Also:
-            ``torchtitan.config.ConfigManager.parse_args``: TorchTitan's parser.
+            :titan:`torchtitan.config.ConfigManager.parse_args`: TorchTitan's parser.
         """
         argv = list(sys.argv[1:] if args is None else args)
         if "--help" in argv or "-h" in argv:
@@ -869,7 +870,7 @@ class ConfigManager:
             ValueError: For unknown sections/fields or invalid values.
 
         See Also:
-            ``torchtitan.config.ConfigManager``: TorchTitan's TOML merge.
+            :titan:`torchtitan.config.ConfigManager`: TorchTitan's TOML merge.
         """
         hints = _type_hints(self.config_cls)
         sections: dict[str, Any] = {}
@@ -903,7 +904,7 @@ class ConfigManager:
             Multi-line help text.
 
         See Also:
-            ``torchtitan.config.ConfigManager``: TorchTitan's tyro-generated help.
+            :titan:`torchtitan.config.ConfigManager`: TorchTitan's tyro-generated help.
         """
         lines = [
             "usage: hp-train [--config NAME_OR_FILE] [--nproc N] [--section.field VALUE ...]",
@@ -988,6 +989,6 @@ def parse_args(args: list[str] | None = None) -> JobConfig:
         The resolved configuration.
 
     See Also:
-        ``torchtitan.config.ConfigManager.parse_args``: TorchTitan's equivalent.
+        :titan:`torchtitan.config.ConfigManager.parse_args`: TorchTitan's equivalent.
     """
     return ConfigManager().parse_args(args)

@@ -77,7 +77,7 @@ class HFShardedReader:
         bytes_read: Tensor bytes read from the files on this rank.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageReader``: PyTorch's DCP-driven reader.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageReader`: PyTorch's DCP-driven reader.
     """
 
     adapter: Any
@@ -171,7 +171,7 @@ class HFShardedReader:
             CheckpointCorruptionError: A file fails its checksum.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager`` with ``initial_load_in_hf``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager` with ``initial_load_in_hf``.
         """
         ckpt = HFCheckpointFiles(Path(path))
         ckpt.check_unverified()
@@ -197,7 +197,7 @@ class HFShardedWriter:
         written: HF names this rank wrote.
 
     See Also:
-        ``torch.distributed.checkpoint.HuggingFaceStorageWriter``: PyTorch's DCP-driven writer.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageWriter`: PyTorch's DCP-driven writer.
     """
 
     adapter: Any
@@ -220,7 +220,7 @@ class HFShardedWriter:
             dtype: Cast floating-point tensors to this dtype.
 
         See Also:
-            ``torchtitan.components.checkpoint.CheckpointManager`` with ``last_save_in_hf``.
+            :titan:`torchtitan.components.checkpoint.CheckpointManager` with ``last_save_in_hf``.
         """
         rank, _ = _world(self.process_group)
         states: dict[str, Any] = {}

@@ -40,7 +40,7 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
         ValueError: For the first combination that cannot work, naming the values.
 
     See Also:
-        ``torchtitan.distributed.parallel_dims.ParallelDims._validate``: TorchTitan checks the
+        :titan:`torchtitan.distributed.parallel_dims.ParallelDims._validate`: TorchTitan checks the
         degrees only, on every rank, after the launcher started them.
     """
     from hp_trainer.distributed.context_parallel import supports_context_parallel
