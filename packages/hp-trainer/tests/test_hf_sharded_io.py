@@ -2,15 +2,19 @@
 
 Oracles: the full-load path (every tensor read whole, ``from_hf``, ``set_model_state_dict``
 with a full state dict) gives bitwise the same shards as the sliced import; a spy on the slice
-reads shows what each rank read; a spy on ``DTensor.full_tensor`` counts the gathered tensors
-alive at once during export; the export loads back through hp-dcp's verified reader and in
-``transformers`` (if installed) with the same logits.
+reads shows what each rank read; a spy on ``DTensor.full_tensor`` counts the gathers; the
+profiler's allocation records give each rank's peak tensor memory during the export, compared
+with the rank-0 gather (the whole model); the export is HF's layout (``model-0000i-of-0000N``
+files up to ``max_shard_size``, index with ``weight_map`` and ``total_size``), ``safetensors``
+reads every file, and it loads back through hp-dcp's verified reader and in ``transformers`` (if
+installed) with the same logits.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import weakref
 from pathlib import Path
@@ -19,16 +23,19 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 import hp_dcp
 import hp_fsdp
 from hp_dtensor.state_dict import StateDictOptions, set_model_state_dict
 from hp_dtensor.testing import distributed
 from hp_trainer.checkpoint import CheckpointManager
+from hp_trainer.config import parse_args
 from hp_trainer.hf_adapters import Llama3StateDictAdapter, Qwen3StateDictAdapter
-from hp_trainer.hf_sharded_io import HFShardedReader, HFShardedWriter
+from hp_trainer.hf_sharded_io import HFShardedReader, HFShardedWriter, HFShardPlan
 from hp_trainer.models.decoder import Decoder, DecoderArgs
 from hp_trainer.models.llama3 import llama3_flavors
 from hp_trainer.models.qwen3 import qwen3_flavors
@@ -43,6 +50,7 @@ def _args(name: str) -> DecoderArgs:
     args = copy.deepcopy(CASES[name][0]["tiny"])
     args.vocab_size = 96
     args.max_seq_len = 32
+    args.n_layers = 3
     args.enable_weight_tying = name == "qwen3"
     return args
 
@@ -62,6 +70,47 @@ def _build(args: DecoderArgs, seed: int, shard: bool) -> Decoder:
     return model
 
 
+_SHARD_BYTES = 100_000  # several files for the tiny models, most of two or more tensors
+
+
+def _peak_tensor_bytes(fn: Any) -> int:
+    """Peak of the tensor bytes allocated (and not yet freed) while ``fn`` runs on this thread.
+
+    Summed from the profiler's allocator records (allocations and frees, in time order). Only
+    the calling thread counts: gloo's worker threads allocate transient buffers whose frees
+    the profiler does not record.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.empty(8)  # the first event: names the calling thread
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    events = [e for e in events if e.self_cpu_memory_usage and e.thread == events[0].thread]
+    live = peak = 0
+    for event in events:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _check_hf_files(path: str | Path, expected: dict[str, torch.Tensor], limit: int) -> None:
+    """HF's layout: numbered files up to ``limit`` bytes, index; safetensors reads each file."""
+    index = json.loads((Path(path) / hp_dcp.HF_INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(index["weight_map"]) == sorted(expected)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in expected.values())
+    for name in files:
+        with safe_open(str(Path(path) / name), framework="pt") as f:
+            keys = sorted(f.keys())
+            assert keys == sorted(k for k, v in index["weight_map"].items() if v == name)
+            tensors = {k: f.get_tensor(k) for k in keys}
+        size = sum(t.nbytes for t in tensors.values())
+        assert size <= limit or len(tensors) == 1, (name, size)
+        for key, value in tensors.items():
+            assert torch.equal(value, expected[key]), key
+
+
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
@@ -69,6 +118,14 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 class _Cfg:
     enable = True
     folder = "checkpoint"
+
+
+class _SmallShards(_Cfg):
+    hf_max_shard_size = "40KB"
+
+
+class _BadShards(_Cfg):
+    hf_max_shard_size = "huge"
 
 
 class _FullTensorSpy:
@@ -142,24 +199,34 @@ def _check_case(folder: str, name: str) -> None:
     dist.all_gather_object(totals, reader.bytes_read)
     assert sum(totals) >= file_bytes - (args.vocab_size * args.dim * 4 if name == "qwen3" else 0)
 
-    # export: round-robin owners, one gathered tensor alive at a time, nothing gathered twice
+    # export: files spread over the ranks, each tensor gathered once, memory of one file
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().add_(0.01 * (rank + 1))  # a trained model differs from the source
     trained = _full(model)
     hf_out = f"{folder}/{name}-out"
-    writer = HFShardedWriter(adapter)
+    writer = HFShardedWriter(adapter, max_shard_size=_SHARD_BYTES)
     with _FullTensorSpy() as spy:
-        writer.save([model], hf_out)
-    assert spy.peak == 1
-    assert spy.calls == len(model.state_dict())
-    assert writer.peak_full_tensors == 1
+        peak = _peak_tensor_bytes(lambda: writer.save([model], hf_out))
+    assert writer.plan is not None
+    assert spy.calls == sum(len(f.keys) for f in writer.plan.files)  # a tied lm_head: none
     written: list[list[str]] = [[] for _ in range(ws)]
-    dist.all_gather_object(written, writer.written)
+    dist.all_gather_object(written, writer.files_written)
     assert all(written), written  # every rank wrote a share
-    names = [n for w in written for n in w]
-    assert sorted(names) == sorted(adapter.to_hf(trained))
+    assert sorted(n for w in written for n in w) == [f.name for f in writer.plan.files]
     dist.barrier()
+    hf_trained = adapter.to_hf(trained)
+    _check_hf_files(hf_out, hf_trained, _SHARD_BYTES)
+    # peak per rank: one file being assembled plus a tensor in flight (gather buffers, the
+    # unpadded copy, a permuted copy), far below the whole model, which a rank-0 gather holds
+    largest = max(t.nbytes for t in hf_trained.values())
+    total = sum(t.nbytes for t in hf_trained.values())
+    biggest_file = max(f.nbytes for f in writer.plan.files)
+    assert writer.peak_held_bytes <= biggest_file + 2 * largest
+    assert peak <= biggest_file + 4 * largest, (peak, biggest_file, largest)
+    assert peak < total / 2, (peak, total)
+    gather_all = _peak_tensor_bytes(lambda: adapter.to_hf(_full(model)))
+    assert gather_all >= total, (gather_all, total)
 
     # the export loads back: verified full reader, sliced reader, and as CheckpointManager does
     back = adapter.from_hf(hp_dcp.load_hf_safetensors(hf_out))
@@ -200,11 +267,75 @@ def test_sharded_export_loads_in_transformers(tmp_path: Path) -> None:
     )
     manager.export_hf(tmp_path / "out")
     index = json.loads((tmp_path / "out" / hp_dcp.HF_INDEX_FILE).read_text())
-    assert len(set(index["weight_map"].values())) == len(index["weight_map"])  # file per tensor
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}  # < 5GB
+    hf_sd = Llama3StateDictAdapter(args).to_hf(model.state_dict())
+    _check_hf_files(tmp_path / "out", hf_sd, 5 * 10**9)
+    small = CheckpointManager(
+        None,
+        [model],
+        None,
+        None,
+        {},
+        _SmallShards(),
+        Llama3StateDictAdapter(args),
+        base_folder=tmp_path,
+    )
+    small.export_hf(tmp_path / "small")
+    _check_hf_files(tmp_path / "small", hf_sd, _SHARD_BYTES)
+    assert len(list((tmp_path / "small").glob("model-*.safetensors"))) > 3
     tokens = torch.randint(0, args.vocab_size, (2, 16))
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+    for out in ("out", "small"):
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out))
+        with torch.no_grad():
+            logits = hf_model(tokens).logits
+            torch.testing.assert_close(model(tokens), logits, rtol=1e-5, atol=1e-5)
+        again = _build(args, 6, shard=False)  # our import reads the files back bitwise
+        HFShardedReader(Llama3StateDictAdapter(args)).load([again], tmp_path / out)
+        for key, value in again.state_dict().items():
+            assert torch.equal(value, model.state_dict()[key]), key
+
+
+def test_shard_plan_is_the_same_in_every_layout() -> None:
+    args = _args("qwen3")  # tied embeddings: lm_head is not written
+    adapter = Qwen3StateDictAdapter(args)
+    tensors = {k: (tuple(v.shape), v.dtype) for k, v in Decoder(args).state_dict().items()}
+    everyone = {k: [0, 1, 2, 3] for k in tensors}
+    stages = {k: [0, 1] if k.startswith(("tok_", "layers.0.")) else [2, 3] for k in tensors}
+    one = HFShardPlan.build(adapter, tensors, {k: [0] for k in tensors}, _SHARD_BYTES)
+    for holders in (everyone, stages):
+        plan = HFShardPlan.build(adapter, tensors, holders, _SHARD_BYTES)
+        assert [(f.name, f.keys, f.nbytes) for f in plan.files] == [
+            (f.name, f.keys, f.nbytes) for f in one.files
+        ]
+        assert plan.weight_map == one.weight_map
+        assert plan.total_size == one.total_size == sum(f.nbytes for f in one.files)
+        assert all(f.writer in holders[f.keys[0]] for f in plan.files)
+    assert {f.writer for f in HFShardPlan.build(adapter, tensors, everyone, 1).files} == {
+        0,
+        1,
+        2,
+        3,
+    }
+    by_tensor = HFShardPlan.build(adapter, tensors, everyone, 1)  # a larger tensor: its own file
+    assert [f.keys for f in by_tensor.files] == [
+        (k,) for k in sorted(tensors) if k != "lm_head.weight"
+    ]
+    assert one.hf_names["lm_head.weight"] == ()
+    assert max(f.nbytes for f in one.files) <= _SHARD_BYTES
+    assert len(one.files) > 3
+    with pytest.raises(ValueError, match="max_shard_size"):
+        HFShardedWriter(adapter, max_shard_size="lots")
+
+
+def test_max_shard_size_knob_is_checked_when_the_config_is_parsed() -> None:
+    assert parse_args([]).checkpoint.hf_max_shard_size == "5GB"  # HF's default
+    cfg = parse_args(["--checkpoint.hf_max_shard_size", "500MiB"])
+    assert cfg.checkpoint.hf_max_shard_size == "500MiB"
+    for bad in ("lots", "0", "-1GB", "5 parsecs"):
+        with pytest.raises(ValueError, match=re.escape(f"hf_max_shard_size = {bad!r}")):
+            parse_args(["--checkpoint.hf_max_shard_size", bad])
+    with pytest.raises(ValueError, match=r"checkpoint\.hf_max_shard_size"):
+        CheckpointManager(None, [nn.Linear(2, 2)], None, None, {}, _BadShards())
 
 
 def test_sharded_import_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:

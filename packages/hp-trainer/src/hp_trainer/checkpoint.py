@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import hp_dcp
+from hp_dcp.huggingface import parse_size
 from hp_dtensor import device as hp_device
 from hp_dtensor.state_dict import (
     StateDictOptions,
@@ -396,6 +397,7 @@ class _Options:
     last_save_model_only: bool
     last_save_in_hf: bool
     export_dtype: str
+    hf_max_shard_size: str
     exclude_from_loading: tuple[str, ...]
     enable_first_step_checkpoint: bool
 
@@ -413,6 +415,7 @@ _DEFAULTS: dict[str, Any] = {
     "last_save_model_only": True,
     "last_save_in_hf": False,
     "export_dtype": "float32",
+    "hf_max_shard_size": "5GB",
     "exclude_from_loading": (),
     "enable_first_step_checkpoint": False,
 }
@@ -441,6 +444,10 @@ def _options(config: Any) -> _Options:
         raise bad("export_dtype", "one of " + ", ".join(_EXPORT_DTYPES))
     if not isinstance(values["load_step"], int) or values["load_step"] < -1:
         raise bad("load_step", "-1 (the latest) or a step >= 0")
+    try:
+        parse_size(values["hf_max_shard_size"])
+    except ValueError:
+        raise bad("hf_max_shard_size", "a size like '5GB', '500MiB' or bytes") from None
     if values["async_mode"] == "async_with_pinned_mem" and not hp_device.pin_memory_available():
         raise ValueError(
             "checkpoint.async_mode = 'async_with_pinned_mem' needs pinned host memory, which "
@@ -475,8 +482,8 @@ class CheckpointManager:
     commits before the purge), ``async_mode`` ("disabled" | "async" | "async_with_pinned_mem"),
     ``load_step`` (-1), ``initial_load_path`` (None), ``initial_load_model_only`` (True),
     ``initial_load_in_hf`` (False), ``last_save_model_only`` (True), ``last_save_in_hf`` (False),
-    ``export_dtype`` ("float32"), ``exclude_from_loading`` (()), ``enable_first_step_checkpoint``
-    (False).
+    ``export_dtype`` ("float32"), ``hf_max_shard_size`` ("5GB"), ``exclude_from_loading`` (()),
+    ``enable_first_step_checkpoint`` (False).
 
     Args:
         dataloader: The data loader (``Stateful``) or ``None``.
@@ -783,9 +790,11 @@ class CheckpointManager:
         """Write the model as a HuggingFace checkpoint: safetensors shards, index, config.json.
 
         A collective every rank joins. With an adapter that maps tensors one by one
-        (``hf_source``), tensors go round-robin to the ranks holding them and each owner gathers
-        and writes one tensor at a time (``hp_trainer.hf_sharded_io.HFShardedWriter``);
-        otherwise full tensors are gathered on rank 0 and written there.
+        (``hf_source``), the ``model-0000i-of-0000N.safetensors`` files (at most
+        ``hf_max_shard_size`` bytes each) are spread over the ranks holding their tensors and
+        each writer assembles its files one tensor at a time
+        (``hp_trainer.hf_sharded_io.HFShardedWriter``); otherwise full tensors are gathered on
+        rank 0 and written there.
 
         Args:
             path: The output directory.
@@ -807,13 +816,17 @@ class CheckpointManager:
             )
         out = Path(path)
         if hasattr(self.sd_adapter, "hf_source"):  # per-tensor adapter: no rank-0 gather
-            HFShardedWriter(self.sd_adapter, self.process_group).save(
-                self.model.model_parts, out, dtype=dtype
-            )
+            HFShardedWriter(
+                self.sd_adapter,
+                self.process_group,
+                max_shard_size=self.options.hf_max_shard_size,
+            ).save(self.model.model_parts, out, dtype=dtype)
         else:
             full = self._full_model_state(dtype)
             if _is_group_leader(self.process_group):
-                hp_dcp.save_hf_safetensors(self.sd_adapter.to_hf(full), out)
+                hp_dcp.save_hf_safetensors(
+                    self.sd_adapter.to_hf(full), out, max_shard_size=self.options.hf_max_shard_size
+                )
         if _is_group_leader(self.process_group) and hasattr(self.sd_adapter, "hf_config"):
             config = self.sd_adapter.hf_config()
             if dtype is not None:

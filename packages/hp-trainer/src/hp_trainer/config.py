@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hp_dcp.huggingface import parse_size
+
 __all__ = [
     "ActivationCheckpointConfig",
     "CheckpointConfig",
@@ -108,7 +110,8 @@ class ModelConfig:
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention mask, ``causal`` or ``block_causal`` (document masking: a position attends
     only to earlier positions of its own document in the packed sample; documents are split at
-    the tokenizer's BOS/EOS). Not with pipeline or context parallel."""
+    the tokenizer's BOS/EOS). Not with pipeline parallel; under context parallel with the
+    ``allgather`` or ``ulysses`` rotate method only."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "model")
@@ -538,6 +541,9 @@ class CheckpointConfig:
     """Also export the last step as a HuggingFace checkpoint to ``step-N-hf``."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Data type of the model-only last save and of the HuggingFace export."""
+    hf_max_shard_size: str = "5GB"
+    """Largest safetensors file of the HuggingFace export (HF's ``max_shard_size``: ``"5GB"``,
+    ``"500MiB"`` or bytes; a larger tensor gets a file of its own)."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """States not restored on resume (for instance ``dataloader,lr_scheduler``)."""
     create_seed_checkpoint: bool = False
@@ -553,6 +559,11 @@ class CheckpointConfig:
             _fail("checkpoint", "keep_latest_k", self.keep_latest_k, "an integer >= 0")
         if self.load_step < -1:
             _fail("checkpoint", "load_step", self.load_step, "-1 or a step >= 0")
+        try:
+            parse_size(self.hf_max_shard_size)
+        except ValueError:
+            allowed = "a positive size like '5GB', '500MiB' or bytes"
+            _fail("checkpoint", "hf_max_shard_size", self.hf_max_shard_size, allowed)
         _check_literals(self, "checkpoint")
 
 
@@ -615,10 +626,12 @@ class JobConfig:
                   "causal with pipeline_parallel_degree = "
                   f"{par.pipeline_parallel_degree} (the pipeline stages do not receive the "
                   "document ids)")  # fmt: skip
-        if par.context_parallel_degree > 1:
+        method = par.context_parallel_rotate_method
+        if par.context_parallel_degree > 1 and method not in ("allgather", "ulysses"):
+            # the ring passes K/V blocks without their document ids
             _fail("model", "attn_mask_type", "block_causal",
-                  f"causal with context_parallel_degree = {par.context_parallel_degree} "
-                  "(document masks do not reach the context-parallel attention yet)")  # fmt: skip
+                  f"causal with context_parallel_rotate_method = {method!r} (document masks "
+                  "under context parallel need the allgather or ulysses method)")  # fmt: skip
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as nested plain dictionaries.

@@ -2,17 +2,18 @@
 
 Import: every rank reads, with safetensors' lazy slices, only the rows of each tensor its
 DTensor shards hold (a range of whole heads where the adapter permutes rotary rows), after the
-files' checksums were verified with the work split over the ranks. Export: tensors are assigned
-round-robin to the ranks that hold them; a tensor is gathered, its owner writes it into a file
-of its own and drops it, so no rank holds more than one full tensor beyond its shards; rank 0
-writes the index (names -> files, with checksums) from what every rank wrote.
+files' checksums were verified with the work split over the ranks. Export: every rank computes
+the same plan from the tensors' global shapes (:class:`HFShardPlan`: HF's
+``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` bytes, in key order,
+whatever the layout), each file is written by one rank from the full tensors it assembles one at
+a time, and rank 0 writes the index (names -> files, with checksums).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from hp_dcp.errors import CheckpointCorruptionError
-from hp_dcp.huggingface import HFCheckpointFiles, save_hf_shard_file, write_hf_index
+from hp_dcp.huggingface import (
+    HFCheckpointFiles,
+    parse_size,
+    save_hf_shard_file,
+    write_hf_index,
+)
 from hp_dtensor.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-__all__ = ["HFShardedReader", "HFShardedWriter"]
+__all__ = ["HFShardPlan", "HFShardedReader", "HFShardedWriter"]
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -184,6 +190,106 @@ class HFShardedReader:
             set_model_state_dict(part, sd, options=StateDictOptions(strict=strict))
 
 
+_Described = tuple[
+    "HFShardPlan", dict[str, list[int]], dict[str, tuple[tuple[int, ...], torch.dtype]]
+]
+
+
+@dataclass(frozen=True)
+class HFShardFile:
+    """One file of an export plan.
+
+    Attributes:
+        name: The file name (``model-00001-of-00003.safetensors``).
+        keys: Our state-dict keys whose HF tensors the file holds, in order.
+        writer: The rank (in the export group) that assembles and writes the file.
+        nbytes: Bytes of the file's tensors.
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    writer: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class HFShardPlan:
+    """Which HF tensors go to which file, and which rank writes each file.
+
+    The plan depends only on the tensors' global shapes and dtypes, so every layout (and one
+    process) writes the same files. Tensors are packed in key order into files of at most
+    ``max_shard_size`` bytes; a tensor larger than that gets a file of its own (HF's rule).
+    A file is written by a rank holding all of its tensors when there is one (FSDP, TP, HSDP:
+    every rank; files spread round-robin), else by a holder of its first tensor, which receives
+    the others from their holders (pipeline stages).
+
+    Attributes:
+        files: The files, in order.
+        weight_map: HF tensor name -> file name (the index's ``weight_map``).
+        hf_names: Our key -> the HF tensors it becomes (none for a tied ``lm_head``).
+        total_size: Bytes of all HF tensors (the index's ``metadata.total_size``).
+
+    See Also:
+        ``huggingface_hub.split_torch_state_dict_into_shards``: HF's planner.
+    """
+
+    files: tuple[HFShardFile, ...]
+    weight_map: dict[str, str]
+    hf_names: dict[str, tuple[str, ...]]
+    total_size: int
+
+    @classmethod
+    def build(
+        cls,
+        adapter: Any,
+        tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        holders: Mapping[str, Sequence[int]],
+        max_shard_size: int,
+    ) -> HFShardPlan:
+        """Plan the files of an export.
+
+        Args:
+            adapter: The state-dict adapter (``to_hf`` is run on meta tensors for the sizes).
+            tensors: Our key -> global shape and the dtype written.
+            holders: Our key -> the ranks holding it.
+            max_shard_size: The most bytes of one file (a larger tensor is alone in its file).
+
+        Returns:
+            The plan.
+        """
+        groups: list[list[str]] = [[]]
+        hf_names: dict[str, tuple[str, ...]] = {}
+        sizes: dict[str, int] = {}
+        used = 0
+        for key in sorted(tensors):
+            shape, dtype = tensors[key]
+            hf = adapter.to_hf({key: torch.empty(shape, dtype=dtype, device="meta")})
+            hf_names[key] = tuple(hf)
+            if not hf:  # e.g. a tied lm_head: HF stores the embedding once
+                continue
+            sizes[key] = sum(t.nbytes for t in hf.values())
+            if groups[-1] and used + sizes[key] > max_shard_size:
+                groups.append([])
+                used = 0
+            groups[-1].append(key)
+            used += sizes[key]
+        groups = [g for g in groups if g]
+        files = []
+        weight_map: dict[str, str] = {}
+        for i, keys in enumerate(groups):
+            name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            common = set(holders[keys[0]]).intersection(*(holders[k] for k in keys))
+            candidates = sorted(common) or sorted(holders[keys[0]])
+            files.append(
+                HFShardFile(
+                    name, tuple(keys), candidates[i % len(candidates)], sum(sizes[k] for k in keys)
+                )
+            )
+            for key in keys:
+                weight_map.update(dict.fromkeys(hf_names[key], name))
+        return cls(tuple(files), weight_map, hf_names, sum(sizes.values()))
+
+
 @dataclass
 class HFShardedWriter:
     """Writes model parts as a HF checkpoint without gathering the model on one rank.
@@ -191,19 +297,85 @@ class HFShardedWriter:
     Args:
         adapter: A state-dict adapter (``to_hf`` is applied one tensor at a time).
         process_group: The ranks that export together (default: the world).
+        max_shard_size: Keyword-only; the most bytes of one safetensors file, as bytes or
+            ``"5GB"``-style text (HF's ``max_shard_size``; a larger tensor gets its own file).
 
     Attributes:
-        peak_full_tensors: The most gathered full tensors this rank held at once.
+        plan: The plan of the last :meth:`save`.
         written: HF names this rank wrote.
+        files_written: File names this rank wrote.
+        peak_held_bytes: The most bytes of full (gathered or converted) tensors this rank held
+            at once during the last :meth:`save`: about one file plus one tensor.
+
+    Raises:
+        ValueError: ``max_shard_size`` is not a positive size.
 
     See Also:
-        :pt:`torch.distributed.checkpoint.HuggingFaceStorageWriter`: PyTorch's DCP-driven writer.
+        :pt:`torch.distributed.checkpoint.HuggingFaceStorageWriter`: PyTorch's DCP-driven writer;
+        ``transformers.PreTrainedModel.save_pretrained``: HF's ``max_shard_size``.
     """
 
     adapter: Any
     process_group: dist.ProcessGroup | None = None
-    peak_full_tensors: int = 0
+    _: KW_ONLY
+    max_shard_size: int | str = "5GB"
+    plan: HFShardPlan | None = None
     written: list[str] = field(default_factory=list)
+    files_written: list[str] = field(default_factory=list)
+    peak_held_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self._limit = parse_size(self.max_shard_size)
+
+    def _global(self, rank: int) -> int:
+        if self.process_group is None:
+            return rank
+        return dist.get_global_rank(self.process_group, rank)
+
+    def _plan(self, states: dict[str, Any], dtype: torch.dtype | None) -> _Described:
+        local = {}
+        for key, value in states.items():
+            out = value.dtype if dtype is None or not value.is_floating_point() else dtype
+            local[key] = (tuple(value.shape), out)
+        tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        holders: dict[str, list[int]] = {}
+        for r, described in enumerate(_all_gather(local, self.process_group)):
+            for key, spec in described.items():
+                if tensors.setdefault(key, spec) != spec:
+                    raise ValueError(
+                        f"ranks disagree on {key}: {tensors[key]} and {spec} (rank {r})"
+                    )
+                holders.setdefault(key, []).append(r)
+        return HFShardPlan.build(self.adapter, tensors, holders, self._limit), holders, tensors
+
+    def _assemble(
+        self,
+        value: Any,
+        spec: tuple[tuple[int, ...], torch.dtype],
+        holders: Sequence[int],
+        writer: int,
+        turn: int,
+    ) -> torch.Tensor | None:
+        """The full tensor (in the written dtype) on the file's writer, None elsewhere.
+
+        Every holder joins the gather; a writer that does not hold the tensor (another
+        pipeline stage) receives it from one holder, chosen by ``turn``.
+        """
+        rank, _ = _world(self.process_group)
+        if value is not None:
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            value = value.to(spec[1])
+        if writer in holders:
+            return value if rank == writer else None
+        sender = holders[turn % len(holders)]
+        if rank == sender:
+            dist.send(value.contiguous(), self._global(writer), group=self.process_group)
+        elif rank == writer:
+            received = torch.empty(spec[0], dtype=spec[1])
+            dist.recv(received, self._global(sender), group=self.process_group)
+            return received
+        return None
 
     def save(
         self,
@@ -212,7 +384,11 @@ class HFShardedWriter:
         *,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """Write one safetensors file per tensor, by its owner, then the index (a collective).
+        """Write the files of :class:`HFShardPlan`, each by its writer, then the index.
+
+        A collective every rank of the group joins. Each tensor is gathered by the ranks holding
+        it; the file's writer keeps it (converted to HF's layout) until the file is written,
+        the others drop it at once, so a rank holds at most one file's tensors plus one tensor.
 
         Args:
             model_parts: This rank's model parts.
@@ -226,44 +402,32 @@ class HFShardedWriter:
         states: dict[str, Any] = {}
         for part in model_parts:
             states.update(get_model_state_dict(part))
-        holders: dict[str, list[int]] = {}
-        for r, keys in enumerate(_all_gather(sorted(states), self.process_group)):
-            for key in keys:
-                holders.setdefault(key, []).append(r)
-        order = sorted(holders)
+        plan, holders, specs = self._plan(states, dtype)
+        self.plan = plan
+        self.peak_held_bytes = 0
         out = Path(path)
-        entries: dict[str, str] = {}
         sums: dict[str, dict[str, int]] = {}
-        total = 0
-        held = 0
-        for i, key in enumerate(order):
-            if key not in states:
-                continue
-            owner = holders[key][i % len(holders[key])]
-            value = states[key]
-            if isinstance(value, DTensor):
-                value = value.full_tensor()  # every holder joins; non-owners drop it at once
-                held += 1
-                self.peak_full_tensors = max(self.peak_full_tensors, held)
-            if rank == owner:
-                if dtype is not None and value.is_floating_point():
-                    value = value.to(dtype)
-                hf = self.adapter.to_hf({key: value})
-                if hf:
-                    name = f"model-{i + 1:05d}-of-{len(order):05d}.safetensors"
-                    sums[name] = save_hf_shard_file(hf, out, name)
-                    entries.update(dict.fromkeys(hf, name))
-                    total += sum(t.nbytes for t in hf.values())
-                    self.written.extend(hf)
-                del hf
-            if isinstance(states[key], DTensor):
-                held -= 1
-            del value
-        gathered = _all_gather((entries, sums, total), self.process_group)
+        for j, file in enumerate(plan.files):
+            pending: dict[str, torch.Tensor] = {}
+            held = 0
+            for key in file.keys:
+                full = self._assemble(states.get(key), specs[key], holders[key], file.writer, j)
+                if full is None:
+                    continue
+                hf = self.adapter.to_hf({key: full})
+                fresh = sum(t.nbytes for t in hf.values() if t.data_ptr() != full.data_ptr())
+                self.peak_held_bytes = max(self.peak_held_bytes, held + full.nbytes + fresh)
+                held += sum(t.nbytes for t in hf.values())
+                pending.update(hf)
+                del full, hf
+            if rank == file.writer:
+                sums[file.name] = save_hf_shard_file(pending, out, file.name)
+                self.written.extend(pending)
+                self.files_written.append(file.name)
+            del pending
+        gathered = _all_gather(sums, self.process_group)
         if rank == 0:
-            weight_map: dict[str, str] = {}
             all_sums: dict[str, dict[str, int]] = {}
-            for e, s, _ in gathered:
-                weight_map.update(e)
+            for s in gathered:
                 all_sums.update(s)
-            write_hf_index(out, weight_map, all_sums, sum(t for _, _, t in gathered))
+            write_hf_index(out, plan.weight_map, all_sums, plan.total_size)
