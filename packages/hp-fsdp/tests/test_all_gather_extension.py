@@ -17,7 +17,7 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hp_fsdp
 from hp_dtensor.testing import distributed, fake_world
@@ -220,6 +220,8 @@ class ScaledCompact(torch.Tensor):
         (gathered,) = all_gather_outputs
         self.calls.append(("post" if out is None else "post_out", 0))
         if out is not None:  # the gathered rows may include padding past the parameter
+            if isinstance(out, DTensor):  # a tensor-parallel parameter's unsharded DTensor
+                out = out._local_tensor
             flat = gathered.reshape(-1)[: out.numel()].view(out.shape)
             with torch.no_grad():
                 torch.mul(flat.to(param_dtype), self.scale, out=out)
@@ -342,10 +344,12 @@ def _inner(local: torch.Tensor) -> torch.Tensor:
 
 
 def _check_trainable_parity(
-    mesh: Any, rows: int, with_int8: bool, shard_dim: int = 0
+    mesh: Any, rows: int, with_int8: bool, shard_dim: int = 0, replicate: bool = False
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """hp-fsdp vs torch FSDP2 on a _CompactMLP: outputs, gradients and parameters after 3 SGD
-    steps bitwise equal. Returns both runs' protocol calls on the compact weight."""
+    """hp-fsdp vs torch FSDP2 (or both ``replicate``) on a _CompactMLP: outputs, gradients and
+    parameters after 3 SGD steps bitwise equal. Returns both runs' protocol calls on the
+    compact weight."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
 
     def placement(param: nn.Parameter) -> Shard | None:
         return Shard(shard_dim) if isinstance(param, ScaledCompact) else None
@@ -354,14 +358,22 @@ def _check_trainable_parity(
         torch.manual_seed(0)
         model = _CompactMLP(rows, with_int8)
         shard(model.out, mesh=mesh)
-        shard(model, mesh=mesh, shard_placement_fn=placement)
+        if replicate:
+            shard(model, mesh=mesh)
+        else:
+            shard(model, mesh=mesh, shard_placement_fn=placement)
         trainable = [p for p in model.parameters() if p.requires_grad]
         return model, torch.optim.SGD(trainable, lr=0.1)
 
-    hp_model, hp_opt = build(hp_fsdp.fully_shard)
-    ref_model, ref_opt = build(torch_fsdp.fully_shard)
+    if replicate:
+        hp_model, hp_opt = build(hp_fsdp.replicate)
+        ref_model, ref_opt = build(torch_replicate)
+    else:
+        hp_model, hp_opt = build(hp_fsdp.fully_shard)
+        ref_model, ref_opt = build(torch_fsdp.fully_shard)
     assert hp_model.cweight.placements == ref_model.cweight.placements
-    assert hp_model.cweight.placements[-1] == Shard(shard_dim)
+    if not replicate:
+        assert hp_model.cweight.placements[-1] == Shard(shard_dim)
     hp_c = hp_model.cweight._local_tensor
     assert isinstance(hp_c, ScaledCompact)
     assert hp_c.shape == ref_model.cweight._local_tensor.shape
@@ -419,3 +431,75 @@ def test_subclasses_hsdp_2x2_bitwise_with_torch() -> None:
     hp_calls, ref_calls = _check_trainable_parity(mesh, rows=5, with_int8=True)  # 3, 2 rows
     assert hp_calls == ref_calls
     assert {size for call, size in hp_calls if call == "pre"} == {2}
+
+
+@distributed(world_size=2, timeout=120)
+def test_trainable_subclass_replicate_bitwise_with_torch_ws2() -> None:
+    """``replicate``: the subclass's inputs are copied as a one-rank all-gather (torch's
+    ``replicate`` passes the whole replicate mesh to ``fsdp_pre_all_gather``)."""
+    mesh = init_device_mesh("cpu", (2,))
+    hp_calls, ref_calls = _check_trainable_parity(mesh, rows=5, with_int8=False, replicate=True)
+    assert hp_calls == ref_calls
+    assert hp_calls[:2] == [("pre", 2), ("post", 0)]
+
+
+class _TPCompactMLP(nn.Module):
+    """A column-parallel ScaledCompact weight (a DTensor on the TP mesh) and a plain head."""
+
+    def __init__(self, tp_mesh: Any, rows: int) -> None:
+        super().__init__()
+        self.tp_mesh = tp_mesh
+        full = torch.randn(rows, COLS)
+        local = full.chunk(tp_mesh.size(), 0)[tp_mesh.get_local_rank()].clone()
+        self.cweight = nn.Parameter(
+            DTensor.from_local(ScaledCompact(local, 0.5), tp_mesh, [Shard(0)], run_check=False)
+        )
+        self.out = nn.Linear(rows, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(DTensor.from_local(x, self.tp_mesh, [Replicate()]), self.cweight)
+        return self.out(torch.relu(h.full_tensor()))
+
+
+@distributed(world_size=4, timeout=120)
+def test_trainable_subclass_as_dtensor_local_fsdp_x_tp_bitwise_with_torch() -> None:
+    """FSDP over tensor parallelism: the subclass is a DTensor's local tensor (6 rows over TP 2,
+    then 3 rows over DP 2: an uneven DP shard); 3 SGD steps bitwise equal to torch."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+
+    def build(shard: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = _TPCompactMLP(tp_mesh, rows=6)
+        shard(model.out, mesh=dp_mesh)
+        shard(model, mesh=dp_mesh)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    hp_model, hp_opt = build(hp_fsdp.fully_shard)
+    ref_model, ref_opt = build(torch_fsdp.fully_shard)
+    assert hp_model.cweight.placements == ref_model.cweight.placements
+    assert hp_model.cweight.placements[1] == Shard(0)  # DP: a strided shard of the TP shard
+    hp_c = hp_model.cweight._local_tensor
+    assert isinstance(hp_c, ScaledCompact)
+    gen = torch.Generator().manual_seed(100 + dp_mesh.get_local_rank())  # same over TP ranks
+    for step in range(3):
+        x = torch.randn(5, COLS, generator=gen)
+        outs = [m(x) for m in (hp_model, ref_model)]
+        for y in outs:
+            y.square().sum().backward()
+        assert torch.equal(outs[0].detach(), outs[1].detach()), step
+        for (name, p_hp), (_, p_ref) in zip(
+            hp_model.named_parameters(), ref_model.named_parameters(), strict=True
+        ):
+            assert torch.equal(p_hp.grad.to_local(), p_ref.grad.to_local()), (step, name)
+        for opt in (hp_opt, ref_opt):
+            opt.step()
+            opt.zero_grad()
+        for (name, p_hp), (_, p_ref) in zip(
+            hp_model.named_parameters(), ref_model.named_parameters(), strict=True
+        ):
+            assert torch.equal(_inner(p_hp.to_local()), _inner(p_ref.to_local())), (step, name)
+    ref_c = ref_model.cweight._local_tensor
+    assert hp_model.cweight._local_tensor is hp_c
+    assert hp_c.calls == ref_c.calls
+    assert hp_c.calls[:2] == [("pre", 2), ("post", 0)]

@@ -187,8 +187,9 @@ class ShardedParam:
         ValueError: for a scalar parameter, a non-contiguous one, or an uneven split of a
             non-zero shard dim.
         NotImplementedError: for a DTensor parameter (FSDP over tensor parallelism) on an
-            unsupported mesh, or a tensor subclass implementing ``fsdp_pre_all_gather`` that is
-            a DTensor's local tensor or sharded on a dim other than 0.
+            unsupported mesh, or a tensor subclass implementing ``fsdp_pre_all_gather`` with
+            ``dp_mesh_dims``, replicated over a 2-D mesh, or unevenly sharded on an inner dim
+            (PyTorch's message).
         FSDPUsageError: (an ``AssertionError``, as in PyTorch) for a tensor subclass defining
             only one of ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``.
 
@@ -248,12 +249,17 @@ class ShardedParam:
         #: The all-gather extension (``fsdp_pre_all_gather``/``fsdp_post_all_gather``).
         self.extension: AllGatherExtension | None = None
         if has_pre:
-            if self._tp_spec is not None or mesh_info.replicate_only:
+            if spmd_mesh is not None or (mesh_info.replicate_only and mesh_info.mesh.ndim > 1):
                 raise NotImplementedError(
                     "fully_shard supports the fsdp_pre_all_gather/fsdp_post_all_gather "
-                    "extension for plain (non-DTensor) parameters sharded by FSDP or HSDP; got "
-                    f"{module_info.name!r} ({type(param).__name__}"
-                    + (", replicated)" if mesh_info.replicate_only else ")")
+                    "extension for parameters sharded by FSDP or HSDP (plain, or DTensors on "
+                    "their own TP/EP mesh) or replicated over a 1-D mesh; got "
+                    f"{module_info.name!r} "
+                    + (
+                        "with dp_mesh_dims"
+                        if spmd_mesh is not None
+                        else f"replicated over a {mesh_info.mesh.ndim}-D mesh"
+                    )
                 )
             dim = shard_dim + data.ndim if shard_dim < 0 else shard_dim
             if 0 < dim < data.ndim and data.size(dim) % mesh_info.shard_size != 0:
@@ -552,9 +558,11 @@ class ShardedParam:
             with torch.no_grad():
                 unsharded = ext.unsharded(local, self.compute_dtype, self._unsharded_param)
             if unsharded is not None:
+                view = torch.as_strided(unsharded, self.orig_size, self.orig_stride, 0)
+                if self._tp_spec is not None:
+                    view = _make_dtensor(view, _with_dtype(self._tp_spec, view.dtype), False)
                 self._unsharded_param = nn.Parameter(
-                    torch.as_strided(unsharded, self.orig_size, self.orig_stride, 0),
-                    requires_grad=self.sharded_param.requires_grad,
+                    view, requires_grad=self.sharded_param.requires_grad
                 )
             return
         if self._unsharded_param is not None:
