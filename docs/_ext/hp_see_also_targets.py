@@ -105,6 +105,7 @@ class TorchSourceLinks:
         self.docs = "https://docs.pytorch.org/docs/" + ".".join(version.split(".")[:2])
         self._root = Path(torch.__file__).resolve().parent.parent
         self._blob = f"{PYTORCH_REPO}/blob/v{version}"
+        self._sources: dict[str, list[str]] = {}  # file -> its lines, read once
 
     def page(self, page: str) -> str:
         """A page of PyTorch's documentation (``distributed.pipelining.html``)."""
@@ -134,22 +135,34 @@ class TorchSourceLinks:
         except ValueError:
             return None
 
+    def _lines(self, path: str) -> list[str]:
+        if path not in self._sources:
+            self._sources[path] = (self._root / path).read_text(encoding="utf-8").splitlines()
+        return self._sources[path]
+
     def _locate_class(self, cls: type) -> tuple[str, int] | None:
-        # Public classes often say they live in the package that re-exports them (``__module__``
-        # rewritten for the docs), which defeats ``inspect``: find the file through a method.
-        files: list[str] = []
+        # Its module's file first; public classes often say they live in the package that
+        # re-exports them (``__module__`` rewritten for the docs): then the files of its methods,
+        # then (a dataclass: no method has a file) every file of that package.
+        module_file = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+        files = [self._relative(module_file)]
         for member in vars(cls).values():
             code = getattr(inspect.unwrap(member), "__code__", None) if callable(member) else None
-            path = self._relative(code.co_filename) if code is not None else None
-            files += [path] if path else []
-        package = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
-        if package.endswith("__init__.py"):  # a dataclass: no method has a file; its package
-            root = Path(package).parent
-            files += [self._relative(str(p)) or "" for p in sorted(root.rglob("*.py"))]
+            files.append(self._relative(code.co_filename) if code is not None else None)
+        if module_file.endswith("__init__.py") and hasattr(cls, "__dataclass_fields__"):
+            files += [
+                self._relative(str(p)) for p in sorted(Path(module_file).parent.rglob("*.py"))
+            ]
         pattern = re.compile(rf"\s*class\s+{re.escape(cls.__name__)}\b")
-        for path in files:
-            lines = (self._root / path).read_text(encoding="utf-8").splitlines()
-            for number, line in enumerate(lines, start=1):
+        for path in dict.fromkeys(f for f in files if f):
+            # Only a file whose (already imported) module holds this very class: another
+            # ``class Stream`` elsewhere in the package is not it.
+            module = sys.modules.get(
+                path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            )
+            if getattr(module, cls.__name__, None) is not cls:
+                continue
+            for number, line in enumerate(self._lines(path), start=1):
                 if pattern.match(line):
                     return path, number
         return None
@@ -158,14 +171,14 @@ class TorchSourceLinks:
         if isinstance(obj, property) and obj.fget is not None:
             obj = obj.fget
         obj = inspect.unwrap(obj) if callable(obj) else obj
-        if not (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj)):
+        if inspect.isclass(obj):
+            return self._locate_class(obj)
+        code = getattr(obj, "__code__", None)  # a Python function or method
+        file = code.co_filename if code is not None else getattr(obj, "__file__", None)
+        path = self._relative(file) if inspect.ismodule(obj) or code is not None else None
+        if path is None:
             return None
-        try:
-            path = self._relative(inspect.getsourcefile(obj))
-            line = inspect.getsourcelines(obj)[1] if path else 0
-        except (OSError, TypeError):
-            return self._locate_class(obj) if inspect.isclass(obj) else None
-        return (path, line) if path else None
+        return path, code.co_firstlineno if code is not None else 0
 
     def _locate_attribute(self, name: str) -> tuple[str, int] | None:
         # A data attribute (a config flag, a class-level table): its assignment in the source of
@@ -175,7 +188,7 @@ class TorchSourceLinks:
         if located is None:
             return None
         path, start = located
-        lines = (self._root / path).read_text(encoding="utf-8").splitlines()
+        lines = self._lines(path)
         pattern = re.compile(rf"\s*{re.escape(attr)}\s*[:=]")
         for number in range(max(start, 1), len(lines) + 1):
             if pattern.match(lines[number - 1]):
