@@ -133,6 +133,10 @@ def test_packed_documents_equal_each_document_alone(family: str) -> None:
     separate_grads = _loss_and_grads(model, separate, labels)
 
     torch.testing.assert_close(logits, separate, rtol=0, atol=1e-6)
+    # positions restarted per document: RoPE scores depend on the query-key offset only,
+    # the same inside a document either way (so only rounding differs)
+    restarted = torch.cat([model(doc[None]) for doc in docs], dim=1)
+    torch.testing.assert_close(logits, restarted, rtol=0, atol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, separate_grads[name], rtol=1e-5, atol=1e-6, msg=name)
     # the mask matters: causal attention over the packed sequence is something else
@@ -176,23 +180,23 @@ def test_config_option_and_its_refusals() -> None:
             "--parallelism.pipeline_parallel_degree",
             "2",
         )
-    with pytest.raises(ValueError, match="context_parallel_degree = 2"):
-        _parse(
-            "--model.attn_mask_type",
-            "block_causal",
-            "--parallelism.context_parallel_degree",
-            "2",
-        )
+    cp = ("--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2")
+    assert _parse(*cp).parallelism.context_parallel_rotate_method == "allgather"
+    _parse(*cp, "--parallelism.context_parallel_rotate_method", "ulysses")
+    for method in ("ring", "alltoall", "hybrid"):
+        with pytest.raises(ValueError, match=f"context_parallel_rotate_method = '{method}'"):
+            _parse(*cp, "--parallelism.context_parallel_rotate_method", method)
 
 
 # -- the trainer -------------------------------------------------------------------------------
 
 
-def _train(folder: str, par: dict[str, Any], local_bs: int, mask: str) -> Any:
+def _train(folder: str, par: dict[str, Any], local_bs: int, mask: str, seq_len: int = 32) -> Any:
     h = _helpers()
     rank = dist.get_rank() if dist.is_initialized() else "ref"
     cfg = h.job(Path(folder), par, run=f"{mask}-{rank}", local_bs=local_bs)
     cfg.model.attn_mask_type = mask
+    cfg.training.seq_len = seq_len
     trainer = Trainer(cfg)
     try:
         losses = trainer.train()
@@ -216,3 +220,29 @@ def test_trainer_block_causal_under_fsdp_and_tp_matches_one_process(tmp_path: Pa
     causal_losses = _train(str(tmp_path), {}, 4, "causal")[0]
     # the option reaches the attention: the first step's loss already differs
     assert abs(causal_losses[0] - ref[0][0]) > 1e-4
+
+
+def test_trainer_block_causal_under_context_parallel_matches_one_process(tmp_path: Path) -> None:
+    folder = str(tmp_path)
+    # the load-balanced shards of the document ids reach the engine with every attention call
+    allgather = run_distributed(
+        _train, 2, folder, {"context_parallel_degree": 2}, 2, "block_causal", timeout=120
+    )
+    ulysses = run_distributed(
+        _train, 2, folder,
+        {"context_parallel_degree": 2, "context_parallel_rotate_method": "ulysses"},
+        2, "block_causal", timeout=120,
+    )  # fmt: skip
+    ref = _train(folder, {}, 2, "block_causal")
+    _helpers().assert_matches_reference(allgather, ref, each_rank_whole=True)
+    _helpers().assert_matches_reference(ulysses, ref, each_rank_whole=True)
+
+
+def test_trainer_block_causal_under_context_parallel_3_matches_one_process(tmp_path: Path) -> None:
+    folder = str(tmp_path)
+    # 3 ranks: 6 load-balanced chunks of 4 positions
+    cp3 = run_distributed(
+        _train, 3, folder, {"context_parallel_degree": 3}, 2, "block_causal", 24, timeout=120
+    )
+    ref = _train(folder, {}, 2, "block_causal", 24)
+    _helpers().assert_matches_reference(cp3, ref, each_rank_whole=True)

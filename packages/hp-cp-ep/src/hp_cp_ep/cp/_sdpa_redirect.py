@@ -49,14 +49,21 @@ def _bind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _call_engine(
-    engine: ContextParallelAttention, args: Sequence[Any], kwargs: Mapping[str, Any]
+    engine: ContextParallelAttention,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Check an SDPA call's arguments against what the engine supports and run it."""
+    """Check an SDPA call's arguments against what the engine supports and run it.
+
+    ``document_ids`` (this rank's shard) restrict every query to keys of its document.
+    """
     a = _bind(args, kwargs)
     if a["attn_mask"] is not None:
         raise ValueError(
             "context-parallel SDPA supports is_causal=True or no mask (and document masks "
-            "through ContextParallelAttention in 'allgather' mode); got a dense attn_mask "
+            "through context_parallel(document_ids=...) or ContextParallelAttention); got a "
+            "dense attn_mask "
             f"of shape {tuple(a['attn_mask'].shape)}"
         )
     if a["dropout_p"] != 0.0:
@@ -68,42 +75,45 @@ def _call_engine(
             f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for "
             "grouped-query attention"
         )
-    return engine(q, k, a["value"], is_causal=bool(a["is_causal"]), scale=a["scale"])
+    return engine(
+        q, k, a["value"], is_causal=bool(a["is_causal"]), scale=a["scale"],
+        document_ids=document_ids,
+    )  # fmt: skip
 
 
 class _SdpaRouter:
     """The process-wide router installed as ``F.scaled_dot_product_attention`` while needed.
 
-    Holds the stack of active engines (innermost last) and the original function; installs
-    itself when the first engine is pushed and puts the original back when the last is popped.
+    Holds the stack of active routes (innermost last) and the original function; installs
+    itself when the first route is pushed and puts the original back when the last is popped.
     """
 
     def __init__(self) -> None:
         self.original: Callable[..., torch.Tensor] = single_device_sdpa
-        self.engines: list[ContextParallelAttention] = []
+        self.routes: list[SdpaRoute] = []
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        engines = self.engines
-        if not engines:  # a caller kept a reference to the router past the last exit
+        routes = self.routes
+        if not routes:  # a caller kept a reference to the router past the last exit
             return self.original(*args, **kwargs)
-        return _call_engine(engines[-1], args, kwargs)
+        return _call_engine(routes[-1].engine, args, kwargs, routes[-1].document_ids)
 
-    def push(self, engine: ContextParallelAttention) -> None:
+    def push(self, route: SdpaRoute) -> None:
         with self._lock:
-            if not self.engines:
+            if not self.routes:
                 self.original = F.scaled_dot_product_attention
                 F.scaled_dot_product_attention = self
-            self.engines.append(engine)
+            self.routes.append(route)
 
-    def pop(self, engine: ContextParallelAttention) -> None:
+    def pop(self, route: SdpaRoute) -> None:
         with self._lock:
-            # remove this engine (contexts may exit out of order across threads)
-            for i in range(len(self.engines) - 1, -1, -1):
-                if self.engines[i] is engine:
-                    del self.engines[i]
+            # remove this route (contexts may exit out of order across threads)
+            for i in range(len(self.routes) - 1, -1, -1):
+                if self.routes[i] is route:
+                    del self.routes[i]
                     break
-            if not self.engines and F.scaled_dot_product_attention is self:
+            if not self.routes and F.scaled_dot_product_attention is self:
                 F.scaled_dot_product_attention = self.original
 
 
@@ -115,14 +125,18 @@ class SdpaRoute:
 
     Process-wide (every thread, the backward pass included), so the recomputation of an
     activation checkpoint run inside the block is context-parallel too. Nested routes: the
-    innermost engine answers.
+    innermost engine answers. ``document_ids`` (this rank's shard, optional) go with every
+    call: packed documents.
     """
 
-    def __init__(self, engine: ContextParallelAttention) -> None:
+    def __init__(
+        self, engine: ContextParallelAttention, document_ids: torch.Tensor | None = None
+    ) -> None:
         self.engine = engine
+        self.document_ids = document_ids
 
     def __enter__(self) -> SdpaRoute:
-        _ROUTER.push(self.engine)
+        _ROUTER.push(self)
         return self
 
     def __exit__(
@@ -131,7 +145,7 @@ class SdpaRoute:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _ROUTER.pop(self.engine)
+        _ROUTER.pop(self)
 
 
 class SdpaRedirect(TorchFunctionMode):

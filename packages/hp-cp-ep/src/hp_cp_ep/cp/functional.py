@@ -77,6 +77,7 @@ def context_parallel(
     no_restore_buffers: set[torch.Tensor] | None = None,
     mode: str | None = None,
     load_balance: bool = True,
+    document_ids: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """Run ``F.scaled_dot_product_attention`` context-parallel over ``mesh`` inside the block.
 
@@ -99,6 +100,11 @@ def context_parallel(
         mode: Keyword-only extension: ``"ring"``, ``"allgather"``, ``"ulysses"`` or
             ``"hybrid"``; default :func:`get_rotate_method`.
         load_balance: Keyword-only extension: head-tail sharding (default, as PyTorch's).
+        document_ids: Keyword-only extension: ``[seq]`` or ``[batch, seq]`` integer document
+            ids of the whole sequence (packed documents; not modified). They are sharded like
+            the buffers and go with every SDPA call, so a query attends only to keys of its
+            own document. Modes ``"allgather"`` and ``"ulysses"`` (the engine refuses the
+            ring).
 
     Yields:
         Nothing; SDPA is redirected while the block runs.
@@ -127,10 +133,13 @@ def context_parallel(
     keep = list(no_restore_buffers or ())
     if any(not any(k is b for b in bufs) for k in keep):
         raise ValueError("no_restore_buffers must be a subset of buffers")
-    if mesh.size() == 1:
+    if mesh.size() == 1 and document_ids is None:
         yield
         return
     engine = ContextParallelAttention(mesh, mode=mode or _DEFAULT.mode, load_balance=load_balance)
+    local_documents = None
+    if document_ids is not None:
+        local_documents = shard_sequence(document_ids, mesh, -1, load_balance=load_balance)
     shards = [
         shard_sequence(b, mesh, d, load_balance=load_balance)
         for b, d in zip(bufs, dims, strict=True)
@@ -139,7 +148,7 @@ def context_parallel(
     for buffer, shard in zip(bufs, shards, strict=True):
         buffer.resize_(shard.shape).copy_(shard)
     try:
-        with SdpaRoute(engine):
+        with SdpaRoute(engine, local_documents):
             yield
     finally:
         for buffer, original in zip(bufs, originals, strict=True):

@@ -111,25 +111,20 @@ class ContextParallelStep:
             inputs: ``(batch, seq)`` token ids of the whole sequence.
             labels: ``(batch, seq)`` targets of the whole sequence.
             document_ids: ``(batch, seq)`` document ids of the whole sequence (block-causal
-                attention); not supported under context parallel yet.
+                attention): sharded like the sequence, they go with every attention call
+                (``allgather`` and ``ulysses`` rotate methods; the engine refuses the ring).
 
         Yields:
             ``(inputs shard, labels shard)``.
-
-        Raises:
-            ValueError: If ``document_ids`` are given.
         """
-        if document_ids is not None:
-            raise ValueError(
-                "document masks (model.attn_mask_type = 'block_causal') do not reach the "
-                "context-parallel attention yet; use context_parallel_degree = 1"
-            )
         seq = inputs.shape[1]
         tables: list[torch.Tensor] = [part.get_buffer("rope_cache") for part in model_parts]
         try:
             for part, table in zip(model_parts, tables, strict=True):
                 part.rope_cache = self.shard(table[:seq], 0)
-            with context_parallel(self.mesh, mode=self.mode, load_balance=True):
+            with context_parallel(
+                self.mesh, mode=self.mode, load_balance=True, document_ids=document_ids
+            ):
                 yield self.shard(inputs, 1), self.shard(labels, 1)
         finally:
             for part, table in zip(model_parts, tables, strict=True):
