@@ -629,6 +629,29 @@ class Stream:
         if self._stream is not None and tensor.device.type == self.device_type:
             tensor.record_stream(self._stream)
 
+    def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Start copying a device tensor to host memory on this stream, without a host wait.
+
+        The host buffer is pinned where the device has pinned memory, so the copy is
+        asynchronous: its data is valid once an event recorded after it on this stream has
+        completed (``Event.synchronize``). A tensor already in host memory is returned as is.
+
+        Args:
+            tensor: the tensor to copy.
+
+        Returns:
+            The host tensor (``tensor`` itself when it is in host memory already).
+
+        See Also:
+            :pt:`torch.Tensor.to` with ``non_blocking=True`` into pinned memory.
+        """
+        if tensor.device.type == DEVICE_TYPE_CPU:
+            return tensor
+        host = torch.empty_like(tensor, device=DEVICE_TYPE_CPU, pin_memory=pin_memory_available())
+        with stream(self):
+            host.copy_(tensor, non_blocking=True)
+        return host
+
     @classmethod
     def from_native(cls, native: torch.Stream) -> Stream:
         """Wrap an existing ``torch.Stream`` (e.g. one a user passes to a hook setter).
@@ -663,7 +686,8 @@ class StreamLog:
 
     Each entry is a tuple: ``("enter", stream)``, ``("leave", stream)``,
     ``("wait_stream", waiter, waited)``, ``("record", event, stream)``,
-    ``("wait_event", stream, event)`` or ``("synchronize", what)``; streams and events appear
+    ``("wait_event", stream, event)``, ``("record_tensor", stream)``,
+    ``("copy_to_host", stream)`` or ``("synchronize", what)``; streams and events appear
     by name. ``ran_on`` maps labels given to :meth:`mark` to the stream current at that point.
 
     See Also:
@@ -757,6 +781,21 @@ class RecordingStream(Stream):
             tensor: the tensor.
         """
         self.log.entries.append(("record_tensor", self.name))
+
+    def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Record a device-to-host copy on this stream and return a host copy.
+
+        The double treats every tensor as device memory, so the code path an accelerator
+        takes (an asynchronous copy the host must wait for with an event) runs on the CPU.
+
+        Args:
+            tensor: the tensor to copy.
+
+        Returns:
+            A new host tensor with its values.
+        """
+        self.log.entries.append(("copy_to_host", self.name))
+        return tensor.clone()
 
     def _entered(self) -> None:
         self.log.entries.append(("enter", self.name))

@@ -320,9 +320,8 @@ class PendingReduction:
         post = streams.all_reduce if self._stage == 1 else streams.reduce_scatter
         with device_stream(post):
             streams.mark("post_reduce")
-            self._write_grads_on_current_stream()
+            host_copies = self._write_grads_on_stream(post)
         done = post.record_event(streams.new_event("post_reduce"))
-        host_copies = streams.device_ordered and any(p.offload_to_cpu for p in self.params)
         ctx = self.group.ctx
         if ctx is None:
             done.wait()
@@ -330,12 +329,18 @@ class PendingReduction:
                 done.synchronize()
             return
         # The root's end of backward makes the compute stream (the optimizer) wait for these
-        # gradients only, and the host wait once for non-blocking copies to the host.
+        # gradients only, and the host wait for the copies to the host once per stream: the
+        # last event recorded on a stream completes after everything queued there before it.
         ctx.post_reduce_events.append(done)
         if host_copies:
-            ctx.host_copy_events.append(done)
+            ctx.host_copy_events[post] = done
 
-    def _write_grads_on_current_stream(self) -> None:
+    def _write_grads_on_stream(self, stream: Stream) -> bool:
+        """Write the reduced gradients (the current stream is ``stream``).
+
+        Returns:
+            Whether gradients were copied to the host without a host wait yet.
+        """
         output = self._output
         group = self.group
         if group.options.all_reduce_hook is not None:
@@ -362,14 +367,30 @@ class PendingReduction:
             output = post_reduce(output, divide_factor=post_divide, scale=float_scale, inplace=True)
         if not main_grad and any(p.sharded_param.grad is None for p in self.params):
             output = owned_storage(output)  # new gradients view it: free the reduction buffer
+        new_grads: list[torch.Tensor] = []
+        host_copies = False
         offset = 0
         for param in self.params:
             new_grad = param.reduced_shard_view(output, offset)
             offset += param.padded_sharded_numel
+            if param.offload_to_cpu:  # asynchronous: no host wait per parameter
+                host = stream.copy_to_host(new_grad)
+                host_copies = host_copies or host is not new_grad
+                new_grad = host
+            new_grads.append(new_grad)
+        if host_copies and (
+            main_grad
+            or any(
+                p.sharded_param.grad is not None
+                or getattr(p.sharded_param, "_post_accumulate_grad_hooks", None)
+                for p in self.params
+            )
+        ):
+            # The host reads the copies right away (accumulation, hooks): one wait for the unit.
+            stream.record_event(self._streams.new_event("host_copy")).synchronize()
+            host_copies = False
+        for param, new_grad in zip(self.params, new_grads, strict=True):
             sharded = param.sharded_param
-            if param.offload_to_cpu and new_grad.device.type != DEVICE_TYPE_CPU:
-                # no host sync here: the root waits once for the post-reduce event
-                new_grad = new_grad.to(DEVICE_TYPE_CPU, non_blocking=True)
             if main_grad:
                 param.accumulate_main_grad(new_grad)
             elif sharded.grad is not None:
@@ -386,6 +407,7 @@ class PendingReduction:
             if hooks:
                 for hook in hooks.values():
                     hook(sharded)
+        return host_copies
 
 
 @dataclass(frozen=True)

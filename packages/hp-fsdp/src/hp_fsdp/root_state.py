@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hp_dtensor.device import Event
+from hp_dtensor.device import Event, Stream
 from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
 from hp_fsdp.streams import CommStreams
 from hp_fsdp.symm_mem import SymmetricBufferPools
@@ -120,8 +120,9 @@ class RootContext:
         self.post_optim_event: Any | None = None
         #: Recorded after each unit's gradients were written (waited at the end of backward).
         self.post_reduce_events: list[Event] = []
-        #: The same, for gradients copied to the host without blocking (CPU offload).
-        self.host_copy_events: list[Event] = []
+        #: The last such event of each stream that copied gradients to the host without
+        #: blocking (CPU offload): the host waits for these at the end of backward.
+        self.host_copy_events: dict[Stream, Event] = {}
 
     def post_forward_info(self, mesh_info: MeshInfo, k: int) -> PostForwardInfo:
         """The group of ``k`` consecutive shard ranks this rank reshards to after forward.
@@ -195,8 +196,8 @@ class RootContext:
         events, self.post_reduce_events = self.post_reduce_events, []
         for event in events:
             event.wait()
-        host, self.host_copy_events = self.host_copy_events, []
-        for event in host:  # offloaded gradients: one host wait per unit, at the end
+        host, self.host_copy_events = self.host_copy_events, {}
+        for event in host.values():  # offloaded gradients: one host wait per stream, at the end
             event.synchronize()
 
 
