@@ -11,7 +11,6 @@ a time, and rank 0 writes the index (names -> files, with checksums).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from hp_dcp.huggingface import (
     save_hf_shard_file,
     write_hf_index,
 )
+from hp_dtensor._torch_compat import StridedShard, compute_local_shape_and_global_offset
 from hp_dtensor.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 __all__ = ["HFShardPlan", "HFShardedReader", "HFShardedWriter"]
@@ -50,24 +50,19 @@ def _all_gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def _local_box(value: DTensor) -> tuple[list[int], list[int]] | None:
-    """Offset and size of this rank's shard in the global tensor (None: not a plain box)."""
-    start = [0] * value.dim()
-    size = list(value.shape)
-    mesh = value.device_mesh
-    for mesh_dim, placement in enumerate(value.placements):
-        if type(placement) is Replicate:
-            continue
-        if type(placement) is not Shard:  # strided/partial layouts: read the whole tensor
-            return None
-        d = placement.dim
-        n, c = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-        chunk = math.ceil(size[d] / n) if size[d] else 0
-        begin = min(c * chunk, size[d])
-        start[d] += begin
-        size[d] = max(0, min(chunk, size[d] - begin))
-    if list(value.to_local().shape) != size:
+    """Offset and size of this rank's shard in the global tensor (None: not a plain box).
+
+    ``Shard``, ``Replicate`` and the ``_StridedShard`` of FSDP over TP (a box as well: the FSDP
+    chunk of the TP chunk) are boxes; partial placements are not.
+    """
+    if not all(isinstance(p, Shard | StridedShard | Replicate) for p in value.placements):
         return None
-    return start, size
+    size, start = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    if tuple(value.to_local().shape) != tuple(size):
+        return None
+    return list(start), list(size)
 
 
 @dataclass
