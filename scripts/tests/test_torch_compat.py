@@ -29,36 +29,7 @@ PACKAGES = load_packages()
 COMPAT_FILE = "_torch_compat.py"
 
 #: Private names still used outside a compat module: {file: (names, reason)}. Keep it short.
-_FSDP = "packages/hp-fsdp/src/hp_fsdp"
-_FSDP_TODO = (
-    "TODO(issue 23): move to hp_fsdp._torch_compat once the tensor-subclass work under way "
-    "in this file lands (another engineer is editing it)"
-)
-ALLOWED: dict[str, tuple[frozenset[str], str]] = {
-    f"{_FSDP}/param.py": (
-        frozenset(
-            {
-                "torch.distributed._functional_collectives.AsyncCollectiveTensor",
-                "torch.distributed.device_mesh.DeviceMesh._concatenate",
-                "torch.distributed.tensor._dtensor_spec.DTensorSpec",
-                "torch.distributed.tensor._dtensor_spec.TensorMeta",
-                "torch.distributed.tensor.placement_types._StridedShard",
-            }
-        ),
-        _FSDP_TODO,
-    ),
-    f"{_FSDP}/param_group.py": (
-        frozenset(
-            {
-                "torch._C._DisableFuncTorch",
-                "torch._C._are_functorch_transforms_active",
-                "torch._C._current_graph_task_id",
-                "torch.autograd.grad_mode._unsafe_preserve_version_counter",
-            }
-        ),
-        _FSDP_TODO,
-    ),
-}
+ALLOWED: dict[str, tuple[frozenset[str], str]] = {}
 
 
 def _allowed(rel: str, name: str) -> bool:

@@ -2,9 +2,9 @@
 
 A PyTorch upgrade that renames or removes one of them fails here, at import, with an error that
 names the missing name and the installed torch version (the checker is hp-dtensor's).
-``scripts/tests/test_torch_compat.py`` lists these names, and the ones still imported directly
-by ``param.py`` / ``param_group.py`` (its allow-list, to move here). ``flatten_mesh`` and
-``local_tensor`` (``DeviceMesh._flatten``, ``DTensor._local_tensor``) are hp-dtensor's.
+``scripts/tests/test_torch_compat.py`` checks these names and that no other module of hp-fsdp
+spells a private PyTorch name. ``flatten_mesh``, ``local_tensor`` and ``StridedShard``
+(``DeviceMesh._flatten``, ``DTensor._local_tensor``, ``_StridedShard``) are hp-dtensor's.
 """
 
 from __future__ import annotations
@@ -14,20 +14,35 @@ from typing import Any
 
 import torch
 
-from hp_dtensor._torch_compat import flatten_mesh, local_tensor, missing_torch_name, require
+from hp_dtensor._torch_compat import (
+    StridedShard,
+    flatten_mesh,
+    local_tensor,
+    missing_torch_name,
+    require,
+)
 
 try:
     from torch.autograd.grad_mode import (
         _unsafe_preserve_version_counter as unsafe_preserve_version_counter,
     )
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 except ImportError as _exc:  # pragma: no cover - only on an unsupported torch
     raise missing_torch_name("hp-fsdp", _exc.name or str(_exc)) from _exc
 
 __all__ = [
     "PRIVATE_NAMES",
+    "AsyncCollectiveTensor",
+    "DTensorSpec",
+    "StridedShard",
+    "TensorMeta",
     "concatenate_meshes",
+    "current_graph_task_id",
+    "disable_functorch",
     "dynamo_disable",
     "flatten_mesh",
+    "functorch_transforms_active",
     "local_tensor",
     "queue_engine_callback",
     "symm_mem_empty",
@@ -43,6 +58,14 @@ concatenate_meshes: Callable[..., Any] = require(
     _PACKAGE, "torch.distributed.device_mesh.DeviceMesh._concatenate"
 )
 dynamo_disable: Callable[..., Any] = require(_PACKAGE, "torch._dynamo.disable")
+#: The autograd engine's id of the backward running now (-1 outside backward).
+current_graph_task_id: Callable[[], int] = require(_PACKAGE, "torch._C._current_graph_task_id")
+#: Whether a functorch transform (``torch.func.jvp``, ``vmap``) is active.
+functorch_transforms_active: Callable[[], bool] = require(
+    _PACKAGE, "torch._C._are_functorch_transforms_active"
+)
+#: A context manager switching functorch transforms off inside it.
+disable_functorch: Callable[[], Any] = require(_PACKAGE, "torch._C._DisableFuncTorch")
 #: The autograd engine's "run this when the current backward ends".
 queue_engine_callback: Callable[[Callable[[], None]], None] = require(
     _PACKAGE, "torch.autograd.Variable._execution_engine.queue_callback"
@@ -60,6 +83,12 @@ symm_mem_set_backend: Callable[[str], None] = require(
 
 PRIVATE_NAMES = (
     "torch.autograd.grad_mode._unsafe_preserve_version_counter",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch._C._current_graph_task_id",
+    "torch._C._are_functorch_transforms_active",
+    "torch._C._DisableFuncTorch",
     "torch.distributed.device_mesh.DeviceMesh._concatenate",
     "torch._dynamo.disable",
     "torch.autograd.Variable._execution_engine.queue_callback",

@@ -27,12 +27,17 @@ from typing import cast
 
 import torch
 import torch.nn as nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from hp_fsdp._torch_compat import (
+    AsyncCollectiveTensor,
+    DTensorSpec,
+    StridedShard,
+    TensorMeta,
+    concatenate_meshes,
+)
 from hp_fsdp.errors import FSDPUnsupportedParamError, FSDPUsageError
 from hp_fsdp.extension import AllGatherExtension
 from hp_fsdp.mesh_info import MeshInfo, _dim_names
@@ -158,7 +163,7 @@ def _spmd_sharded_layout(
         else:
             meshes.append(spmd_mesh[name])
             layout.append(placements[i])
-    return DeviceMesh._concatenate(meshes), tuple(layout)
+    return concatenate_meshes(meshes), tuple(layout)
 
 
 def _shard_submesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -296,9 +301,9 @@ class ShardedParam:
         if self._tp_spec is not None and spmd_mesh is None:
             split_factor = self._tp_spec.num_shards_map[shard_dim]
             if split_factor > 1:
-                dp_placement = _StridedShard(shard_dim, split_factor=split_factor)
+                dp_placement = StridedShard(shard_dim, split_factor=split_factor)
             tp_placements = tuple(self._tp_spec.placements)
-            spec_mesh = DeviceMesh._concatenate([mesh_info.mesh, self._tp_spec.mesh])
+            spec_mesh = concatenate_meshes([mesh_info.mesh, self._tp_spec.mesh])
         if spmd_mesh is not None and self._tp_spec is not None:
             spec_mesh, self.placements = _spmd_sharded_layout(
                 spmd_mesh, mesh_info, self._spmd_placements(spmd_mesh, mesh_info, shard_dim)
@@ -410,10 +415,10 @@ class ShardedParam:
             split_factor = 1
             for j in range(idx + 1, spmd_mesh.ndim):
                 p = orig[j]
-                if isinstance(p, Shard | _StridedShard) and p.dim == shard_dim:
+                if isinstance(p, Shard | StridedShard) and p.dim == shard_dim:
                     split_factor *= spmd_mesh.size(j)
             placements[idx] = (
-                _StridedShard(shard_dim, split_factor=split_factor)
+                StridedShard(shard_dim, split_factor=split_factor)
                 if split_factor > 1
                 else Shard(shard_dim)
             )

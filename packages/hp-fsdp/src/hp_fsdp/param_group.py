@@ -21,12 +21,17 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, Event, Stream
 from hp_dtensor.device import stream as device_stream
+from hp_fsdp._torch_compat import (
+    current_graph_task_id,
+    disable_functorch,
+    functorch_transforms_active,
+    unsafe_preserve_version_counter,
+)
 from hp_fsdp.collectives import (
     AllGatherResult,
     apply_gradient_scaling_factor,
@@ -84,9 +89,9 @@ def _outside_functorch(method: _Method) -> _Method:
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch._C._are_functorch_transforms_active():
+        if not functorch_transforms_active():
             return method(*args, **kwargs)
-        with torch._C._DisableFuncTorch():
+        with disable_functorch():
             return method(*args, **kwargs)
 
     return cast(_Method, run)
@@ -785,12 +790,12 @@ class ParamGroup:
             if param.extension is not None:  # the subclass's inputs, as a one-rank all-gather
                 inputs = param.all_gather_inputs()
                 outs = param.all_gather_outputs(inputs, 1)
-                with _unsafe_preserve_version_counter(tuple(outs)):
+                with unsafe_preserve_version_counter(tuple(outs)):
                     for gathered, local in zip(outs, inputs, strict=True):
                         gathered.copy_(local)
                 continue
             out = param.unsharded_out(1)
-            with _unsafe_preserve_version_counter((out,)):
+            with unsafe_preserve_version_counter((out,)):
                 out.copy_(param.all_gather_input())
 
     def _wait_gathered(self, result: AllGatherResult) -> None:
@@ -815,7 +820,7 @@ class ParamGroup:
         if regroup:
             with (
                 torch.no_grad(),
-                _unsafe_preserve_version_counter(tuple(t for _, _, t in regroup)),
+                unsafe_preserve_version_counter(tuple(t for _, _, t in regroup)),
             ):
                 for param, staging, target in regroup:
                     blocks = staging.view(world_size, *param.padded_sharded_size).unbind(0)
@@ -919,7 +924,7 @@ class ParamGroup:
 
     def post_forward(self) -> None:
         """Reshard per policy and record the post-forward order (outside backward)."""
-        if torch._C._current_graph_task_id() == -1:
+        if current_graph_task_id() == -1:
             with self.profile_range("FSDP::post_forward"):
                 self.reshard()
                 ctx = self.ctx
