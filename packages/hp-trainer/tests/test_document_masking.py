@@ -246,3 +246,19 @@ def test_trainer_block_causal_under_context_parallel_3_matches_one_process(tmp_p
     )
     ref = _train(folder, {}, 2, "block_causal", 24)
     _helpers().assert_matches_reference(cp3, ref, each_rank_whole=True)
+
+
+def test_block_causal_with_activation_checkpointing_is_bitwise(tmp_path: Path) -> None:
+    # the mask reaches the recomputed attention too (a keyword input of every block)
+    h = _helpers()
+    losses = []
+    for mode in ("none", "full"):
+        cfg = h.job(tmp_path, {}, run=f"ac-{mode}", local_bs=2, steps=2)
+        cfg.model.attn_mask_type = "block_causal"
+        cfg.activation_checkpoint.mode = mode
+        trainer = Trainer(cfg)
+        try:
+            losses.append(trainer.train())
+        finally:
+            trainer.close()
+    assert losses[0] == losses[1]
