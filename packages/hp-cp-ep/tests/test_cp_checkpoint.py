@@ -10,7 +10,9 @@ Checked here, for every mode at cp 3 (odd, non-power-of-two):
   within 1e-5; the engine really runs twice per block (forward and recomputation);
 * the module style front recomputes context-parallel too;
 * the route is process-wide: a backward run on another thread recomputes context-parallel; the
-  route is removed on exit (after an error too) and the innermost of nested contexts answers.
+  route is removed on exit (after an error too) and the innermost of nested contexts answers;
+* in a compiled block (``aot_eager``) the attention is a graph break: the engine runs eagerly
+  between compiled pieces, with the gradients of eager CP (1e-5).
 """
 
 from __future__ import annotations
@@ -255,3 +257,35 @@ def test_route_is_removed_on_exit_and_innermost_context_answers() -> None:
     torch.testing.assert_close(inner, outer, rtol=1e-6, atol=1e-6)
     assert torch.equal(after, outer)
     assert F.scaled_dot_product_attention is single_device
+
+
+@distributed(world_size=2)
+def test_compiled_blocks_call_the_engine_eagerly() -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    base_loss, base_grads, _ = _cp_step(mesh, "ring", "none")
+    torch.manual_seed(0)
+    model = Decoder()
+    block = model.blocks[0]  # one compiled block keeps the test short
+    block.forward = torch.compile(block.forward, backend="aot_eager")  # type: ignore[method-assign]
+    torch._dynamo.reset()  # type: ignore[no-untyped-call]
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    tokens, labels = _data()
+    pos = torch.arange(SEQ)
+    with (
+        _count_engine_calls() as calls,
+        context_parallel(
+            mesh, buffers=[tokens, labels, pos], buffer_seq_dims=[1, 1, 0], mode="ring"
+        ),
+    ):
+        loss = F.cross_entropy(model(tokens, pos).flatten(0, 1), labels.flatten(), reduction="sum")
+        loss = loss / (BATCH * SEQ)
+        loss.backward()
+    assert len(calls) == 2  # the attention ran eagerly through the engine, once per block
+    assert counters["stats"]["unique_graphs"] >= 2  # the pieces around it were compiled
+    grads = _grads(model)
+    for g in [loss, *grads.values()]:
+        dist.all_reduce(g)
+    torch.testing.assert_close(loss.detach(), base_loss, rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, base_grads[name], rtol=1e-5, atol=1e-5, msg=name)

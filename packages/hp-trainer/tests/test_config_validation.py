@@ -92,10 +92,13 @@ def test_activation_checkpointing_with_cp_is_accepted() -> None:
         validate_parallel_layout(_cfg({"context_parallel_degree": 2}, activation_checkpoint=ac), 2)
 
 
-def test_compile_with_cp_fails_up_front() -> None:
+def test_fullgraph_compile_with_cp_fails_up_front() -> None:
     cfg = _cfg({"context_parallel_degree": 2}, compile={"enable": True})
-    with pytest.raises(ValueError, match=r"compile\.enable = true with context_parallel_degree"):
+    with pytest.raises(ValueError, match=r"compile\.fullgraph = true with context_parallel_deg"):
         validate_parallel_layout(cfg, 2)
+    # the attention as a graph break between compiled pieces is accepted
+    cfg = _cfg({"context_parallel_degree": 2}, compile={"enable": True, "fullgraph": False})
+    validate_parallel_layout(cfg, 2)
 
 
 def test_global_batch_not_a_multiple_fails_up_front() -> None:

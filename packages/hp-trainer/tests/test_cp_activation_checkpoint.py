@@ -1,4 +1,4 @@
-"""Context parallel with activation checkpointing in the trainer.
+"""Context parallel with activation checkpointing, and in compiled blocks, in the trainer.
 
 Each layout trains 2 steps on the tiny llama3 with every activation-checkpointing mode that
 composes with CP: the losses, gradient norms, last step's gradients and final parameters equal
@@ -8,6 +8,12 @@ shards), and one process at the parity tolerance. The context-parallel engine is
 recomputation), every second block's under ``selective`` ``"2"``, once under ``swap``, so a
 checkpoint silently off (or recomputed outside CP) fails here. Ring at cp 2, all-gather at cp 3
 (non-power-of-two, sequence 24), Ulysses at cp 2.
+
+Compiled blocks (``aot_eager``, ``fullgraph = false``): the attention is a graph break and runs
+eagerly between compiled pieces; with no AC, ``memory_budget`` and ``swap`` the losses,
+gradients and parameters equal eager CP within 1e-5, and graphs were really compiled. Compile
+with full/selective AC under CP is refused up front (Dynamo would run the checkpointed blocks
+uncompiled).
 """
 
 from __future__ import annotations
@@ -26,16 +32,23 @@ from torch.distributed.tensor import DTensor
 from hp_cp_ep.cp import ContextParallelAttention
 from hp_dtensor.testing import load_test_module, run_distributed
 from hp_trainer import ConfigManager, JobConfig, Trainer
+from hp_trainer.layout_validation import validate_parallel_layout
 
 STEPS, LOCAL_BS, N_LAYERS = 2, 2, 2  # tiny llama3: 2 blocks
 
-#: activation_checkpoint sections, and the engine calls per block and step they cause
-_AC: dict[str, tuple[dict[str, Any], float]] = {
-    "none": ({"mode": "none"}, 1),
-    "full": ({"mode": "full"}, 2),
-    "selective-op": ({"mode": "selective", "selective_ac_option": "op"}, 2),
-    "selective-2": ({"mode": "selective", "selective_ac_option": "2"}, 1.5),
-    "swap": ({"mode": "swap"}, 1),
+_COMPILED = {"enable": True, "backend": "aot_eager", "fullgraph": False}
+#: activation_checkpoint and compile sections, and the engine calls per block and step
+_AC: dict[str, tuple[dict[str, Any], dict[str, Any], float]] = {
+    "none": ({"mode": "none"}, {}, 1),
+    "full": ({"mode": "full"}, {}, 2),
+    "selective-op": ({"mode": "selective", "selective_ac_option": "op"}, {}, 2),
+    "selective-2": ({"mode": "selective", "selective_ac_option": "2"}, {}, 1.5),
+    "swap": ({"mode": "swap"}, {}, 1),
+    # the attention is a graph break: it runs eagerly, once (the partitioner recomputes inside
+    # the compiled pieces only); full/selective AC with compile are refused under CP
+    "compiled": ({"mode": "none"}, _COMPILED, 1),
+    "compiled-memory_budget": ({"mode": "memory_budget", "memory_budget": 0.0}, _COMPILED, 1),
+    "compiled-swap": ({"mode": "swap"}, _COMPILED, 1),
 }
 
 
@@ -49,6 +62,7 @@ def _job(folder: Path, par: dict[str, Any], ac: str, seq_len: int, run: str) -> 
     job = _helpers().job(folder, par, run=run, local_bs=LOCAL_BS, steps=STEPS)
     raw = job.to_dict()
     raw["activation_checkpoint"] = _AC[ac][0]
+    raw["compile"] = _AC[ac][1]
     raw["training"]["seq_len"] = seq_len
     return ConfigManager().from_dict(raw)
 
@@ -73,11 +87,20 @@ def _engine_calls() -> Iterator[list[str]]:
         ContextParallelAttention.__call__ = original  # type: ignore[method-assign]
 
 
+def _compiled_graphs() -> tuple[int, int]:
+    """Graphs Dynamo compiled so far, and graph breaks at a ``torch.compiler.disable``."""
+    counters = torch._dynamo.utils.counters
+    breaks = sum(n for reason, n in counters["graph_break"].items() if "disable" in reason)
+    return int(counters["stats"]["unique_graphs"]), breaks
+
+
 def _train_each(folder: str, par: dict[str, Any], acs: list[str], seq_len: int) -> list[Any]:
-    """Per AC mode: losses, grad norms, final params, last gradients, engine calls."""
+    """Per variant: losses, grad norms, final params, last gradients, engine calls, graphs."""
     out = []
     for ac in acs:
         job = _job(Path(folder), par, ac, seq_len, run=f"{ac}-r{dist.get_rank()}")
+        torch._dynamo.reset()  # type: ignore[no-untyped-call]
+        torch._dynamo.utils.counters.clear()
         trainer = Trainer(job)
         try:
             with _engine_calls() as calls:
@@ -87,7 +110,8 @@ def _train_each(folder: str, par: dict[str, Any], acs: list[str], seq_len: int) 
                 assert p.grad is not None, name
                 grads[name.replace("_checkpoint_wrapped_module.", "")] = _whole(p.grad)
             params = _helpers().full_state(trainer.model_parts)
-            out.append((losses, trainer.grad_norms, params, grads, len(calls)))
+            graphs = _compiled_graphs()
+            out.append((losses, trainer.grad_norms, params, grads, len(calls), graphs))
         finally:
             trainer.close()
     return out
@@ -103,12 +127,12 @@ def _reference(folder: Path, seq_len: int) -> tuple[list[float], list[float], An
 
 
 _CASES = {
-    # (world size, parallelism, sequence length, AC modes besides none)
+    # (world size, parallelism, sequence length, variants besides none)
     "cp2-ring": (
         2,
         {"context_parallel_degree": 2, "context_parallel_rotate_method": "ring"},
         32,
-        ["full", "selective-op", "swap"],
+        ["full", "selective-op", "swap", "compiled", "compiled-memory_budget", "compiled-swap"],
     ),
     "cp3-allgather": (
         3,
@@ -125,25 +149,58 @@ _CASES = {
 }
 
 
+def _assert_close_to(variant: str, got: tuple[Any, ...], want: tuple[Any, ...]) -> None:
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), **close)
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), **close)
+    for kind, values, wanted in (("param", got[2], want[2]), ("grad", got[3], want[3])):
+        assert values.keys() == wanted.keys(), (variant, kind)
+        for name, value in values.items():
+            where = f"{variant} {kind} {name}"
+            torch.testing.assert_close(
+                value, wanted[name], **close, msg=lambda m, w=where: f"{w}: {m}"
+            )
+
+
+def _assert_bitwise(variant: str, got: tuple[Any, ...], want: tuple[Any, ...]) -> None:
+    assert got[0] == want[0], variant
+    assert got[1] == want[1], variant
+    for kind, values, wanted in (("param", got[2], want[2]), ("grad", got[3], want[3])):
+        assert values.keys() == wanted.keys(), (variant, kind)
+        for name, value in values.items():
+            assert torch.equal(value, wanted[name]), f"{variant} {kind} {name}"
+
+
 @pytest.mark.parametrize("case", list(_CASES))
 def test_context_parallel_with_activation_checkpointing(tmp_path: Path, case: str) -> None:
-    ws, par, seq_len, acs = _CASES[case]
+    ws, par, seq_len, variants = _CASES[case]
     results = run_distributed(
-        _train_each, ws, str(tmp_path), par, ["none", *acs], seq_len, timeout=150
+        _train_each, ws, str(tmp_path), par, ["none", *variants], seq_len, timeout=240
     )
     ref = _reference(tmp_path, seq_len)
-    h = _helpers()
-    h.assert_matches_reference([r[0][:3] for r in results], ref, each_rank_whole=True)
+    _helpers().assert_matches_reference([r[0][:3] for r in results], ref, each_rank_whole=True)
     for rank_results in results:
         base = rank_results[0]
-        calls_per_block_step = STEPS * N_LAYERS
-        assert base[4] == calls_per_block_step
-        for ac, (losses, norms, params, grads, calls) in zip(acs, rank_results[1:], strict=True):
-            assert calls == _AC[ac][1] * calls_per_block_step, ac
-            assert losses == base[0], ac
-            assert norms == base[1], ac
-            assert grads.keys() == base[3].keys(), ac
-            for name, g in grads.items():
-                assert torch.equal(g, base[3][name]), f"{ac}: grad {name}"
-            for name, p in params.items():
-                assert torch.equal(p, base[2][name]), f"{ac}: param {name}"
+        assert base[4] == STEPS * N_LAYERS  # the engine answers each block's attention
+        assert base[5] == (0, 0)  # eager
+        for variant, got in zip(variants, rank_results[1:], strict=True):
+            assert got[4] == _AC[variant][2] * STEPS * N_LAYERS, variant
+            if _AC[variant][1]:
+                graphs, breaks = got[5]
+                assert graphs >= 2, variant  # compiled pieces around the eager attention
+                assert breaks >= 1, variant
+                _assert_close_to(variant, got, base)
+            else:
+                _assert_bitwise(variant, got, base)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_compile_with_checkpointed_blocks_under_cp_is_refused(tmp_path: Path, ac: str) -> None:
+    job = _helpers().job(tmp_path, {"context_parallel_degree": 2}, run="refused")
+    raw = job.to_dict()
+    raw["activation_checkpoint"] = {"mode": ac}
+    raw["compile"] = _COMPILED
+    with pytest.raises(
+        ValueError, match=rf"mode = '{ac}' with compile\.enable = true and context_"
+    ):
+        validate_parallel_layout(ConfigManager().from_dict(raw), 2)

@@ -24,12 +24,12 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
     Checked: the product of the degrees equals ``world_size`` (``dp_shard = -1`` inferred);
     pipeline parallel needs a model with a splitter (``ModelSpec.pipelining_fn``), untied
     embeddings, enough blocks for the stages, a micro-batch size dividing the local batch and no
-    validation loop; context parallel needs a model whose attention has a context-parallel
-    path, no compile, and Ulysses/hybrid degrees dividing the heads; tensor parallel must
-    divide the query and key/value heads and cannot shard tied embeddings; expert parallel
-    needs a mixture-of-experts model; the sequence length must be a multiple of
-    ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size`` times the
-    data-parallel degree.
+    validation loop; context parallel needs a model whose attention has a context-parallel path,
+    no ``compile.fullgraph`` nor compile with full/selective AC, and Ulysses/hybrid degrees
+    dividing the heads; tensor parallel must divide the query and key/value heads and cannot
+    shard tied embeddings; expert parallel needs a mixture-of-experts model; the sequence length
+    must be a multiple of ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size``
+    times the data-parallel degree.
 
     Args:
         config: The job configuration.
@@ -128,11 +128,23 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
                 f"parallelism.context_parallel_degree = {dims.cp} but {model}'s attention has no "
                 "context-parallel path; use context_parallel_degree = 1"
             )
-        if config.compile.enable:
-            # the engine's collectives under Dynamo fail in the compiled blocks (tested)
+        if config.compile.enable and config.compile.fullgraph:
+            # the engine (collectives, autograd functions holding Python state) runs eagerly
+            # between the compiled pieces of a block: a graph break, which fullgraph refuses
             _fail(
-                f"compile.enable = true with context_parallel_degree = {dims.cp}: compiled "
-                "blocks cannot call the context-parallel attention yet; disable one of them"
+                f"compile.fullgraph = true with context_parallel_degree = {dims.cp}: the "
+                "context-parallel attention runs eagerly between the compiled pieces of each "
+                "block (a graph break); set compile.fullgraph = false"
+            )
+        ac_mode = config.activation_checkpoint.mode
+        if config.compile.enable and ac_mode in ("full", "selective"):
+            # tested: Dynamo cannot trace a checkpoint around that graph break and runs the
+            # whole checkpointed block uncompiled (no graph), silently
+            _fail(
+                f"activation_checkpoint.mode = {ac_mode!r} with compile.enable = true and "
+                f"context_parallel_degree = {dims.cp}: a checkpointed block cannot be compiled "
+                "around the eager context-parallel attention (it would run uncompiled); use "
+                "mode 'memory_budget' or 'swap', or disable compile"
             )
         method = par.context_parallel_rotate_method
         local_heads = n_heads // dims.tp

@@ -103,7 +103,7 @@ class _SdpaRouter:
         with self._lock:
             if not self.routes:
                 self.original = F.scaled_dot_product_attention
-                F.scaled_dot_product_attention = self
+                F.scaled_dot_product_attention = _routed_sdpa
             self.routes.append(route)
 
     def pop(self, route: SdpaRoute) -> None:
@@ -113,11 +113,22 @@ class _SdpaRouter:
                 if self.routes[i] is route:
                     del self.routes[i]
                     break
-            if not self.routes and F.scaled_dot_product_attention is self:
+            if not self.routes and F.scaled_dot_product_attention is _routed_sdpa:
                 F.scaled_dot_product_attention = self.original
 
 
 _ROUTER = _SdpaRouter()
+
+
+# A function (torch.overrides and Dynamo read its name), and opaque to torch.compile: a compiled
+# block calls the engine (collectives, autograd functions with Python state) eagerly, as a
+# graph break between the compiled pieces around it.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _routed_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return _ROUTER(*args, **kwargs)
+
+
+_routed_sdpa.__name__ = _routed_sdpa.__qualname__ = "scaled_dot_product_attention"
 
 
 class SdpaRoute:
