@@ -9,6 +9,7 @@ loaded silently into a flavor without its RoPE scaling. The export writes the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -23,8 +24,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO_FLAVOR",
+    "AUTO_MODEL_TYPES",
     "decoder_args_from_hf_config",
     "hf_config_mismatches",
+    "model_args_from_hf_config",
     "read_hf_config",
     "resolve_model_args",
     "rope_scaling_from_hf",
@@ -36,6 +39,14 @@ AUTO_FLAVOR = "auto"
 
 # HF model_type -> whether the decoder uses per-head QK-norm
 _QK_NORM = {"llama": False, "qwen3": True}
+
+AUTO_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+"""The HF ``model_type`` values (and architectures) ``--model.flavor auto`` builds."""
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -181,10 +192,163 @@ def decoder_args_from_hf_config(config: Mapping[str, Any], *, source: str = "") 
         raise ValueError(f"{exc.args[0]!r} is missing{where}") from None
 
 
+def _require(config: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in config or config[key] is None:
+        raise ValueError(f"{key!r} is missing{where}")
+    return config[key]
+
+
+def _dense_fields(config: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    dense = decoder_args_from_hf_config({**config, "model_type": model_type}, source=source)
+    return {f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}
+
+
+def _dense_layers(config: Mapping[str, Any], where: str) -> int:
+    """Qwen 3 MoE's ``mlp_only_layers`` as a count of dense first blocks (all the decoder has)."""
+    if int(config.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(
+            f"decoder_sparse_step {config['decoder_sparse_step']}{where}: hp-trainer's MoE "
+            "decoder has MoE blocks after its dense first blocks only (decoder_sparse_step 1)"
+        )
+    dense = sorted(int(i) for i in config.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise ValueError(
+            f"mlp_only_layers {dense}{where}: hp-trainer's MoE decoder has dense blocks first "
+            "only (mlp_only_layers = [0, 1, ..., k - 1])"
+        )
+    return len(dense)
+
+
+def _qwen3_moe_args(config: Mapping[str, Any], source: str) -> Any:
+    from hp_trainer.models._moe_block import MoEDecoderArgs
+    from hp_trainer.models.qwen3_moe import _qwen3_moe_routing
+
+    where = f" in {source}" if source else ""
+    routing = _qwen3_moe_routing(
+        int(_require(config, "num_experts", where)),
+        int(_require(config, "num_experts_per_tok", where)),
+    )
+    return MoEDecoderArgs(
+        **_dense_fields(config, "qwen3", source),
+        moe_hidden_dim=int(_require(config, "moe_intermediate_size", where)),
+        n_dense_layers=_dense_layers(config, where),
+        moe_args=dataclasses.replace(
+            routing,
+            route_norm=bool(config.get("norm_topk_prob", routing.route_norm)),
+            aux_loss_coeff=float(config.get("router_aux_loss_coef") or 0.0),
+        ),
+    )
+
+
+def _deepseek_v3_args(config: Mapping[str, Any], source: str) -> Any:
+    from hp_trainer.models.deepseek_v3 import DeepSeekV3Args
+    from hp_trainer.models.deepseek_v3 import _routing as deepseek_v3_routing
+
+    where = f" in {source}" if source else ""
+    if not config.get("rope_interleave", True):
+        raise ValueError(
+            f"rope_interleave false{where}: hp-trainer's DeepSeek-V3 rotates interleaved pairs"
+        )
+    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if config.get(key, value) != value:
+            raise ValueError(f"{key} {config[key]!r}{where}: DeepSeek-V3 here uses {value!r}")
+    groups = int(config.get("n_group") or 1)
+    limited = int(config.get("topk_group") or 1)
+    routing = deepseek_v3_routing(
+        int(_require(config, "n_routed_experts", where)),
+        int(_require(config, "num_experts_per_tok", where)),
+        int(config.get("n_shared_experts") or 0),
+        groups if groups > 1 else None,
+        limited if groups > 1 else None,
+        float(config.get("routed_scaling_factor", 1.0)),
+    )
+    dense = _dense_fields(
+        {**config, "num_key_value_heads": None, "head_dim": None}, "llama", source
+    )
+    return DeepSeekV3Args(
+        **dense,
+        moe_hidden_dim=int(_require(config, "moe_intermediate_size", where)),
+        n_dense_layers=int(config.get("first_k_dense_replace") or 0),
+        moe_args=dataclasses.replace(
+            routing, route_norm=bool(config.get("norm_topk_prob", routing.route_norm))
+        ),
+        q_lora_rank=int(config.get("q_lora_rank") or 0),
+        kv_lora_rank=int(_require(config, "kv_lora_rank", where)),
+        qk_nope_head_dim=int(_require(config, "qk_nope_head_dim", where)),
+        qk_rope_head_dim=int(_require(config, "qk_rope_head_dim", where)),
+        v_head_dim=int(_require(config, "v_head_dim", where)),
+    )
+
+
+def model_args_from_hf_config(config: Mapping[str, Any], *, source: str = "") -> Any:
+    """Build the model arguments of any ``model_type`` in :data:`AUTO_MODEL_TYPES`.
+
+    Dense Llama / Qwen 3 give :class:`~hp_trainer.models.decoder.DecoderArgs`
+    (:func:`decoder_args_from_hf_config`); Qwen 3 MoE gives ``MoEDecoderArgs`` and DeepSeek-V3
+    ``DeepSeekV3Args``, with the family's routing (softmax top-k for Qwen 3 MoE; sigmoid,
+    group-limited, bias-corrected for DeepSeek-V3) and every size, expert count and routing
+    option that ``config.json`` states. Training-only options (the routing-bias update rate)
+    keep the family's flavor values.
+
+    Args:
+        config: The HF configuration.
+        source: Keyword-only; where it came from, for error messages.
+
+    Returns:
+        The arguments of the same model.
+
+    Raises:
+        ValueError: For a model type not in :data:`AUTO_MODEL_TYPES` (naming its
+            ``architectures`` and the supported ones), or a size or option the model lacks.
+
+    See Also:
+        ``transformers.AutoConfig``: HF's dispatch on ``model_type``.
+    """
+    model_type = config.get("model_type")
+    if model_type == "qwen3_moe":
+        return _qwen3_moe_args(config, source)
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_args(config, source)
+    if model_type in _QK_NORM:
+        return decoder_args_from_hf_config(config, source=source)
+    where = f" in {source}" if source else ""
+    raise ValueError(
+        f"config.json{where} describes architectures {config.get('architectures')!r} "
+        f"(model_type {model_type!r}), which --model.flavor auto cannot build; supported: "
+        + ", ".join(f"{t} ({a})" for t, a in AUTO_MODEL_TYPES.items())
+    )
+
+
 def _ffn_hidden(args: DecoderArgs) -> int:
     if args.ffn_hidden_dim is not None:
         return args.ffn_hidden_dim
     return compute_ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+
+
+def _moe_mismatches(args: Any, config: Mapping[str, Any]) -> list[str]:
+    """MoE flavors: the arguments ``config.json`` builds, compared field by field."""
+    from hp_trainer.models.deepseek_v3 import DeepSeekV3Args
+
+    ours_type = "deepseek_v3" if isinstance(args, DeepSeekV3Args) else "qwen3_moe"
+    if config.get("model_type") != ours_type:
+        return [
+            f"model_type: flavor has {ours_type!r}, config.json has {config.get('model_type')!r}"
+        ]
+    try:
+        theirs = model_args_from_hf_config(config)
+    except ValueError as exc:
+        return [str(exc)]
+    out = []
+    for f in dataclasses.fields(args):
+        ours_value, theirs_value = getattr(args, f.name), getattr(theirs, f.name)
+        if f.name == "moe_args":
+            for g in dataclasses.fields(ours_value):
+                a, b = getattr(ours_value, g.name), getattr(theirs_value, g.name)
+                if a != b:
+                    out.append(f"moe_args.{g.name}: flavor has {a!r}, config.json has {b!r}")
+        elif ours_value != theirs_value:
+            out.append(f"{f.name}: flavor has {ours_value!r}, config.json has {theirs_value!r}")
+    return out
 
 
 def hf_config_mismatches(args: DecoderArgs, config: Mapping[str, Any]) -> list[str]:
@@ -200,6 +364,8 @@ def hf_config_mismatches(args: DecoderArgs, config: Mapping[str, Any]) -> list[s
     See Also:
         ``transformers.PretrainedConfig``: the fields compared.
     """
+    if hasattr(args, "moe_args"):
+        return _moe_mismatches(args, config)
     heads = config.get("num_attention_heads")
     hidden = config.get("hidden_size")
     try:
@@ -236,7 +402,8 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
     """The model arguments of a job: its flavor, checked against the HF checkpoint it loads.
 
     With ``--model.flavor auto`` the arguments come from the ``config.json`` of
-    ``checkpoint.initial_load_path`` (``checkpoint.initial_load_in_hf`` set). With a named
+    ``checkpoint.initial_load_path`` (``checkpoint.initial_load_in_hf`` set), dense or MoE
+    (:func:`model_args_from_hf_config`). With a named
     flavor and such a checkpoint, the flavor must describe the same model. In both cases the
     sequence length must fit the model's ``max_seq_len``.
 
@@ -248,9 +415,10 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
         The model arguments (a fresh copy).
 
     Raises:
-        ValueError: ``auto`` without an HF checkpoint; a flavor that differs from the
-            checkpoint's config.json (naming every field); ``training.seq_len`` over the
-            model's maximum.
+        ValueError: ``auto`` without an HF checkpoint, or with a config.json whose
+            ``model_type`` is not in :data:`AUTO_MODEL_TYPES` or not ``model.name``'s (naming
+            its ``architectures``); a flavor that differs from the checkpoint's config.json
+            (naming every field); ``training.seq_len`` over the model's maximum.
         FileNotFoundError: ``auto`` and the checkpoint has no config.json.
 
     See Also:
@@ -268,12 +436,22 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
                 "checkpoint.initial_load_in_hf = true"
             )
         config = read_hf_config(hf_path)
+        args: Any = model_args_from_hf_config(config, source=str(Path(hf_path)))
         if config.get("model_type") != expected_type:
+            from hp_trainer.model_spec import get_model_spec, list_model_specs
+
+            fits = [
+                name
+                for name in list_model_specs()
+                if getattr(get_model_spec(name).state_dict_adapter, "model_type", None)
+                == config.get("model_type")
+            ]
             raise ValueError(
-                f"{Path(hf_path) / 'config.json'} holds a {config.get('model_type')!r} model, "
-                f"not model.name = {spec.name!r} (model_type {expected_type!r})"
+                f"{Path(hf_path) / 'config.json'} holds a {config.get('model_type')!r} model "
+                f"({config.get('architectures')!r}), not model.name = {spec.name!r} "
+                f"(model_type {expected_type!r})"
+                + (f": use --model.name {fits[0]}" if fits else "")
             )
-        args: Any = decoder_args_from_hf_config(config, source=str(Path(hf_path)))
     else:
         args = spec.model_args(flavor)
         if hf_path is not None and (Path(hf_path) / "config.json").is_file():

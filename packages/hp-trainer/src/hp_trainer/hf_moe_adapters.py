@@ -72,6 +72,57 @@ class MoEStateDictAdapter(DecoderStateDictAdapter):
             }
         return None
 
+    def hf_source(self, key: str) -> tuple[str, int | None]:
+        """Where one of our tensors is stored in a HuggingFace checkpoint.
+
+        Args:
+            key: Our state-dict key (not a stacked expert weight: see
+                :meth:`hf_stacked_sources`).
+
+        Returns:
+            The HF tensor name and the heads whose rotary rows are permuted (``None``: none).
+
+        Raises:
+            KeyError: For a stacked expert weight or a key this adapter does not know.
+
+        See Also:
+            :titan:`torchtitan.protocols.state_dict_adapter.StateDictAdapter.fqn_to_index_mapping`.
+        """
+        m = _LAYER.match(key)
+        if m is not None:
+            rest = m.group(2)
+            if rest in self.extra_block_keys:
+                return f"model.layers.{m.group(1)}.{self.extra_block_keys[rest]}", None
+            if rest in _MOE_KEYS:
+                return f"model.layers.{m.group(1)}.{_MOE_KEYS[rest]}", None
+            if self.hf_stacked_sources(key) is not None:
+                raise KeyError(f"{key!r} stacks HF tensors: see hf_stacked_sources")
+        return super().hf_source(key)
+
+    def hf_stacked_sources(self, key: str) -> tuple[str, ...] | None:
+        """The HF tensors stacked along dimension 0 into one of our expert weights.
+
+        Args:
+            key: Our state-dict key.
+
+        Returns:
+            One HF name per expert, in order, for ``layers.{i}.moe.experts.w1/w2/w3``; None for
+            every other key.
+
+        See Also:
+            :titan:`torchtitan.models.deepseek_v3.model.state_dict_adapter.DeepSeekV3StateDictAdapter`.
+        """
+        m = _LAYER.match(key)
+        if m is None or not m.group(2).startswith("moe.experts."):
+            return None
+        weight = _EXPERT_WEIGHTS.get(m.group(2)[len("moe.experts.") :])
+        if weight is None:
+            return None
+        experts: int = self.args.moe_args.num_experts  # type: ignore[attr-defined]
+        return tuple(
+            f"model.layers.{m.group(1)}.mlp.experts.{j}.{weight}.weight" for j in range(experts)
+        )
+
     def to_hf(self, state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Convert our state dict to HuggingFace names (one matrix per expert).
 

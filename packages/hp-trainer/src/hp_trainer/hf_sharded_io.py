@@ -113,9 +113,52 @@ class HFShardedReader:
         self.bytes_read += out.nbytes
         return out
 
+    def _stacked(
+        self,
+        ckpt: HFCheckpointFiles,
+        where: dict[str, str],
+        key: str,
+        value: torch.Tensor,
+        names: Sequence[str],
+    ) -> torch.Tensor:
+        """A tensor stacked from HF tensors along dim 0 (MoE experts): only this rank's box."""
+        for name in names:
+            shape = self._read(ckpt, where, name, None)
+            if (len(names), *shape) != tuple(value.shape):
+                raise ValueError(
+                    f"{ckpt.root}: {len(names)} x {name} of shape {list(shape)} do not stack "
+                    f"into the model's {key} of shape {list(value.shape)}"
+                )
+        box = _local_box(value) if isinstance(value, DTensor) else None
+        if box is None or not isinstance(value, DTensor):
+            full = torch.stack([self._read(ckpt, where, name, ()) for name in names])
+            if isinstance(value, DTensor):
+                return distribute_tensor(
+                    full, value.device_mesh, value.placements, src_data_rank=None
+                )
+            return full
+        start, size = box
+        inner = tuple(slice(s, s + n) for s, n in zip(start[1:], size[1:], strict=True))
+        rows = [
+            self._read(ckpt, where, names[j], inner) for j in range(start[0], start[0] + size[0])
+        ]
+        local = torch.stack(rows) if rows else torch.empty(size)
+        return DTensor.from_local(
+            local.to(dtype=value.dtype, device=value.to_local().device).contiguous(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+
     def _shard(
         self, ckpt: HFCheckpointFiles, where: dict[str, str], key: str, value: torch.Tensor
     ) -> torch.Tensor:
+        stacked = getattr(self.adapter, "hf_stacked_sources", None)
+        names = stacked(key) if stacked is not None else None
+        if names is not None:
+            return self._stacked(ckpt, where, key, value, names)
         name, heads = self.adapter.hf_source(key)
         shape = self._read(ckpt, where, name, None)
         if shape != tuple(value.shape):
