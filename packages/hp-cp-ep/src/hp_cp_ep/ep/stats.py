@@ -26,7 +26,7 @@ class ExpertLoad:
         imbalance: ``max / mean`` (1.0 is perfect balance; 0.0 when nothing was routed).
 
     See Also:
-        TorchTitan's MoE ``tokens_per_expert`` buffer, which its metrics read.
+        TorchTitan's :titan:`MoE` ``tokens_per_expert`` buffer, which its metrics read.
     """
 
     tokens_per_expert: torch.Tensor
