@@ -17,13 +17,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_dtensor.testing import load_test_module, run_distributed
-from hp_trainer import ConfigManager, Trainer
+from hp_trainer import (
+    ConfigManager,
+    HuggingFaceTokenizer,
+    TokenizedDataset,
+    Trainer,
+    ValidationConfig,
+    load_documents,
+)
 from hp_trainer.models.decoder import Decoder
 from hp_trainer.models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
 from hp_trainer.models.document_mask import DocumentBoundaries, block_causal_mask
 from hp_trainer.models.llama3 import llama3_flavors
 from hp_trainer.models.qwen3 import qwen3_flavors
 from hp_trainer.models.qwen3_moe import Qwen3MoE, qwen3_moe_flavors
+from hp_trainer.validation import Validator
 
 BOS, EOS = 0, 1
 
@@ -159,6 +167,23 @@ def test_one_document_is_causal_bitwise(family: str) -> None:
     assert torch.equal(block, causal)
     for name, grad in block_grads.items():
         assert torch.equal(grad, causal_grads[name]), name
+
+
+def test_validation_masks_documents_too() -> None:
+    model = _model("llama3")
+    tokenizer = HuggingFaceTokenizer()
+    data = TokenizedDataset(load_documents("tiny_stories_synth")[:20], tokenizer, 32)
+    boundaries = DocumentBoundaries(tokenizer.bos_id, tokenizer.eos_id)
+    config = ValidationConfig(enable=True, dataset="held-out", local_batch_size=3, steps=2)
+    loss, _ = Validator(config, data, 0, 1, document_boundaries=boundaries).validate(model)
+    inputs = torch.stack([data.sample(i)[0] for i in range(6)])
+    labels = torch.stack([data.sample(i)[1] for i in range(6)])
+    with torch.no_grad():
+        logits = model(inputs, document_ids=boundaries.document_ids(inputs))
+        expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        causal = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
+    assert loss == pytest.approx(float(expected), rel=1e-6)
+    assert abs(float(causal) - loss) > 1e-4
 
 
 # -- configuration -----------------------------------------------------------------------------
