@@ -71,7 +71,7 @@ def see_also_sections(source: str, where: str) -> list[SeeAlso]:
 
 def unlinked_references(text: str) -> list[str]:
     """Plain-text PyTorch/TorchTitan object names in a See Also section's text."""
-    plain = ROLE.sub("", text)
+    plain = ROLE.sub("LINK", text)  # "TorchTitan's :titan:`MoE` ``x``" names MoE, linked
     found = [m.group(0) for m in FOREIGN_LITERAL.finditer(plain)]
     found += [m.group(0) for m in OWNED_LITERAL.finditer(plain)]
     return found
@@ -99,7 +99,7 @@ def test_checker_flags_plain_names_and_accepts_roles() -> None:
 
     See Also:
         ``torch.distributed.fsdp.fully_shard``; TorchTitan's ``ExpertParallel``;
-        :pt:`torch.save` and PyTorch's :pt:`x <torch.load>`; :titan:`MoE`.
+        :pt:`torch.save` and PyTorch's :pt:`x <torch.load>`; TorchTitan's :titan:`MoE` ``x``.
     """
 '''
     (section,) = see_also_sections(source, "m.py")
