@@ -149,11 +149,11 @@ def test_parquet_through_datasets_and_hub_names_offline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     docs = load_documents("tiny_stories_synth")[:60]
-    monkeypatch.setitem(sys.modules, "datasets", None)  # as without the extra
-    (tmp_path / "x.parquet").write_bytes(b"")
-    assert main([str(tmp_path / "x.parquet"), "-o", str(tmp_path / "no"), "--quiet"]) == 2
-    assert "pip install 'hp-trainer[datasets]'" in capsys.readouterr().err
-    monkeypatch.delitem(sys.modules, "datasets")
+    with monkeypatch.context() as without:  # restores an imported datasets (no re-import)
+        without.setitem(sys.modules, "datasets", None)  # as without the extra
+        (tmp_path / "x.parquet").write_bytes(b"")
+        assert main([str(tmp_path / "x.parquet"), "-o", str(tmp_path / "no"), "--quiet"]) == 2
+        assert "pip install 'hp-trainer[datasets]'" in capsys.readouterr().err
     pytest.importorskip("datasets")
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,12 +28,29 @@ from hp_trainer import (
 from hp_trainer.preflight import preflight
 from hp_trainer.streaming import StreamingSource, check_streaming_source
 
-pytest.importorskip("datasets")
+datasets = pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 DOCS = 90
 SEQ = 32
+
+
+@contextmanager
+def _datasets_cache(folder: Path) -> Iterator[None]:
+    """``datasets`` writes lock files into its cache even when streaming: keep them in tmp."""
+    before = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = folder / "hf-datasets-cache"
+    try:
+        yield
+    finally:
+        datasets.config.HF_DATASETS_CACHE = before
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path) -> Iterator[None]:
+    with _datasets_cache(tmp_path):
+        yield
 
 
 def _helpers() -> ModuleType:
@@ -128,9 +147,14 @@ def test_ranks_partition_the_corpus(corpus: Path, dp: int, by_file: bool) -> Non
     assert flat == list(range(DOCS))  # disjoint, and together every document
 
 
-def _resume_on_ranks(folder: str) -> tuple[dict[str, Any], bool]:
+def _resume_on_ranks(folder: str, cache: str) -> tuple[dict[str, Any], bool]:
     """dp = world: read 7 batches, save, read 30 more (past the end of the rank's part); a fresh
     loader loaded from the state reads the same 30."""
+    with _datasets_cache(Path(cache) / f"rank{dist.get_rank()}"):
+        return _resume(folder)
+
+
+def _resume(folder: str) -> tuple[dict[str, Any], bool]:
     rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = HuggingFaceTokenizer()
 
@@ -157,7 +181,7 @@ def _resume_on_ranks(folder: str) -> tuple[dict[str, Any], bool]:
 
 
 def test_resume_continues_at_the_next_token_on_three_ranks(corpus: Path, tmp_path: Path) -> None:
-    results = run_distributed(_resume_on_ranks, 3, str(corpus), timeout=120)
+    results = run_distributed(_resume_on_ranks, 3, str(corpus), str(tmp_path), timeout=120)
     states = [state for state, _ in results]
     assert all(same for _, same in results)
     assert all(s == states[0] for s in states)  # one copy in the checkpoint
@@ -204,6 +228,11 @@ def test_three_steps_streamed_equal_the_in_memory_run(corpus: Path, tmp_path: Pa
 
 def _stop_resume_dp2(folder: str) -> tuple[list[float], list[float], list[float]]:
     root = Path(folder)
+    with _datasets_cache(root / f"rank{dist.get_rank()}"):
+        return _stop_resume(root)
+
+
+def _stop_resume(root: Path) -> tuple[list[float], list[float], list[float]]:
     full = _train(_job(root, "full", streaming=True, steps=4))
     stopped = _train(_job(root, "stop", streaming=True, steps=4, ckpt=True), stop_after=2)
     resumed = _train(_job(root, "stop", streaming=True, steps=4, ckpt=True))

@@ -26,6 +26,10 @@ def test_offline_run_writes_its_files_and_resumes_the_same_run(
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "hp-trainer-test")
+    # wandb's caches, settings and its service's debug logs default to the home folder
+    for var in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / var.lower()))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "home" / "data"))
     config = MetricsConfig(enable_wandb=True, enable_plot=False, log_freq=1)
     proc = MetricsProcessor(config, tmp_path, 0, 4, 1000, stream=io.StringIO())
     proc.start(0)

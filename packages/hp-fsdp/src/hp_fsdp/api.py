@@ -481,7 +481,7 @@ class FSDPModule:
         Kind (a): a capability of NCCL on accelerators of compute capability 9.0 (SM90) or
         newer; elsewhere it raises. Each buffer is allocated and rendezvoused once, then reused
         by later all-gathers of the same dtype and size (of any unit of the root) and steps;
-        see :mod:`hp_fsdp.symm_mem`.
+        see ``hp_fsdp.symm_mem``.
 
         Args:
             backend: ``"NCCL"``, PyTorch's only option.
