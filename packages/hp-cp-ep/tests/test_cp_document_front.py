@@ -1,8 +1,9 @@
 """``context_parallel(..., document_ids=...)``: packed documents through the functional front.
 
 The whole-sequence document ids are sharded like the buffers and go with every redirected SDPA
-call; output and gradients equal single-device SDPA with the block-causal mask (3 ranks,
-load-balanced shards, grouped-query heads), and the ring refuses them.
+call; output and gradients equal single-device SDPA with the block-causal mask (2 ranks,
+load-balanced shards, grouped-query heads, all-gather and Ulysses), a mesh of one rank masks
+too, and the ring refuses them.
 """
 
 from __future__ import annotations
