@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hp_fsdp
 from hp_dtensor.testing import distributed, load_test_module
 from hp_fsdp.symm_mem import SymmetricBufferPool, SymmetricMemoryAllGather
+from hp_kernels import DefaultAllGather, DefaultReduceScatter
 
 
 def _helpers() -> ModuleType:
@@ -103,6 +104,16 @@ def _check_pooled_training(world: int) -> None:
     pooled, theirs, _, _ = h.build_pair(cfg)
     normal, _, _, _ = h.build_pair(cfg)
     memory = RecordingSymmetricMemory()
+    # As PyTorch: refused over a custom all-gather or reduce-scatter (an AssertionError).
+    block = pooled.layers[0]
+    for setter, comm in (
+        (block.set_custom_all_gather, DefaultAllGather()),
+        (block.set_custom_reduce_scatter, DefaultReduceScatter()),
+    ):
+        setter(comm)
+        with pytest.raises(AssertionError, match="comm is custom: Default"):
+            block.set_symm_mem_for_comm(memory=memory)
+        block.set_allocate_memory_from_process_group_for_comm(False)  # back to the defaults
     for unit in _units(pooled):
         unit.set_symm_mem_for_comm(memory=memory)
     models = {"pooled": pooled, "normal": normal, "torch": theirs}

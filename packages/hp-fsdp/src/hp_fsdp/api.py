@@ -491,7 +491,8 @@ class FSDPModule:
         Raises:
             RuntimeError: when ``memory`` cannot be used by this unit (the default: not on
                 such an accelerator with NCCL).
-            ValueError: for another backend name.
+            ValueError: for another backend name; and (also an ``AssertionError``, as in
+                PyTorch) when a custom all-gather or reduce-scatter is set.
 
         See Also:
             :pt:`torch.distributed.fsdp.FSDPModule.set_symm_mem_for_comm`: PyTorch's method.
@@ -503,6 +504,18 @@ class FSDPModule:
         reason = chosen.unavailable(state.device, [g.mesh_info.shard_group for g in state.groups])
         if reason is not None:
             raise RuntimeError(f"set_symm_mem_for_comm {reason}")
+        for group in state.groups:  # as PyTorch: symmetric memory replaces only the defaults
+            ag, rs = group.options.custom_all_gather, group.options.custom_reduce_scatter
+            if ag is not None and not isinstance(ag, SymmetricMemoryAllGather):
+                raise FSDPUsageError(
+                    "cannot call set_symm_mem() when all gather comm is custom: "
+                    f"{type(ag).__name__}; set_symm_mem_for_comm replaces the default all-gather"
+                )
+            if rs is not None:
+                raise FSDPUsageError(
+                    "cannot call set_symm_mem() when reduce scatter comm is custom: "
+                    f"{type(rs).__name__}"
+                )
         # Looked up per all-gather: the unit joins its root's context at lazy initialization.
         comm = SymmetricMemoryAllGather(chosen, lambda: state.ctx.comm.symmetric_buffers)
         for group in state.groups:
