@@ -46,6 +46,7 @@ __all__ = [
     "local_tensor",
     "queue_engine_callback",
     "symm_mem_empty",
+    "symm_mem_get_backend",
     "symm_mem_rendezvous",
     "symm_mem_set_backend",
     "unsafe_preserve_version_counter",
@@ -80,6 +81,9 @@ symm_mem_rendezvous: Callable[..., Any] = require(
 symm_mem_set_backend: Callable[[str], None] = require(
     _PACKAGE, "torch.distributed._symmetric_memory.set_backend"
 )
+symm_mem_get_backend: Callable[[torch.device], str | None] = require(
+    _PACKAGE, "torch.distributed._symmetric_memory.get_backend"
+)
 
 PRIVATE_NAMES = (
     "torch.autograd.grad_mode._unsafe_preserve_version_counter",
@@ -95,4 +99,5 @@ PRIVATE_NAMES = (
     "torch.distributed._symmetric_memory.empty",
     "torch.distributed._symmetric_memory.rendezvous",
     "torch.distributed._symmetric_memory.set_backend",
+    "torch.distributed._symmetric_memory.get_backend",
 )

@@ -72,7 +72,8 @@ class NCCLSymmetricMemory:
         backend: the symmetric-memory backend name (``"NCCL"``).
 
     See Also:
-        :pt:`torch.distributed._symmetric_memory`: ``empty``, ``rendezvous``, ``set_backend``.
+        :pt:`torch.distributed._symmetric_memory`: ``empty``, ``rendezvous``, ``set_backend``,
+        ``get_backend``.
     """
 
     backend: str = "NCCL"
@@ -100,14 +101,11 @@ class NCCLSymmetricMemory:
         return None
 
     def prepare(self, group: dist.ProcessGroup) -> None:
-        """Select the backend and create the group's communicator before its first rendezvous.
+        """Create the group's communicator before its first rendezvous.
 
         Args:
             group: the process group.
         """
-        from hp_fsdp._torch_compat import symm_mem_set_backend
-
-        symm_mem_set_backend(self.backend)
         dist.barrier(group=group)  # a lazily created NCCL communicator would miss the rendezvous
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -121,8 +119,12 @@ class NCCLSymmetricMemory:
         Returns:
             The buffer.
         """
-        from hp_fsdp._torch_compat import symm_mem_empty
+        from hp_fsdp._torch_compat import symm_mem_empty, symm_mem_get_backend, symm_mem_set_backend
 
+        # The backend is chosen before the first allocation (it cannot change afterwards; a
+        # process that already allocated with another backend gets torch's error here).
+        if symm_mem_get_backend(device) != self.backend:
+            symm_mem_set_backend(self.backend)
         return symm_mem_empty(numel, dtype=dtype, device=device)
 
     def rendezvous(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> None:
