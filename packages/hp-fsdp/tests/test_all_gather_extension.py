@@ -344,7 +344,12 @@ def _inner(local: torch.Tensor) -> torch.Tensor:
 
 
 def _check_trainable_parity(
-    mesh: Any, rows: int, with_int8: bool, shard_dim: int = 0, replicate: bool = False
+    mesh: Any,
+    rows: int,
+    with_int8: bool,
+    shard_dim: int = 0,
+    replicate: bool = False,
+    bf16: bool = False,
 ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """hp-fsdp vs torch FSDP2 (or both ``replicate``) on a _CompactMLP: outputs, gradients and
     parameters after 3 SGD steps bitwise equal. Returns both runs' protocol calls on the
@@ -357,11 +362,17 @@ def _check_trainable_parity(
     def build(shard: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = _CompactMLP(rows, with_int8)
-        shard(model.out, mesh=mesh)
+        policy: dict[str, Any] = {}
+        if bf16:  # the subclass gets param_dtype in fsdp_post_all_gather
+            mp = hp_fsdp if shard is hp_fsdp.fully_shard else torch_fsdp
+            policy["mp_policy"] = mp.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        shard(model.out, mesh=mesh, **policy)
         if replicate:
-            shard(model, mesh=mesh)
+            shard(model, mesh=mesh, **policy)
         else:
-            shard(model, mesh=mesh, shard_placement_fn=placement)
+            shard(model, mesh=mesh, shard_placement_fn=placement, **policy)
         trainable = [p for p in model.parameters() if p.requires_grad]
         return model, torch.optim.SGD(trainable, lr=0.1)
 
@@ -386,6 +397,7 @@ def _check_trainable_parity(
             y.square().sum().backward()
             outs.append(y.detach())
         assert torch.equal(outs[0], outs[1]), step
+        assert outs[0].dtype == (torch.bfloat16 if bf16 else torch.float32)
         for (name, p_hp), (_, p_ref) in zip(
             hp_model.named_parameters(), ref_model.named_parameters(), strict=True
         ):
@@ -414,6 +426,9 @@ def test_trainable_subclass_uneven_dim0_bitwise_with_torch_ws3() -> None:
     hp_calls, ref_calls = _check_trainable_parity(mesh, rows=7, with_int8=False)  # 3, 3, 1 rows
     assert hp_calls == ref_calls, (hp_calls, ref_calls)
     assert hp_calls[:4] == [("pre", 3), ("post", 0), ("pre", 3), ("post_out", 0)]
+    # bf16 compute, fp32 reduction: the subclass builds a bf16 unsharded parameter
+    hp_calls, ref_calls = _check_trainable_parity(mesh, rows=7, with_int8=False, bf16=True)
+    assert hp_calls == ref_calls
 
 
 @distributed(world_size=2, timeout=120)
