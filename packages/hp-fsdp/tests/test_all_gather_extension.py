@@ -388,6 +388,10 @@ def _check_trainable_parity(
     hp_c = hp_model.cweight._local_tensor
     assert isinstance(hp_c, ScaledCompact)
     assert hp_c.shape == ref_model.cweight._local_tensor.shape
+    if with_int8:  # sharded over the shard axis only (HSDP: 2 of the 4 ranks)
+        shard_size = mesh.size(mesh.ndim - 1)
+        for model in (hp_model, ref_model):
+            assert model.qweight._local_tensor.data_i8.shape == (ROWS // shard_size, COLS)
     gen = torch.Generator().manual_seed(100 + dist.get_rank())  # different data per rank
     for step in range(3):
         x = torch.randn(5, COLS, generator=gen)
