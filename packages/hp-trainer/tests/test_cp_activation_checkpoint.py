@@ -10,10 +10,10 @@ checkpoint silently off (or recomputed outside CP) fails here. Ring at cp 2, all
 (non-power-of-two, sequence 24), Ulysses at cp 2.
 
 Compiled blocks (``aot_eager``, ``fullgraph = false``): the attention is a graph break and runs
-eagerly between compiled pieces; with no AC, ``memory_budget`` and ``swap`` the losses,
-gradients and parameters equal eager CP within 1e-5, and graphs were really compiled. Compile
-with full/selective AC under CP is refused up front (Dynamo would run the checkpointed blocks
-uncompiled).
+eagerly between compiled pieces; with no AC, ``memory_budget``, ``full`` and selective per-op AC
+(the checkpoint eager around the compiled block) the losses, gradients and parameters equal
+eager CP within 1e-5, and graphs were really compiled (with the checkpoint traced, Dynamo would
+run checkpointed blocks uncompiled: no graph).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from hp_cp_ep.cp import ContextParallelAttention
 from hp_dtensor.testing import load_test_module, run_distributed
 from hp_trainer import ConfigManager, JobConfig, Trainer
-from hp_trainer.layout_validation import validate_parallel_layout
 
 STEPS, LOCAL_BS, N_LAYERS = 2, 2, 2  # tiny llama3: 2 blocks
 
@@ -45,10 +44,14 @@ _AC: dict[str, tuple[dict[str, Any], dict[str, Any], float]] = {
     "selective-2": ({"mode": "selective", "selective_ac_option": "2"}, {}, 1.5),
     "swap": ({"mode": "swap"}, {}, 1),
     # the attention is a graph break: it runs eagerly, once (the partitioner recomputes inside
-    # the compiled pieces only); full/selective AC with compile are refused under CP
+    # the compiled pieces only)
     "compiled": ({"mode": "none"}, _COMPILED, 1),
     "compiled-memory_budget": ({"mode": "memory_budget", "memory_budget": 0.0}, _COMPILED, 1),
     "compiled-swap": ({"mode": "swap"}, _COMPILED, 1),
+    # checkpointed blocks: the checkpoint stays eager around the compiled block, whose
+    # recomputation runs the attention again
+    "compiled-full": ({"mode": "full"}, _COMPILED, 2),
+    "compiled-op": ({"mode": "selective", "selective_ac_option": "op"}, _COMPILED, 2),
 }
 
 
@@ -132,13 +135,13 @@ _CASES = {
         2,
         {"context_parallel_degree": 2, "context_parallel_rotate_method": "ring"},
         32,
-        ["full", "selective-op", "swap", "compiled", "compiled-memory_budget", "compiled-swap"],
+        ["full", "selective-op", "swap", "compiled", "compiled-memory_budget", "compiled-full"],
     ),
     "cp3-allgather": (
         3,
         {"context_parallel_degree": 3, "context_parallel_rotate_method": "allgather"},
         24,
-        ["full", "selective-2"],
+        ["full", "selective-2", "compiled-op"],
     ),
     "cp2-ulysses": (
         2,
@@ -192,15 +195,3 @@ def test_context_parallel_with_activation_checkpointing(tmp_path: Path, case: st
                 _assert_close_to(variant, got, base)
             else:
                 _assert_bitwise(variant, got, base)
-
-
-@pytest.mark.parametrize("ac", ["full", "selective"])
-def test_compile_with_checkpointed_blocks_under_cp_is_refused(tmp_path: Path, ac: str) -> None:
-    job = _helpers().job(tmp_path, {"context_parallel_degree": 2}, run="refused")
-    raw = job.to_dict()
-    raw["activation_checkpoint"] = {"mode": ac}
-    raw["compile"] = _COMPILED
-    with pytest.raises(
-        ValueError, match=rf"mode = '{ac}' with compile\.enable = true and context_"
-    ):
-        validate_parallel_layout(ConfigManager().from_dict(raw), 2)

@@ -25,11 +25,10 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
     pipeline parallel needs a model with a splitter (``ModelSpec.pipelining_fn``), untied
     embeddings, enough blocks for the stages, a micro-batch size dividing the local batch and no
     validation loop; context parallel needs a model whose attention has a context-parallel path,
-    no ``compile.fullgraph`` nor compile with full/selective AC, and Ulysses/hybrid degrees
-    dividing the heads; tensor parallel must divide the query and key/value heads and cannot
-    shard tied embeddings; expert parallel needs a mixture-of-experts model; the sequence length
-    must be a multiple of ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size``
-    times the data-parallel degree.
+    no ``compile.fullgraph``, and Ulysses/hybrid degrees dividing the heads; tensor parallel
+    must divide the query and key/value heads and cannot shard tied embeddings; expert parallel
+    needs a mixture-of-experts model; the sequence length must be a multiple of ``tp * 2 * cp``;
+    the global batch a multiple of ``local_batch_size`` times the data-parallel degree.
 
     Args:
         config: The job configuration.
@@ -135,16 +134,6 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
                 f"compile.fullgraph = true with context_parallel_degree = {dims.cp}: the "
                 "context-parallel attention runs eagerly between the compiled pieces of each "
                 "block (a graph break); set compile.fullgraph = false"
-            )
-        ac_mode = config.activation_checkpoint.mode
-        if config.compile.enable and ac_mode in ("full", "selective"):
-            # tested: Dynamo cannot trace a checkpoint around that graph break and runs the
-            # whole checkpointed block uncompiled (no graph), silently
-            _fail(
-                f"activation_checkpoint.mode = {ac_mode!r} with compile.enable = true and "
-                f"context_parallel_degree = {dims.cp}: a checkpointed block cannot be compiled "
-                "around the eager context-parallel attention (it would run uncompiled); use "
-                "mode 'memory_budget' or 'swap', or disable compile"
             )
         method = par.context_parallel_rotate_method
         local_heads = n_heads // dims.tp

@@ -49,7 +49,8 @@ def parallelize_dense_decoder(
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable:
-        apply_compile(model, job_config.compile)
+        # a checkpoint cannot be traced around the context-parallel attention (a graph break)
+        apply_compile(model, job_config.compile, inside_checkpoint=parallel_dims.cp_enabled)
     if parallel_dims.dp_enabled or parallel_dims.cp_enabled:
         training = job_config.training
         apply_fsdp_to_decoder(
