@@ -287,3 +287,27 @@ def test_block_causal_with_activation_checkpointing_is_bitwise(tmp_path: Path) -
         finally:
             trainer.close()
     assert losses[0] == losses[1]
+
+
+def test_block_causal_stop_and_resume_is_exact(tmp_path: Path) -> None:
+    # the ids are recomputed from the resumed loader's samples: nothing new in its state
+    h = _helpers()
+    ckpt = {"enable": True, "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
+
+    def run(name: str, stop: int | None = None, checkpoint: dict[str, Any] | None = None) -> Any:
+        cfg = h.job(tmp_path, {}, run=name, local_bs=2, steps=4, checkpoint=checkpoint)
+        cfg.model.attn_mask_type = "block_causal"
+        trainer = Trainer(cfg)
+        if stop is not None:
+            h.stop_at(trainer, stop)
+        try:
+            return trainer.train(), trainer.checkpointer.loaded_step
+        finally:
+            trainer.close()
+
+    full, _ = run("full")
+    stopped, _ = run("stop", stop=2, checkpoint=ckpt)
+    resumed, loaded = run("stop", checkpoint=ckpt)
+    assert loaded == 2
+    assert stopped == full[:2]
+    assert resumed == full[2:]
