@@ -281,10 +281,10 @@ def _deepseek_v3_args(config: Mapping[str, Any], source: str) -> Any:
 
 
 def model_args_from_hf_config(config: Mapping[str, Any], *, source: str = "") -> Any:
-    """Build the model arguments of any ``model_type`` in :data:`AUTO_MODEL_TYPES`.
+    """Build the model arguments of any ``model_type`` in ``AUTO_MODEL_TYPES``.
 
     Dense Llama / Qwen 3 give :class:`~hp_trainer.models.decoder.DecoderArgs`
-    (:func:`decoder_args_from_hf_config`); Qwen 3 MoE gives ``MoEDecoderArgs`` and DeepSeek-V3
+    (``decoder_args_from_hf_config``); Qwen 3 MoE gives ``MoEDecoderArgs`` and DeepSeek-V3
     ``DeepSeekV3Args``, with the family's routing (softmax top-k for Qwen 3 MoE; sigmoid,
     group-limited, bias-corrected for DeepSeek-V3) and every size, expert count and routing
     option that ``config.json`` states. Training-only options (the routing-bias update rate)
@@ -298,7 +298,7 @@ def model_args_from_hf_config(config: Mapping[str, Any], *, source: str = "") ->
         The arguments of the same model.
 
     Raises:
-        ValueError: For a model type not in :data:`AUTO_MODEL_TYPES` (naming its
+        ValueError: For a model type not in ``AUTO_MODEL_TYPES`` (naming its
             ``architectures`` and the supported ones), or a size or option the model lacks.
 
     See Also:
@@ -403,7 +403,7 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
 
     With ``--model.flavor auto`` the arguments come from the ``config.json`` of
     ``checkpoint.initial_load_path`` (``checkpoint.initial_load_in_hf`` set), dense or MoE
-    (:func:`model_args_from_hf_config`). With a named
+    (:func:`~hp_trainer.hf_config.model_args_from_hf_config`). With a named
     flavor and such a checkpoint, the flavor must describe the same model. In both cases the
     sequence length must fit the model's ``max_seq_len``.
 
@@ -416,7 +416,7 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
 
     Raises:
         ValueError: ``auto`` without an HF checkpoint, or with a config.json whose
-            ``model_type`` is not in :data:`AUTO_MODEL_TYPES` or not ``model.name``'s (naming
+            ``model_type`` is not in ``AUTO_MODEL_TYPES`` or not ``model.name``'s (naming
             its ``architectures``); a flavor that differs from the checkpoint's config.json
             (naming every field); ``training.seq_len`` over the model's maximum.
         FileNotFoundError: ``auto`` and the checkpoint has no config.json.

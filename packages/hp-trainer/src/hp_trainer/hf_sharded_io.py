@@ -32,7 +32,7 @@ from hp_dcp.huggingface import (
 from hp_dtensor._torch_compat import StridedShard, compute_local_shape_and_global_offset
 from hp_dtensor.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-__all__ = ["HFShardPlan", "HFShardedReader", "HFShardedWriter"]
+__all__ = ["HFShardFile", "HFShardPlan", "HFShardedReader", "HFShardedWriter"]
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
