@@ -283,6 +283,13 @@ def test_sharded_export_loads_in_transformers(tmp_path: Path) -> None:
     small.export_hf(tmp_path / "small")
     _check_hf_files(tmp_path / "small", hf_sd, _SHARD_BYTES)
     assert len(list((tmp_path / "small").glob("model-*.safetensors"))) > 3
+    # an export in bfloat16: planned and written at its own size
+    small.export_hf(tmp_path / "bf16", dtype=torch.bfloat16)
+    half = {k: v.to(torch.bfloat16) for k, v in hf_sd.items()}
+    _check_hf_files(tmp_path / "bf16", half, _SHARD_BYTES)
+    assert len(list((tmp_path / "bf16").glob("model-*.safetensors"))) < len(
+        list((tmp_path / "small").glob("model-*.safetensors"))
+    )
     tokens = torch.randint(0, args.vocab_size, (2, 16))
     for out in ("out", "small"):
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out))
