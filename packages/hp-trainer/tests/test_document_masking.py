@@ -198,15 +198,14 @@ def test_config_option_and_its_refusals() -> None:
     assert _parse("--model.attn_mask_type", "block_causal").model.attn_mask_type == "block_causal"
     with pytest.raises(ValueError, match=r"model.attn_mask_type = 'sliding'.*'block_causal'"):
         _parse("--model.attn_mask_type", "sliding")
-    with pytest.raises(ValueError, match="pipeline_parallel_degree = 2"):
-        _parse(
-            "--model.attn_mask_type",
-            "block_causal",
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-        )
+    pp = ("--parallelism.pipeline_parallel_degree", "2")
+    assert _parse("--model.attn_mask_type", "block_causal", *pp).model.attn_mask_type == (
+        "block_causal"
+    )
     cp = ("--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2")
     assert _parse(*cp).parallelism.context_parallel_rotate_method == "allgather"
+    with pytest.raises(ValueError, match="both pipeline_parallel_degree and context_parallel"):
+        _parse(*cp, *pp)
     _parse(*cp, "--parallelism.context_parallel_rotate_method", "ulysses")
     for method in ("ring", "alltoall", "hybrid"):
         with pytest.raises(ValueError, match=f"context_parallel_rotate_method = '{method}'"):
@@ -245,6 +244,16 @@ def test_trainer_block_causal_under_fsdp_and_tp_matches_one_process(tmp_path: Pa
     causal_losses = _train(str(tmp_path), {}, 4, "causal")[0]
     # the option reaches the attention: the first step's loss already differs
     assert abs(causal_losses[0] - ref[0][0]) > 1e-4
+
+
+def test_trainer_block_causal_under_pipeline_parallel_matches_one_process(tmp_path: Path) -> None:
+    folder = str(tmp_path)
+    # the ids are split into micro-batches with the inputs and reach both stages
+    pp = run_distributed(
+        _train, 2, folder, {"pipeline_parallel_degree": 2}, 2, "block_causal", timeout=120
+    )
+    ref = _train(folder, {}, 2, "block_causal")
+    _helpers().assert_matches_reference(pp, ref)
 
 
 def test_trainer_block_causal_under_context_parallel_matches_one_process(tmp_path: Path) -> None:

@@ -110,8 +110,8 @@ class ModelConfig:
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention mask, ``causal`` or ``block_causal`` (document masking: a position attends
     only to earlier positions of its own document in the packed sample; documents are split at
-    the tokenizer's BOS/EOS). Not with pipeline parallel; under context parallel with the
-    ``allgather`` or ``ulysses`` rotate method only."""
+    the tokenizer's BOS/EOS). Under context parallel with the ``allgather`` or ``ulysses``
+    rotate method and without pipeline parallel only."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "model")
@@ -620,12 +620,12 @@ class JobConfig:
         if self.model.attn_mask_type != "block_causal":
             return
         par = self.parallelism
-        if par.pipeline_parallel_degree > 1:
-            # the schedule passes activations between stages, not the per-sample document ids
+        if par.context_parallel_degree > 1 and par.pipeline_parallel_degree > 1:
+            # the CP attention holds the ids of the whole local batch, the stages run slices
             _fail("model", "attn_mask_type", "block_causal",
-                  "causal with pipeline_parallel_degree = "
-                  f"{par.pipeline_parallel_degree} (the pipeline stages do not receive the "
-                  "document ids)")  # fmt: skip
+                  "causal with both pipeline_parallel_degree and context_parallel_degree > 1 "
+                  "(the context-parallel attention would get the ids of the whole local batch "
+                  "for one pipeline micro-batch)")  # fmt: skip
         method = par.context_parallel_rotate_method
         if par.context_parallel_degree > 1 and method not in ("allgather", "ulysses"):
             # the ring passes K/V blocks without their document ids

@@ -484,14 +484,11 @@ class Trainer:
             :titan:`torchtitan.train.Trainer.forward_backward_step`.
         """
         if self.pipeline is not None:  # loss on the last stage, shared over the pipeline
-            if document_ids is not None:  # the config refuses it; here for direct callers
-                raise ValueError(
-                    "document_ids cannot reach the pipeline stages: block_causal attention "
-                    "needs pipeline_parallel_degree = 1"
-                )
             self._global_tokens = global_valid_tokens
             with self._autocast():  # bf16/fp16 compute when no FSDP casts the parameters
-                return self.pipeline.run(inputs, labels, self._loss_context)
+                return self.pipeline.run(
+                    inputs, labels, self._loss_context, document_ids=document_ids
+                )
         with self._loss_context():
             with self._autocast():
                 if document_ids is None:

@@ -162,6 +162,8 @@ class PipelinedStep:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         context: Callable[[], contextlib.AbstractContextManager[Any]],
+        *,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the schedule's step on one local batch.
 
@@ -169,6 +171,8 @@ class PipelinedStep:
             inputs: ``(batch, seq)`` token ids (used on the rank of the first stage).
             labels: ``(batch, seq)`` targets (used on the rank of the last stage).
             context: Entered around the step (loss parallel under TP).
+            document_ids: ``(batch, seq)`` document ids of the packed inputs (block-causal
+                attention): split into micro-batches like the inputs and given to every stage.
 
         Returns:
             The sum of the micro-batch losses, the same on every rank of the pipeline.
@@ -177,8 +181,10 @@ class PipelinedStep:
         losses: list[Any] = []
         target = labels if parts.has_last_stage else None
         args = (inputs,) if parts.has_first_stage else ()
+        # keyword inputs reach every stage, chunked like the inputs (hp-pp's schedules)
+        kwargs: dict[str, Any] = {} if document_ids is None else {"document_ids": document_ids}
         with context():
-            parts.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            parts.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             value = loss.full_tensor() if isinstance(loss, DTensor) else loss
