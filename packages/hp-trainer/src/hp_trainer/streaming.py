@@ -238,8 +238,8 @@ class StreamingTextLoader:
             ranks' positions over it (None: the default group when initialized).
 
     Raises:
-        ValueError: For a source that cannot be streamed (see :class:`StreamingSource`), or a
-            rank out of range.
+        ValueError: For a source that cannot be streamed (see
+            :class:`~hp_trainer.streaming.StreamingSource`), or a rank out of range.
 
     See Also:
         :titan:`torchtitan.hf_datasets.text_datasets.HuggingFaceTextDataset`: TorchTitan's streamed
@@ -328,6 +328,24 @@ class StreamingTextLoader:
         while True:
             windows = torch.stack([self._next_sample() for _ in range(self.batch_size)])
             yield windows[:, :-1], windows[:, 1:]
+
+    def close(self) -> None:
+        """Stop reading (the ``datasets`` readers' files close now, not at interpreter exit).
+
+        The position is kept: iterating again continues at the next token.
+
+        See Also:
+            ``generator.close``: what ends the ``datasets`` iterator.
+        """
+        if self._records is None:
+            return
+        position = self._stream.state_dict()
+        close = getattr(self._records, "close", None)
+        if close is not None:
+            close()
+        self._records = None
+        self._opened_at = position
+        self._stream = self._open(position)
 
     def _local_state(self) -> str:
         stream = self._opened_at if self._records is None else self._stream.state_dict()

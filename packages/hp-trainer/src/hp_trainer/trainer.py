@@ -688,6 +688,8 @@ class Trainer:
         """
         self.checkpointer.close()
         self.metrics.close()
+        if isinstance(self.dataloader, StreamingTextLoader):
+            self.dataloader.close()  # its readers' files, before interpreter teardown
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
