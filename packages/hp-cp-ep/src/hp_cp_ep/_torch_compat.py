@@ -8,6 +8,8 @@ names the missing name and the installed torch version (the checker is hp-dtenso
 (where it applies is decided per call by ``hp_cp_ep.grouped_mm_supported``).
 ``torch._C._current_graph_task_id`` tells whether code runs inside a backward pass (an activation
 checkpoint recomputing the forward): ``-1`` outside one.
+``torch._C._nn.scaled_dot_product_attention`` is SDPA itself, whatever
+``F.scaled_dot_product_attention`` is routed to while context parallel runs.
 """
 
 from __future__ import annotations
@@ -18,14 +20,21 @@ import torch
 
 from hp_dtensor._torch_compat import require
 
-__all__ = ["PRIVATE_NAMES", "grouped_mm", "in_backward"]
+__all__ = ["PRIVATE_NAMES", "grouped_mm", "in_backward", "single_device_sdpa"]
 
 _PACKAGE = "hp-cp-ep"
 
 grouped_mm: Callable[..., torch.Tensor] = require(_PACKAGE, "torch._grouped_mm")
 _current_graph_task_id: Callable[[], int] = require(_PACKAGE, "torch._C._current_graph_task_id")
+single_device_sdpa: Callable[..., torch.Tensor] = require(
+    _PACKAGE, "torch._C._nn.scaled_dot_product_attention"
+)
 
-PRIVATE_NAMES = ("torch._grouped_mm", "torch._C._current_graph_task_id")
+PRIVATE_NAMES = (
+    "torch._grouped_mm",
+    "torch._C._current_graph_task_id",
+    "torch._C._nn.scaled_dot_product_attention",
+)
 
 
 def in_backward() -> bool:

@@ -28,9 +28,6 @@ from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_CUDA
 
 _aten = torch.ops.aten
 
-#: PyTorch's SDPA itself, whatever ``F.scaled_dot_product_attention`` is routed to meanwhile.
-single_device_sdpa = torch._C._nn.scaled_dot_product_attention
-
 
 @dataclass(frozen=True)
 class BlockResult:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hp_cp_ep.cp._sdpa_backend import single_device_sdpa
+from hp_cp_ep._torch_compat import single_device_sdpa
 from hp_cp_ep.cp.attention import ContextParallelAttention
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -28,6 +28,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from hp_cp_ep._torch_compat import single_device_sdpa
 from hp_cp_ep.cp._blocks import (
     BlockTask,
     PartialOutput,
@@ -38,7 +39,7 @@ from hp_cp_ep.cp._blocks import (
 )
 from hp_cp_ep.cp._comm import RingExchange, gather_seq, heads_to_seq, seq_to_heads
 from hp_cp_ep.cp._layout import ChunkLayout
-from hp_cp_ep.cp._sdpa_backend import AttentionKernel, single_device_sdpa
+from hp_cp_ep.cp._sdpa_backend import AttentionKernel
 
 __all__ = ["CP_MODES", "ContextParallelAttention"]
 
