@@ -98,7 +98,7 @@ def _pool(model: nn.Module) -> SymmetricBufferPool:
     return pool
 
 
-def _check_pooled_training(world: int) -> None:
+def _check_pooled_training(world: int, release: str) -> None:
     h = _helpers()
     cfg = h.Config(mesh_shape=(world,), steps=3)
     pooled, theirs, _, _ = h.build_pair(cfg)
@@ -149,22 +149,25 @@ def _check_pooled_training(world: int) -> None:
     assert set(gathers.ptrs) == buffers, (gathers.ptrs, buffers)
     units = len(_units(pooled))
     assert len(buffers) <= units < len(gathers.ptrs) // cfg.steps, (buffers, gathers.ptrs)
-    # Replaced: the pool and its buffers are released (nothing else holds them).
-    for unit in _units(pooled):
-        unit.set_allocate_memory_from_process_group_for_comm(False)
+    # The pool and its buffers are released with their last user (nothing else holds them).
     del pool
+    if release == "replace":
+        for unit in _units(pooled):
+            unit.set_allocate_memory_from_process_group_for_comm(False)
+    else:  # the model is deleted
+        del pooled, models, opts, unit, block, setter  # (a bound method holds its module)
     gc.collect()
     assert memory.live_buffers() == 0
 
 
 @distributed(world_size=2, timeout=120)
 def test_symm_mem_pool_ws2() -> None:
-    _check_pooled_training(2)
+    _check_pooled_training(2, release="replace")
 
 
 @distributed(world_size=3, timeout=120)
 def test_symm_mem_pool_ws3() -> None:
-    _check_pooled_training(3)
+    _check_pooled_training(3, release="delete")
 
 
 class _Group:
