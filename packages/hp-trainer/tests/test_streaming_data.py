@@ -199,10 +199,11 @@ def test_resume_continues_at_the_next_token_on_three_ranks(corpus: Path, tmp_pat
         other.load_state_dict({"samples_consumed": 8})
 
 
+_CKPT = {"enable": True, "interval": 2, "last_save_model_only": False}
+
+
 def _job(folder: Path, run: str, *, streaming: bool, steps: int, ckpt: bool = False) -> Any:
-    cfg = _helpers().job(
-        folder, {}, run=run, steps=steps, checkpoint={"enable": ckpt, "interval": 2} if ckpt else {}
-    )
+    cfg = _helpers().job(folder, {}, run=run, steps=steps, checkpoint=_CKPT if ckpt else {})
     cfg.data.dataset = str(folder / "one.jsonl")
     cfg.data.jsonl_text_field = "body"
     cfg.data.shuffle = False
@@ -248,6 +249,10 @@ def test_stop_and_resume_on_dp2_continue_the_stream(corpus: Path, tmp_path: Path
     full, stopped, resumed = results[0]
     assert stopped == full[:2]
     assert resumed == full[2:]  # the checkpointed stream position: the next batches exactly
+    # the same checkpoint in one process (dp 1): refused through the checkpoint load, both named
+    longer = _job(tmp_path / "run", "stop", streaming=True, steps=6, ckpt=True)
+    with pytest.raises(ValueError, match="degree 2, this run has data-parallel degree 1"):
+        _train(longer)
 
 
 def _cfg(dataset: str, *extra: str) -> Any:
