@@ -287,6 +287,16 @@ def test_bad_input_fails_before_any_process_starts(
     _write_jsonl(parts / "part-2.jsonl", _documents()[:3], field="content")
     with pytest.raises(ValueError, match=r"part-2.jsonl: its records have no field 'body'"):
         check_streaming_source(str(parts), "body")
+    # a rank whose part holds no document: a clear error at its first batch, not a hang
+    _write_jsonl(tmp_path / "two.jsonl", _documents()[:2])
+    tokenizer = HuggingFaceTokenizer()
+    starved = StreamingTextLoader(str(tmp_path / "two.jsonl"), tokenizer, SEQ, 2, 3, 1)
+    with pytest.raises(ValueError, match="gave data-parallel rank 2 of 3 no documents"):
+        next(iter(starved))
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    blank = StreamingTextLoader(str(tmp_path / "blank.txt"), tokenizer, SEQ, 0, 1, 1)
+    with pytest.raises(ValueError, match="gave data-parallel rank 0 of 1 no documents"):
+        next(iter(blank))
     # fine: the built-in corpus and a parquet file with the field
     assert check_streaming_source("tiny_stories_synth").builder == "text"
     preflight(_cfg(str(corpus / "one.parquet"), "--data.jsonl_text_field", "body"), 1)

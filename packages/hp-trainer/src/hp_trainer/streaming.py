@@ -278,6 +278,7 @@ class StreamingTextLoader:
         self._stream = self._open(None)
         self._records: Iterator[dict[str, Any]] | None = None  # None: no record read since open
         self._opened_at: dict[str, Any] | None = None  # the iterator state the stream opened at
+        self._epoch_had_text = False  # whether this epoch gave a document yet
 
     def _open(self, state: dict[str, Any] | None) -> Any:
         stream = self.source.open()
@@ -294,11 +295,12 @@ class StreamingTextLoader:
                 self._records = iter(self._stream)
             record = next(self._records, None)
             if record is None:  # this rank's part is exhausted: the next epoch
-                if self.documents_read == 0:
+                if not self._epoch_had_text:
                     raise ValueError(
                         f"the streamed dataset {self.source.dataset!r} gave data-parallel rank "
                         f"{self.dp_rank} of {self.dp_world_size} no documents"
                     )
+                self._epoch_had_text = False
                 self.epoch += 1
                 self.documents_read = 0
                 self._stream = self._open(None)
@@ -315,6 +317,7 @@ class StreamingTextLoader:
             text = str(record[self.text_field])
             if self.source.builder == "text" and not text.strip():
                 continue  # a blank line is no document (as in hp_trainer.load_documents)
+            self._epoch_had_text = True
             return self.tokenizer.encode(text, add_bos=True, add_eos=True)
 
     def _next_sample(self) -> torch.Tensor:
@@ -418,6 +421,7 @@ class StreamingTextLoader:
         mine = json.loads(state["ranks"])[self.dp_rank]
         self.epoch = int(mine["epoch"])
         self.documents_read = int(mine["documents_read"])
+        self._epoch_had_text = self.documents_read > 0
         self._buffer = [int(t) for t in mine["buffer"]]
         self._opened_at = mine["stream"]
         self._stream = self._open(self._opened_at)
