@@ -30,6 +30,7 @@ from hp_dcp.huggingface import (
     write_hf_index,
 )
 from hp_dtensor._torch_compat import StridedShard, compute_local_shape_and_global_offset
+from hp_dtensor.device import DEVICE_TYPE_META
 from hp_dtensor.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 __all__ = ["HFShardFile", "HFShardPlan", "HFShardedReader", "HFShardedWriter"]
@@ -301,7 +302,7 @@ class HFShardPlan:
         used = 0
         for key in sorted(tensors):
             shape, dtype = tensors[key]
-            hf = adapter.to_hf({key: torch.empty(shape, dtype=dtype, device="meta")})
+            hf = adapter.to_hf({key: torch.empty(shape, dtype=dtype, device=DEVICE_TYPE_META)})
             hf_names[key] = tuple(hf)
             if not hf:  # e.g. a tied lm_head: HF stores the embedding once
                 continue
