@@ -30,7 +30,7 @@ from hp_dcp.huggingface import (
     write_hf_index,
 )
 from hp_dtensor._torch_compat import StridedShard, compute_local_shape_and_global_offset
-from hp_dtensor.device import DEVICE_TYPE_META
+from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META
 from hp_dtensor.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 __all__ = ["HFShardFile", "HFShardPlan", "HFShardedReader", "HFShardedWriter"]
@@ -394,11 +394,13 @@ class HFShardedWriter:
         holders: Sequence[int],
         writer: int,
         turn: int,
+        device: torch.device,
     ) -> torch.Tensor | None:
         """The full tensor (in the written dtype) on the file's writer, None elsewhere.
 
         Every holder joins the gather; a writer that does not hold the tensor (another
-        pipeline stage) receives it from one holder, chosen by ``turn``.
+        pipeline stage) receives it from one holder, chosen by ``turn``, into a buffer on
+        ``device`` (the device of its own shards, which the backend's point-to-point needs).
         """
         rank, _ = _world(self.process_group)
         if value is not None:
@@ -411,7 +413,7 @@ class HFShardedWriter:
         if rank == sender:
             dist.send(value.contiguous(), self._global(writer), group=self.process_group)
         elif rank == writer:
-            received = torch.empty(spec[0], dtype=spec[1])
+            received = torch.empty(spec[0], dtype=spec[1], device=device)
             dist.recv(received, self._global(sender), group=self.process_group)
             return received
         return None
@@ -426,8 +428,9 @@ class HFShardedWriter:
         """Write the files of :class:`HFShardPlan`, each by its writer, then the index.
 
         A collective every rank of the group joins. Each tensor is gathered by the ranks holding
-        it; the file's writer keeps it (converted to HF's layout) until the file is written,
-        the others drop it at once, so a rank holds at most one file's tensors plus one tensor.
+        it; the file's writer keeps it (converted to HF's layout, in host memory) until the file
+        is written, the others drop it at once, so a rank holds at most one file's tensors plus
+        one tensor.
 
         Args:
             model_parts: This rank's model parts.
@@ -442,6 +445,9 @@ class HFShardedWriter:
         for part in model_parts:
             states.update(get_model_state_dict(part))
         plan, holders, specs = self._plan(states, dtype)
+        local = [v.to_local() if isinstance(v, DTensor) else v for v in states.values()]
+        device = local[0].device if local else torch.device(DEVICE_TYPE_CPU)
+        del local
         self.plan = plan
         self.peak_held_bytes = 0
         out = Path(path)
@@ -450,14 +456,16 @@ class HFShardedWriter:
             pending: dict[str, torch.Tensor] = {}
             held = 0
             for key in file.keys:
-                full = self._assemble(states.get(key), specs[key], holders[key], file.writer, j)
+                full = self._assemble(
+                    states.get(key), specs[key], holders[key], file.writer, j, device
+                )
                 if full is None:
                     continue
                 hf = self.adapter.to_hf({key: full})
                 fresh = sum(t.nbytes for t in hf.values() if t.data_ptr() != full.data_ptr())
                 self.peak_held_bytes = max(self.peak_held_bytes, held + full.nbytes + fresh)
                 held += sum(t.nbytes for t in hf.values())
-                pending.update(hf)
+                pending.update({k: t.cpu() for k, t in hf.items()})  # accelerator memory: 1 tensor
                 del full, hf
             if rank == file.writer:
                 sums[file.name] = save_hf_shard_file(pending, out, file.name)
