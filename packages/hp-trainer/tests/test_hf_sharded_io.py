@@ -338,6 +338,8 @@ def test_max_shard_size_knob_is_checked_when_the_config_is_parsed() -> None:
     assert parse_args([]).checkpoint.hf_max_shard_size == "5GB"  # HF's default
     cfg = parse_args(["--checkpoint.hf_max_shard_size", "500MiB"])
     assert cfg.checkpoint.hf_max_shard_size == "500MiB"
+    manager = CheckpointManager(None, [nn.Linear(2, 2)], None, None, {}, cfg.checkpoint)
+    assert manager.options.hf_max_shard_size == "500MiB"  # what export_hf passes to the writer
     for bad in ("lots", "0", "-1GB", "5 parsecs"):
         with pytest.raises(ValueError, match=re.escape(f"hf_max_shard_size = {bad!r}")):
             parse_args(["--checkpoint.hf_max_shard_size", bad])
