@@ -172,6 +172,8 @@ def test_parquet_through_datasets_and_hub_names_offline(
     # hub names need a network: offline they fail with a clear message
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # datasets reads the variable when imported: an earlier import would keep trying the network
+    monkeypatch.setattr(sys.modules["datasets"].config, "HF_HUB_OFFLINE", True)
     assert main(["someone/no-such-dataset", "-o", str(tmp_path / "h"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "could not read the dataset 'someone/no-such-dataset' from the HuggingFace hub" in err

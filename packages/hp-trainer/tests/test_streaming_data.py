@@ -3,6 +3,7 @@ a partition of the corpus over data-parallel ranks, exact resume, bad input name
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import sys
@@ -28,9 +29,10 @@ from hp_trainer import (
 from hp_trainer.preflight import preflight
 from hp_trainer.streaming import StreamingSource, check_streaming_source
 
-datasets = pytest.importorskip("datasets")
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
+# imported in the tests, not when pytest collects every file (datasets takes seconds to import)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is None, reason="needs the datasets extra"
+)
 
 DOCS = 90
 SEQ = 32
@@ -39,6 +41,8 @@ SEQ = 32
 @contextmanager
 def _datasets_cache(folder: Path) -> Iterator[None]:
     """``datasets`` writes lock files into its cache even when streaming: keep them in tmp."""
+    import datasets
+
     before = datasets.config.HF_DATASETS_CACHE
     datasets.config.HF_DATASETS_CACHE = folder / "hf-datasets-cache"
     try:
@@ -74,6 +78,9 @@ def _write_corpus(folder: Path) -> dict[str, Path]:
     docs = _documents()
     folder.mkdir(parents=True, exist_ok=True)
     _write_jsonl(folder / "one.jsonl", docs)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     pq.write_table(
         pa.table({"body": docs, "n": list(range(DOCS))}), folder / "one.parquet", row_group_size=16
     )
