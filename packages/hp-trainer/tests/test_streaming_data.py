@@ -209,8 +209,17 @@ def test_resume_continues_at_the_next_token_on_three_ranks(corpus: Path, tmp_pat
 _CKPT = {"enable": True, "interval": 2, "last_save_model_only": False}
 
 
-def _job(folder: Path, run: str, *, streaming: bool, steps: int, ckpt: bool = False) -> Any:
-    cfg = _helpers().job(folder, {}, run=run, steps=steps, checkpoint=_CKPT if ckpt else {})
+def _job(
+    folder: Path,
+    run: str,
+    *,
+    streaming: bool,
+    steps: int,
+    ckpt: bool = False,
+    par: dict[str, int] | None = None,
+) -> Any:
+    checkpoint = _CKPT if ckpt else {}
+    cfg = _helpers().job(folder, par or {}, run=run, steps=steps, checkpoint=checkpoint)
     cfg.data.dataset = str(folder / "one.jsonl")
     cfg.data.jsonl_text_field = "body"
     cfg.data.shuffle = False
@@ -237,27 +246,41 @@ def test_three_steps_streamed_equal_the_in_memory_run(corpus: Path, tmp_path: Pa
     assert streamed == in_memory  # the same samples in the same order: bitwise
 
 
-def _stop_resume_dp2(folder: str) -> tuple[list[float], list[float], list[float]]:
-    root = Path(folder)
+def _stop_resume_on_ranks(
+    folder: str, par: dict[str, int]
+) -> tuple[list[float], list[float], list[float]]:
+    root = Path(folder) / "x".join(f"{k[0]}{v}" for k, v in par.items())
     with _datasets_cache(root / f"rank{dist.get_rank()}"):
-        return _stop_resume(root)
+        return _stop_resume(Path(folder), root.name, par)
 
 
-def _stop_resume(root: Path) -> tuple[list[float], list[float], list[float]]:
-    full = _train(_job(root, "full", streaming=True, steps=4))
-    stopped = _train(_job(root, "stop", streaming=True, steps=4, ckpt=True), stop_after=2)
-    resumed = _train(_job(root, "stop", streaming=True, steps=4, ckpt=True))
+def _stop_resume(
+    root: Path, tag: str, par: dict[str, int]
+) -> tuple[list[float], list[float], list[float]]:
+    def job(run: str, ckpt: bool) -> Any:
+        return _job(root, f"{tag}-{run}", streaming=True, steps=4, ckpt=ckpt, par=par)
+
+    full = _train(job("full", False))
+    stopped = _train(job("stop", True), stop_after=2)
+    resumed = _train(job("stop", True))
     return full, stopped, resumed
 
 
 def test_stop_and_resume_on_dp2_continue_the_stream(corpus: Path, tmp_path: Path) -> None:
+    """dp 2, then dp 2 x tp 2 (the same data per dp rank; tp peers read the same part)."""
     shutil.copytree(corpus, tmp_path / "run")
-    results = run_distributed(_stop_resume_dp2, 2, str(tmp_path / "run"), timeout=180)
+    dp2 = {"data_parallel_shard_degree": 2}
+    results = run_distributed(_stop_resume_on_ranks, 2, str(tmp_path / "run"), dp2, timeout=180)
     full, stopped, resumed = results[0]
     assert stopped == full[:2]
     assert resumed == full[2:]  # the checkpointed stream position: the next batches exactly
-    # the same checkpoint in one process (dp 1): refused through the checkpoint load, both named
-    longer = _job(tmp_path / "run", "stop", streaming=True, steps=6, ckpt=True)
+    dp2tp2 = {**dp2, "tensor_parallel_degree": 2}
+    tp = run_distributed(_stop_resume_on_ranks, 4, str(tmp_path / "run"), dp2tp2, timeout=180)
+    tp_full, tp_stopped, tp_resumed = tp[0]
+    torch.testing.assert_close(torch.tensor(tp_full), torch.tensor(full), rtol=1e-5, atol=1e-5)
+    assert tp_stopped + tp_resumed == tp_full
+    # the dp-2 checkpoint in one process (dp 1): refused through the checkpoint load, both named
+    longer = _job(tmp_path / "run", "d2-stop", streaming=True, steps=6, ckpt=True)
     with pytest.raises(ValueError, match="degree 2, this run has data-parallel degree 1"):
         _train(longer)
 
