@@ -408,7 +408,8 @@ class DataConfig:
     """``tiny_stories_synth`` (the shipped corpus), or a path to a ``.txt``/``.txt.gz`` file (one
     document per line), a ``.jsonl`` file, or a folder of such files."""
     jsonl_text_field: str = "text"
-    """Field holding the document text in JSONL files."""
+    """Field holding the document text in JSONL files, and in the records of a streamed
+    dataset (``streaming``; text files always use ``text``)."""
     tokenizer_path: str = "builtin"
     """``tokenizer.json`` file or folder holding one (``builtin``: the shipped 2K BPE)."""
     bos_token: str | None = None
