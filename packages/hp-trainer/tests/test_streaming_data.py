@@ -237,11 +237,18 @@ def _train(cfg: Any, stop_after: int | None = None) -> list[float]:
         trainer.close()
 
 
-def test_three_steps_streamed_equal_the_in_memory_run(corpus: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mask", ["causal", "block_causal"])
+def test_three_steps_streamed_equal_the_in_memory_run(
+    corpus: Path, tmp_path: Path, mask: str
+) -> None:
     folder = tmp_path / "run"
     shutil.copytree(corpus, folder)
-    streamed = _train(_job(folder, "streamed", streaming=True, steps=3))
-    in_memory = _train(_job(folder, "memory", streaming=False, steps=3))
+    runs = []
+    for streaming in (True, False):
+        cfg = _job(folder, f"streamed-{streaming}", streaming=streaming, steps=3)
+        cfg.model.attn_mask_type = mask  # document masking: ids from the packed tokens
+        runs.append(_train(cfg))
+    streamed, in_memory = runs
     assert len(streamed) == 3
     assert streamed == in_memory  # the same samples in the same order: bitwise
 
