@@ -32,8 +32,6 @@ _BAD = [
      ["tp(3)", "= 6 != world_size(4)"]),
     (8, {"pipeline_parallel_degree": 2}, "qwen3_moe", "tiny",
      ["pipeline_parallel_degree = 2", "'qwen3_moe'", "no pipeline splitter"]),
-    (4, {"context_parallel_degree": 2}, "deepseek_v3", "tiny",
-     ["context_parallel_degree = 2", "deepseek_v3", "no context-parallel path"]),
     (3, {"tensor_parallel_degree": 3}, "llama3", "tiny",
      ["tensor_parallel_degree = 3", "n_heads = 4"]),
     (2, {"tensor_parallel_degree": 2}, "llama3", "3.2-1B",
@@ -76,6 +74,24 @@ def test_pipeline_with_validation_loop_fails_up_front() -> None:
     )
     with pytest.raises(ValueError, match=r"validation\.enable = true with pipeline_parallel"):
         validate_parallel_layout(cfg, 2)
+
+
+def test_cp_with_a_model_without_a_cp_path_fails_up_front(monkeypatch: Any) -> None:
+    import dataclasses
+
+    import hp_trainer.model_spec as model_spec
+
+    spec = model_spec.get_model_spec("deepseek_v3")
+    plain = dataclasses.replace(spec, extra={})  # an attention without a CP path
+    monkeypatch.setattr(model_spec, "get_model_spec", lambda name: plain)
+    with pytest.raises(ValueError, match="deepseek_v3/tiny's attention has no context-parallel"):
+        validate_parallel_layout(_cfg({"context_parallel_degree": 2}, "deepseek_v3"), 2)
+
+
+def test_moe_models_with_cp_and_ep_are_accepted() -> None:
+    for model in ("qwen3_moe", "deepseek_v3"):
+        par = {"context_parallel_degree": 2, "expert_parallel_degree": 2}
+        validate_parallel_layout(_cfg(par, model), 4)
 
 
 def test_ulysses_degree_must_divide_the_heads() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_ep import MoEArgs
@@ -141,7 +142,13 @@ class MLAttention(nn.Module):
         )
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        pad = q.shape[-1] - self.v_head_dim
+        if pad > 0:
+            # fused kernels (the CPU flash kernel context parallelism runs on, flash on GPUs)
+            # need one head size: zero value columns add exact zeros, sliced off again
+            v = F.pad(v, (0, pad))
         out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask)
+        out = out[..., : self.v_head_dim]
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         return result
 
@@ -246,5 +253,6 @@ register_model_spec(
         model_cls=DeepSeekV3,
         parallelize_fn=parallelize_deepseek_v3,
         state_dict_adapter=DeepSeekV3StateDictAdapter,
+        extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
     )
 )

@@ -107,5 +107,6 @@ register_model_spec(
         model_cls=Qwen3MoE,
         parallelize_fn=parallelize_qwen3_moe,
         state_dict_adapter=Qwen3MoeStateDictAdapter,
+        extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
     )
 )
