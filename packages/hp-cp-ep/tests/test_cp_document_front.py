@@ -2,8 +2,8 @@
 
 The whole-sequence document ids are sharded like the buffers and go with every redirected SDPA
 call; output and gradients equal single-device SDPA with the block-causal mask (2 ranks,
-load-balanced shards, grouped-query heads, all-gather and Ulysses), a mesh of one rank masks
-too, and the ring refuses them.
+load-balanced shards, grouped-query heads, all-gather, Ulysses and the ring), and a mesh of one
+rank masks too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _inputs() -> tuple[torch.Tensor, ...]:
     return q, k, v, docs
 
 
-@pytest.mark.parametrize("mode", ["allgather", "ulysses"])
+@pytest.mark.parametrize("mode", ["allgather", "ulysses", "ring"])
 @distributed(world_size=2)
 def test_document_ids_reach_every_sdpa_call(mode: str) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
@@ -49,18 +49,6 @@ def test_document_ids_reach_every_sdpa_call(mode: str) -> None:
     with context_parallel(mesh, mode=mode):
         causal = F.scaled_dot_product_attention(*local, is_causal=True, enable_gqa=True)
     assert (causal - out).abs().max() > 1e-3
-
-
-@distributed(world_size=2)
-def test_ring_refuses_document_ids() -> None:
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    q, k, v, docs = _inputs()
-    local = [shard_sequence(t, mesh, 2) for t in (q, k, v)]
-    with (
-        pytest.raises(ValueError, match="'allgather' mode only"),
-        context_parallel(mesh, mode="ring", document_ids=docs),
-    ):
-        F.scaled_dot_product_attention(*local, is_causal=True, enable_gqa=True)
 
 
 @distributed(world_size=2)

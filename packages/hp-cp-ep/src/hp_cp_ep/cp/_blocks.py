@@ -87,19 +87,65 @@ def plan_tasks(
     return tasks
 
 
+def restrict_to_documents(
+    tasks: Sequence[BlockTask],
+    q_doc: torch.Tensor,
+    kv_doc: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+) -> list[BlockTask]:
+    """The tasks restricted to query/key pairs of the same document (packed sequences).
+
+    A task whose rows all share one document with its keys is kept as it is (so a single
+    document computes exactly the plain causal or full blocks); a task with no same-document
+    pair is dropped (no kernel call); any other task gets a boolean mask, same document and, for
+    a causal task, key position at or before the query position.
+
+    Args:
+        tasks: The block's tasks from :func:`plan_tasks`.
+        q_doc: Document ids of the local query rows, ``[Sq]`` or ``[B, Sq]``.
+        kv_doc: Document ids of the block's key rows, ``[Sk]`` or ``[B, Sk]``.
+        q_pos: Global positions of the query rows, ``[Sq]``.
+        kv_pos: Global positions of the key rows, ``[Sk]``.
+
+    Returns:
+        The tasks to run; empty when no query row sees any key of the block.
+    """
+    kept: list[BlockTask] = []
+    for t in tasks:
+        same = q_doc[..., t.q0 : t.q1, None] == kv_doc[..., None, t.k0 : t.k1]
+        if bool(same.all()):
+            kept.append(t)
+            continue
+        if t.is_causal:
+            same = same & (q_pos[t.q0 : t.q1, None] >= kv_pos[None, t.k0 : t.k1])
+        if not bool(same.any()):
+            continue
+        mask = same.unsqueeze(-3) if same.dim() == 3 else same[None, None]  # [B or 1, 1, q, k]
+        kept.append(BlockTask(t.q0, t.q1, t.k0, t.k1, False, mask))
+    return kept
+
+
 class PartialOutput:
-    """Running LSE-merged attention output of the local queries (float32 accumulation)."""
+    """Running LSE-merged attention output of the local queries.
+
+    Accumulated in float32, or float64 for float64 inputs (the CPU kernel's backward takes the
+    LSE in that dtype).
+    """
 
     def __init__(self, q: torch.Tensor, head_dim_v: int) -> None:
         b, h, s, _ = q.shape
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(b, h, s, head_dim_v, dtype=acc_dtype, device=q.device)
-        self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        self.lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=q.device)
 
     def add(self, q0: int, q1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         rows = slice(q0, q1)
         merged_out, merged_lse = merge_attention_partials(
-            self.out[:, :, rows], self.lse[:, :, rows], out.to(self.out.dtype), lse.float()
+            self.out[:, :, rows],
+            self.lse[:, :, rows],
+            out.to(self.out.dtype),
+            lse.to(self.lse.dtype),
         )
         self.out[:, :, rows] = merged_out
         self.lse[:, :, rows] = merged_lse
@@ -125,7 +171,14 @@ def run_forward(
             scale=scale,
             mask=t.mask,
         )
-        partial.add(t.q0, t.q1, res.out, res.lse)
+        out, lse = res.out, res.lse
+        if t.mask is not None:
+            # A row that sees no key of this block must merge as "no contribution": LSE -inf
+            # and a finite output (the CPU kernel reports LSE 0 for such rows).
+            empty = ~t.mask.any(-1)
+            lse = lse.masked_fill(empty, float("-inf"))
+            out = out.masked_fill(empty[..., None], 0.0)
+        partial.add(t.q0, t.q1, out, lse)
         aux.append(res.aux)
     return aux
 

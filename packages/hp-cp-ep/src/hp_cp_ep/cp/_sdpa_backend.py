@@ -170,6 +170,7 @@ class _CudaKernel:
         heads, kv_heads = q.shape[1], k.shape[1]
         k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
         aux, trailing = aux
+        lse = lse.float()  # the CUDA kernels keep their LSE in float32
         lse = lse.unsqueeze(-1) if trailing else lse
         kind = aux[0]
         if kind == "flash":

@@ -7,12 +7,17 @@ values reach the queries:
 * ``"ring"``: K/V blocks travel around the context-parallel group by point-to-point sends; the
   next hop is issued before the current block is computed. The backward passes K/V around again
   with a travelling dK/dV accumulator. Memory per rank: two K/V blocks.
-* ``"allgather"``: K/V are all-gathered, queries stay local (the Llama 3 paper's CP); the only
-  mode with a per-document (packed sequence) mask. Memory: the whole K/V.
+* ``"allgather"``: K/V are all-gathered, queries stay local (the Llama 3 paper's CP). Memory:
+  the whole K/V.
 * ``"ulysses"``: an all-to-all turns the sequence shard with all heads into the whole sequence
   with ``heads / cp`` heads; attention is then local. Needs heads divisible by cp.
 * 2-D hybrid: on a 2-D mesh ``(outer, ulysses)`` Ulysses runs over dim 1 and ring (``"hybrid"``
   or ``"ring"``) or all-gather (``"allgather"``) over dim 0.
+
+Every mode takes document ids (packed sequences: a query attends only to keys of its document).
+The ring all-gathers them once (tiny integer tensors) and masks each step's block by document and
+global position; a block holding no same-document pair is skipped, and a query row that sees no
+key of a block merges as an empty partial (LSE ``-inf``).
 
 Tensors are ``[batch, heads, local_seq, head_dim]`` as for ``F.scaled_dot_product_attention``,
 sharded along the sequence by :class:`~hp_cp_ep.cp._layout.ChunkLayout` over the flattened mesh.
@@ -34,6 +39,7 @@ from hp_cp_ep.cp._blocks import (
     PartialOutput,
     add_kv_grads,
     plan_tasks,
+    restrict_to_documents,
     run_backward,
     run_forward,
 )
@@ -48,6 +54,15 @@ CP_MODES = ("ring", "allgather", "ulysses", "hybrid")
 
 
 @dataclass(frozen=True)
+class _RingDocuments:
+    """Document ids of the local queries and of every ring rank's K/V block (gathered once)."""
+
+    q_doc: torch.Tensor
+    q_pos: torch.Tensor
+    kv_doc_of: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
 class _RingSpec:
     group: ProcessGroup
     size: int
@@ -58,6 +73,17 @@ class _RingSpec:
     is_causal: bool
     scale: float | None
     kernel: AttentionKernel
+    documents: _RingDocuments | None = None
+
+    def tasks(self, src: int) -> list[BlockTask]:
+        """The kernel calls of the local queries against the K/V block of ring rank ``src``."""
+        kv_ids = self.kv_ids_of[src]
+        tasks = plan_tasks(self.q_ids, kv_ids, self.chunk_len, self.is_causal)
+        if self.documents is None:
+            return tasks
+        docs = self.documents
+        kv_pos = _positions(kv_ids, self.chunk_len, docs.q_pos.device)
+        return restrict_to_documents(tasks, docs.q_doc, docs.kv_doc_of[src], docs.q_pos, kv_pos)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -72,8 +98,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(spec.size):
             if step + 1 < spec.size:
                 exchange.start((k_cur, v_cur))  # the next hop flies while this block computes
-            src = (spec.rank - step) % spec.size
-            tasks = plan_tasks(spec.q_ids, spec.kv_ids_of[src], spec.chunk_len, spec.is_causal)
+            tasks = spec.tasks((spec.rank - step) % spec.size)
             aux.append(run_forward(spec.kernel, q, k_cur, v_cur, tasks, spec.scale, partial))
             if step + 1 < spec.size:
                 k_cur, v_cur = exchange.wait()
@@ -95,8 +120,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(spec.size):
             if step + 1 < spec.size:
                 kv_exchange.start((k_cur, v_cur))
-            src = (spec.rank - step) % spec.size
-            tasks = plan_tasks(spec.q_ids, spec.kv_ids_of[src], spec.chunk_len, spec.is_causal)
+            tasks = spec.tasks((spec.rank - step) % spec.size)  # the forward's, masks included
             grads = run_backward(
                 spec.kernel, dout, q, k_cur, v_cur, out, lse, tasks, ctx.aux[step], spec.scale, dq
             )
@@ -255,14 +279,14 @@ class ContextParallelAttention:
             scale: Softmax scale (default ``1 / sqrt(D)``).
             document_ids: ``[s]`` or ``[B, s]`` integer document ids of the local positions
                 (sharded like the sequence); a query attends only to keys of its document
-                (packed sequences). ``"allgather"`` mode only.
+                (packed sequences). Every mode.
 
         Returns:
             The local shard of the attention output, ``[B, H, s, Dv]``.
 
         Raises:
             ValueError: Bad shapes, heads not divisible by the Ulysses degree, a local length
-                not divisible into the layout's chunks, or a document mask outside allgather.
+                not divisible into the layout's chunks, or document ids of the wrong shape.
         """
         self._check(query, key, value, document_ids)
         if self.degree == 1 and document_ids is None:
@@ -314,9 +338,15 @@ class ContextParallelAttention:
             all_ids = tuple(
                 tuple(sorted(self._ids_after_ulysses(r))) for r in range(self.outer_size)
             )
+            documents = None
+            if document_ids is not None:
+                # tiny int tensors: gathered once instead of travelling with every K/V hop
+                kv_docs = torch.split(_gather_ids(document_ids, group), q.shape[2], dim=-1)
+                q_pos = _positions(q_ids, chunk_len, q.device)
+                documents = _RingDocuments(document_ids, q_pos, tuple(kv_docs))
             spec = _RingSpec(
                 group, self.outer_size, self.outer_rank, q_ids, all_ids, chunk_len, is_causal,
-                scale, kernel,
+                scale, kernel, documents,
             )  # fmt: skip
             out: torch.Tensor = _RingAttention.apply(q, k, v, spec)  # type: ignore[no-untyped-call]
             return out
@@ -366,17 +396,13 @@ class ContextParallelAttention:
                 f"Ulysses degree {self.ulysses_size}"
             )
         self.layout.check_length(q.shape[2] * self.degree)
-        if document_ids is not None:
-            if self.exchange != "allgather" and self.outer_size > 1:
-                raise ValueError(
-                    "document (packed-sequence) masks are supported in 'allgather' mode only; "
-                    f"got mode {self.mode!r}"
-                )
-            if document_ids.shape[-1] != q.shape[2] or document_ids.dim() not in (1, 2):
-                raise ValueError(
-                    f"document_ids must be [local_seq] or [batch, local_seq] with local_seq = "
-                    f"{q.shape[2]}; got shape {tuple(document_ids.shape)}"
-                )
+        if document_ids is not None and (
+            document_ids.shape[-1] != q.shape[2] or document_ids.dim() not in (1, 2)
+        ):
+            raise ValueError(
+                f"document_ids must be [local_seq] or [batch, local_seq] with local_seq = "
+                f"{q.shape[2]}; got shape {tuple(document_ids.shape)}"
+            )
 
 
 def _gather_ids(ids: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

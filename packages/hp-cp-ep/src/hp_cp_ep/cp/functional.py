@@ -103,8 +103,7 @@ def context_parallel(
         document_ids: Keyword-only extension: ``[seq]`` or ``[batch, seq]`` integer document
             ids of the whole sequence (packed documents; not modified). They are sharded like
             the buffers and go with every SDPA call, so a query attends only to keys of its
-            own document. Modes ``"allgather"`` and ``"ulysses"`` (the engine refuses the
-            ring).
+            own document. Every mode.
 
     Yields:
         Nothing; SDPA is redirected while the block runs.
