@@ -198,7 +198,11 @@ class TorchSourceLinks:
 
 @dataclass(frozen=True)
 class TorchTitanSources:
-    """The checked-in map: object name -> file, file -> pinned commit of pytorch/torchtitan."""
+    """The checked-in map: object name -> file, file -> pinned commit of pytorch/torchtitan.
+
+    An object may name its own commit (``"path@<sha>"``) when the file's pinned copy lacks it
+    and an older or newer copy of the same file defines it.
+    """
 
     files: dict[str, str]
     objects: dict[str, str]
@@ -207,17 +211,18 @@ class TorchTitanSources:
     def load(cls, path: Path = TORCHTITAN_SOURCES) -> TorchTitanSources:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
         sources = cls(files=dict(data["files"]), objects=dict(data["objects"]))
-        unpinned = sorted(set(sources.objects.values()) - set(sources.files))
+        paths = {value.partition("@")[0] for value in sources.objects.values()}
+        unpinned = sorted(paths - set(sources.files))
         if unpinned:
             raise ValueError(f"{path}: objects in files without a pinned commit: {unpinned}")
         return sources
 
     def url(self, target: str) -> str:
         """Link for a TorchTitan object (``torchtitan.x.Y``) or file (``torchtitan/x.py``)."""
-        path = target if "/" in target else self.objects.get(target)
-        if path is None or path not in self.files:
+        path, _, commit = (target if "/" in target else self.objects.get(target, "")).partition("@")
+        if path not in self.files:
             raise UnknownTargetError(
                 f"TorchTitan target {target!r} is not in {TORCHTITAN_SOURCES.name}: add it "
                 "with the file that defines it at a commit you checked"
             )
-        return f"{TORCHTITAN_REPO}/blob/{self.files[path]}/{path}"
+        return f"{TORCHTITAN_REPO}/blob/{commit or self.files[path]}/{path}"

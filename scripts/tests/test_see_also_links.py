@@ -153,3 +153,29 @@ def test_pytorch_links_point_at_the_source_of_the_installed_version() -> None:
     path, _, line = url.split(f"v{version}/", 1)[1].partition("#L")
     lines = (Path(torch.__file__).parent.parent / path).read_text(encoding="utf-8").splitlines()
     assert "def fully_shard(" in "\n".join(lines[int(line) - 1 : int(line) + 20])
+
+
+def test_an_object_may_pin_its_own_commit_of_a_file() -> None:
+    pinned, older = "1" * 40, "2" * 40
+    titan = TorchTitanSources(
+        files={"torchtitan/x.py": pinned},
+        objects={
+            "torchtitan.x.New": "torchtitan/x.py",
+            "torchtitan.x.Old": f"torchtitan/x.py@{older}",
+        },
+    )
+    blob = "https://github.com/pytorch/torchtitan/blob"
+    assert titan.url("torchtitan.x.New") == f"{blob}/{pinned}/torchtitan/x.py"
+    assert titan.url("torchtitan.x.Old") == f"{blob}/{older}/torchtitan/x.py"
+    assert titan.url("torchtitan/x.py") == f"{blob}/{pinned}/torchtitan/x.py"
+    with pytest.raises(UnknownTargetError):
+        titan.url("torchtitan.x.Missing")
+
+
+def test_every_mapped_file_is_pinned() -> None:
+    titan = TorchTitanSources.load()
+    for name, value in titan.objects.items():
+        path, _, commit = value.partition("@")
+        assert path in titan.files, name
+        assert commit == "" or re.fullmatch(r"[0-9a-f]{40}", commit), name
+    assert all(re.fullmatch(r"[0-9a-f]{40}", sha) for sha in titan.files.values())
