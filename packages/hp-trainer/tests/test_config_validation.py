@@ -30,8 +30,6 @@ _BAD = [
     # (world size, parallelism, model, flavor, words the message must contain)
     (4, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 3}, "llama3", "tiny",
      ["tp(3)", "= 6 != world_size(4)"]),
-    (8, {"pipeline_parallel_degree": 2}, "qwen3_moe", "tiny",
-     ["pipeline_parallel_degree = 2", "'qwen3_moe'", "no pipeline splitter"]),
     (3, {"tensor_parallel_degree": 3}, "llama3", "tiny",
      ["tensor_parallel_degree = 3", "n_heads = 4"]),
     (2, {"tensor_parallel_degree": 2}, "llama3", "3.2-1B",
@@ -88,10 +86,28 @@ def test_cp_with_a_model_without_a_cp_path_fails_up_front(monkeypatch: Any) -> N
         validate_parallel_layout(_cfg({"context_parallel_degree": 2}, "deepseek_v3"), 2)
 
 
-def test_moe_models_with_cp_and_ep_are_accepted() -> None:
+def test_pp_with_a_model_without_a_splitter_fails_up_front(monkeypatch: Any) -> None:
+    import dataclasses
+
+    import hp_trainer.model_spec as model_spec
+
+    spec = model_spec.get_model_spec("qwen3_moe")
+    plain = dataclasses.replace(spec, pipelining_fn=None)
+    monkeypatch.setattr(model_spec, "get_model_spec", lambda name: plain)
+    with pytest.raises(ValueError, match="pipeline_parallel_degree = 2") as info:
+        validate_parallel_layout(_cfg({"pipeline_parallel_degree": 2}, "qwen3_moe"), 8)
+    assert "'qwen3_moe'" in str(info.value)
+    assert "no pipeline splitter" in str(info.value)
+
+
+def test_moe_models_with_cp_pp_and_ep_are_accepted() -> None:
     for model in ("qwen3_moe", "deepseek_v3"):
-        par = {"context_parallel_degree": 2, "expert_parallel_degree": 2}
-        validate_parallel_layout(_cfg(par, model), 4)
+        for par in (
+            {"context_parallel_degree": 2, "expert_parallel_degree": 2},
+            {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2},
+            {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
+        ):
+            validate_parallel_layout(_cfg(par, model), 4)
 
 
 def test_ulysses_degree_must_divide_the_heads() -> None:
@@ -159,5 +175,5 @@ def test_composable_layouts_pass(ws: int, par: dict[str, Any]) -> None:
 
 def test_preflight_runs_the_layout_check() -> None:
     # hp-train calls preflight before it starts any rank
-    with pytest.raises(ValueError, match="no pipeline splitter"):
-        preflight(_cfg({"pipeline_parallel_degree": 2}, model="deepseek_v3"), 2)
+    with pytest.raises(ValueError, match="tensor parallelism of multi-head latent attention"):
+        preflight(_cfg({"tensor_parallel_degree": 2}, model="deepseek_v3"), 2)

@@ -124,7 +124,6 @@ def test_expert_load_of_a_known_routing_equals_hand_counts() -> None:
 @pytest.mark.parametrize(
     ("model", "par", "world", "match"),
     [
-        ("qwen3_moe", {"pipeline_parallel_degree": 2}, 2, "pipeline_parallel_degree = 2"),
         ("deepseek_v3", {"tensor_parallel_degree": 2}, 2, "latent attention"),
         ("qwen3_moe", {"expert_parallel_degree": 3}, 3, "divide the model's 8 experts"),
         (

@@ -72,3 +72,36 @@ def test_moe_with_context_parallel_matches_single_process(tmp_path: Path, layout
         assert sum(layer["tokens_per_expert"]) == 4 * 32 * 2  # step tokens x top_k
     if model == "deepseek_v3":
         assert ref_state["layers.1.moe.expert_bias"].abs().sum() > 0
+
+
+_PP_LAYOUTS = {
+    # two stages per rank (embedding, block 0 | block 1, head), FSDP over dp_shard 2 inside
+    "qwen3_moe-pp2xdp2-interleaved": (
+        "qwen3_moe",
+        {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "Interleaved1F1B"},
+    ),
+    # experts over ep 2 (borrowed from dp_shard 2) inside each stage; the routing bias of
+    # deepseek_v3's MoE block (second stage) moves from its own stage's counts
+    "deepseek_v3-pp2xdp2xep2": (
+        "deepseek_v3",
+        {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(_PP_LAYOUTS))
+def test_moe_with_pipeline_parallel_matches_single_process(tmp_path: Path, layout: str) -> None:
+    model, par = _PP_LAYOUTS[layout]
+    results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "pp", timeout=180)
+    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 4, {}, "ref")
+    _helpers().assert_matches_reference(
+        [r[:3] for r in results],
+        (ref_losses, ref_norms, ref_state),
+        norm_rtol=1e-5,
+        norm_atol=1e-5,
+    )
+    # every rank reports the load of every MoE layer, whichever stage holds it
+    for result in results:
+        assert result[3][-1]["moe_layers"] == ref_history[-1]["moe_layers"]
+    if model == "deepseek_v3":
+        assert ref_state["layers.1.moe.expert_bias"].abs().sum() > 0

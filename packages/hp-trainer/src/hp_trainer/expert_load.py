@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_cp_ep import ExpertLoad, moe_layers, update_expert_bias
+from hp_cp_ep import ExpertLoad, expert_load, moe_layers, update_expert_bias
 
 __all__ = ["ExpertLoadTracker", "format_expert_load"]
 
@@ -21,23 +22,37 @@ class ExpertLoadTracker:
     the ranks expert parallelism borrows) in one all-reduce by
     :func:`hp_cp_ep.update_expert_bias`, which moves each layer's ``expert_bias`` (when the
     layer has one) and resets the counts. A model without MoE layers makes :meth:`step` a no-op
-    and :meth:`metrics` None.
+    and :meth:`metrics` None. Under pipeline parallelism each rank updates the layers of its
+    own stages, and the loads of all stages are then gathered over ``pipeline_group`` so that
+    every rank (the one logging included) reports every layer.
 
     Args:
         model_parts: The model (or its pipeline stages).
         process_group: The group the counts are summed over (None: no reduction, or the
             default group when one is initialized).
+        pipeline_group: Keyword-only extension: the pipeline group whose stages' loads are
+            gathered (None: this rank holds every layer). Creating the tracker is then
+            collective over it (a stage without MoE layers still joins the gathers).
 
     See Also:
         TorchTitan's :titan:`build_optimizers_with_moe_load_balancing` (its optimizer hook).
     """
 
     def __init__(
-        self, model_parts: Sequence[nn.Module], process_group: dist.ProcessGroup | None
+        self,
+        model_parts: Sequence[nn.Module],
+        process_group: dist.ProcessGroup | None,
+        *,
+        pipeline_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model_parts = list(model_parts)
         self.process_group = process_group
+        self.pipeline_group = pipeline_group
         self.enabled = any(moe_layers(part) for part in self.model_parts)
+        if pipeline_group is not None:  # some stage holds MoE layers: every stage gathers
+            flag = torch.tensor([int(self.enabled)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pipeline_group)
+            self.enabled = bool(flag.item())
         self.loads: dict[str, ExpertLoad] = {}
         """The global load of every MoE layer over the last step, by FQN."""
 
@@ -51,8 +66,21 @@ class ExpertLoadTracker:
         loads: dict[str, ExpertLoad] = {}
         for part in self.model_parts:
             loads.update(update_expert_bias(part, self.process_group))
+        if self.pipeline_group is not None:
+            loads = self._gather_stages(loads, self.pipeline_group)
         self.loads = loads
         return loads
+
+    @staticmethod
+    def _gather_stages(
+        loads: dict[str, ExpertLoad], pipeline_group: dist.ProcessGroup
+    ) -> dict[str, ExpertLoad]:
+        """The loads of every stage's layers (already global over data parallel), by FQN."""
+        mine = {name: load.tokens_per_expert.tolist() for name, load in loads.items()}
+        stages: list[Any] = [None] * dist.get_world_size(pipeline_group)
+        dist.all_gather_object(stages, mine, group=pipeline_group)
+        counts = {name: c for stage in stages for name, c in stage.items()}
+        return {name: expert_load(torch.tensor(c)) for name, c in counts.items()}
 
     def metrics(self) -> dict[str, Any] | None:
         """The last step's load as JSONL fields (None without MoE layers or before a step).

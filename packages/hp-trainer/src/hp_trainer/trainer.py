@@ -247,7 +247,9 @@ class Trainer:
         self.lr_schedulers = build_lr_schedulers(self.optimizers, training.steps, cfg.lr_scheduler)
         # MoE: routing-bias update and expert-load metrics, counts summed over dp x cp
         self.expert_load = ExpertLoadTracker(
-            self.model_parts, dims.get_mesh("dp_cp").get_group() if self.world_size > 1 else None
+            self.model_parts,
+            dims.get_mesh("dp_cp").get_group() if self.world_size > 1 else None,
+            pipeline_group=dims.get_mesh("pp").get_group() if self.pipeline is not None else None,
         )
         self.dataset: TokenizedDataset | PreparedTokenDataset | None = None  # None: streamed
         self.dataloader: ParallelAwareDataloader | StreamingTextLoader

@@ -191,12 +191,6 @@ def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None
         :func:`hp_trainer.layout_validation.validate_parallel_layout`, which raises it.
     """
     dims = parallel_dims
-    if dims.pp > 1:
-        return (
-            f"parallelism.pipeline_parallel_degree = {dims.pp}: the MoE models (qwen3_moe, "
-            "deepseek_v3) train with expert, context, tensor and data parallelism (FSDP/HSDP) "
-            "in this release; use pipeline_parallel_degree = 1"
-        )
     if dims.tp > 1 and getattr(model_args, "kv_lora_rank", None) is not None:
         return (
             f"parallelism.tensor_parallel_degree = {dims.tp}: tensor parallelism of multi-head "
@@ -252,7 +246,7 @@ def parallelize_moe_decoder(
         The model, parallelized in place.
 
     Raises:
-        ValueError: For a layout :func:`moe_layout_error` refuses (PP; TP of latent
+        ValueError: For a layout :func:`moe_layout_error` refuses (TP of latent
             attention; degrees not dividing the experts, their hidden size or ``dp_shard``).
 
     See Also:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_ep import MoEArgs
+from hp_trainer.distributed.pipeline import pipeline_decoder
 from hp_trainer.hf_moe_adapters import DeepSeekV3StateDictAdapter
 from hp_trainer.model_spec import ModelSpec, register_model_spec
 from hp_trainer.models._moe_block import MoEDecoder, MoEDecoderArgs
@@ -253,6 +254,7 @@ register_model_spec(
         model_cls=DeepSeekV3,
         parallelize_fn=parallelize_deepseek_v3,
         state_dict_adapter=DeepSeekV3StateDictAdapter,
+        pipelining_fn=pipeline_decoder,
         extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
     )
 )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from hp_cp_ep import MoEArgs
+from hp_trainer.distributed.pipeline import pipeline_decoder
 from hp_trainer.hf_moe_adapters import Qwen3MoeStateDictAdapter
 from hp_trainer.model_spec import ModelSpec, register_model_spec
 from hp_trainer.models._moe_block import MoEDecoder, MoEDecoderArgs
@@ -107,6 +108,7 @@ register_model_spec(
         model_cls=Qwen3MoE,
         parallelize_fn=parallelize_qwen3_moe,
         state_dict_adapter=Qwen3MoeStateDictAdapter,
+        pipelining_fn=pipeline_decoder,
         extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
     )
 )
