@@ -206,10 +206,10 @@ def test_config_option_and_its_refusals() -> None:
     assert _parse(*cp).parallelism.context_parallel_rotate_method == "allgather"
     with pytest.raises(ValueError, match="both pipeline_parallel_degree and context_parallel"):
         _parse(*cp, *pp)
-    _parse(*cp, "--parallelism.context_parallel_rotate_method", "ulysses")
-    for method in ("ring", "alltoall", "hybrid"):
-        with pytest.raises(ValueError, match=f"context_parallel_rotate_method = '{method}'"):
-            _parse(*cp, "--parallelism.context_parallel_rotate_method", method)
+    # every rotate method carries the document ids to the attention (the ring gathers them)
+    for method in ("ulysses", "ring", "alltoall", "hybrid"):
+        parsed = _parse(*cp, "--parallelism.context_parallel_rotate_method", method)
+        assert parsed.parallelism.context_parallel_rotate_method == method
 
 
 # -- the trainer -------------------------------------------------------------------------------
@@ -267,9 +267,16 @@ def test_trainer_block_causal_under_context_parallel_matches_one_process(tmp_pat
         {"context_parallel_degree": 2, "context_parallel_rotate_method": "ulysses"},
         2, "block_causal", timeout=120,
     )  # fmt: skip
+    # the ring masks each step's K/V block with the gathered ids of its positions
+    ring = run_distributed(
+        _train, 2, folder,
+        {"context_parallel_degree": 2, "context_parallel_rotate_method": "ring"},
+        2, "block_causal", timeout=120,
+    )  # fmt: skip
     ref = _train(folder, {}, 2, "block_causal")
     _helpers().assert_matches_reference(allgather, ref, each_rank_whole=True)
     _helpers().assert_matches_reference(ulysses, ref, each_rank_whole=True)
+    _helpers().assert_matches_reference(ring, ref, each_rank_whole=True)
 
 
 def test_trainer_block_causal_under_context_parallel_3_matches_one_process(tmp_path: Path) -> None:

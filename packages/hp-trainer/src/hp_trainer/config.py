@@ -627,12 +627,6 @@ class JobConfig:
                   "causal with both pipeline_parallel_degree and context_parallel_degree > 1 "
                   "(the context-parallel attention would get the ids of the whole local batch "
                   "for one pipeline micro-batch)")  # fmt: skip
-        method = par.context_parallel_rotate_method
-        if par.context_parallel_degree > 1 and method not in ("allgather", "ulysses"):
-            # the ring passes K/V blocks without their document ids
-            _fail("model", "attn_mask_type", "block_causal",
-                  f"causal with context_parallel_rotate_method = {method!r} (document masks "
-                  "under context parallel need the allgather or ulysses method)")  # fmt: skip
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Return the configuration as nested plain dictionaries.
