@@ -51,7 +51,9 @@ def test_two_nodes_on_localhost_train_like_one(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rdzv = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t"]
-    nodes = [_hp_train(tmp_path, "two", *rdzv, "--node-rank", str(r)) for r in (0, 1)]
+    # node 1 names its ranks with --nproc (it reaches the ranks, not torchrun's own parser)
+    nproc = {0: (), 1: ("--nproc", "2")}
+    nodes = [_hp_train(tmp_path, "two", *rdzv, "--node-rank", str(r), *nproc[r]) for r in (0, 1)]
     try:
         outputs = [node.communicate(timeout=240)[0] for node in nodes]
     finally:

@@ -203,9 +203,11 @@ def _launch(nproc: int, argv: list[str], run_folder: Path, launch: LaunchOptions
             "--local-ranks-filter=0",
             "--module",
             "hp_trainer.cli",
-            *argv,
         ]
     )
+    # the job's own arguments bypass torchrun's parser: it would read "--nproc" as an ambiguous
+    # abbreviation of its "--nproc-per-node"/"--nproc_per_node"
+    launcher_args.training_script_args = list(argv)
     # one intra-op thread per rank unless the user chose otherwise (torchrun's own default)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.time()
