@@ -82,6 +82,16 @@ _PP_LAYOUTS = {
     ),
     # experts over ep 2 (borrowed from dp_shard 2) inside each stage; the routing bias of
     # deepseek_v3's MoE block (second stage) moves from its own stage's counts
+    # all four: stages of cp 2 whose experts are over ep 2 (borrowed from cp), ring attention
+    "qwen3_moe-pp2xcp2xep2-ring": (
+        "qwen3_moe",
+        {
+            "pipeline_parallel_degree": 2,
+            "context_parallel_degree": 2,
+            "expert_parallel_degree": 2,
+            "context_parallel_rotate_method": "ring",
+        },
+    ),
     "deepseek_v3-pp2xdp2xep2": (
         "deepseek_v3",
         {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2},
@@ -93,7 +103,8 @@ _PP_LAYOUTS = {
 def test_moe_with_pipeline_parallel_matches_single_process(tmp_path: Path, layout: str) -> None:
     model, par = _PP_LAYOUTS[layout]
     results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "pp", timeout=180)
-    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 4, {}, "ref")
+    dp = 4 // (par["pipeline_parallel_degree"] * par.get("context_parallel_degree", 1))
+    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 2 * dp, {}, "r")
     _helpers().assert_matches_reference(
         [r[:3] for r in results],
         (ref_losses, ref_norms, ref_state),

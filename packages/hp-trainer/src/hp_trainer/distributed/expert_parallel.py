@@ -272,8 +272,9 @@ def parallelize_moe_decoder(
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable:
-        apply_compile(model, job_config.compile)
-    if dims.dp_enabled:
+        # a checkpoint cannot be traced around the context-parallel attention (a graph break)
+        apply_compile(model, job_config.compile, inside_checkpoint=dims.cp_enabled)
+    if dims.dp_enabled or dims.cp_enabled:  # CP alone: FSDP over cp sums the shards' grads
         from hp_trainer.models._common import _DTYPES
 
         training = job_config.training
