@@ -112,7 +112,7 @@ class ContextParallelStep:
             labels: ``(batch, seq)`` targets of the whole sequence.
             document_ids: ``(batch, seq)`` document ids of the whole sequence (block-causal
                 attention): sharded like the sequence, they go with every attention call
-                (``allgather`` and ``ulysses`` rotate methods; the engine refuses the ring).
+                (every rotate method).
 
         Yields:
             ``(inputs shard, labels shard)``.
