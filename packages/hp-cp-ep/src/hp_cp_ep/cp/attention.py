@@ -289,6 +289,8 @@ class ContextParallelAttention:
                 not divisible into the layout's chunks, or document ids of the wrong shape.
         """
         self._check(query, key, value, document_ids)
+        if document_ids is not None:  # masks are built next to the scores, ids gathered there
+            document_ids = document_ids.to(query.device)
         if self.degree == 1 and document_ids is None:
             return single_device_sdpa(
                 query, key, value, is_causal=is_causal, scale=scale,
