@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 
 from hp_dtensor.testing import load_test_module, run_distributed
 from hp_trainer import Trainer
+from hp_trainer.model_spec import get_model_spec
 
 
 def _helpers() -> ModuleType:
@@ -18,9 +20,19 @@ def _helpers() -> ModuleType:
     )
 
 
-def _train(folder: str, model: str, local_bs: int, par: dict[str, Any], run: str) -> Any:
+def _train(
+    folder: str, model: str, local_bs: int, par: dict[str, Any], run: str, aux: float = 0.0
+) -> Any:
     config = _helpers().job(Path(folder), par, run=run, local_bs=local_bs, model=model)
-    trainer = Trainer(config)
+    spec = get_model_spec(model)
+    tiny = spec.flavors["tiny"]
+    # the auxiliary load-balancing loss on (HF's router_aux_loss_coef), for this run only
+    moe_args = dataclasses.replace(tiny.moe_args, aux_loss_coeff=aux)
+    spec.flavors["tiny"] = dataclasses.replace(tiny, moe_args=moe_args)
+    try:
+        trainer = Trainer(config)
+    finally:
+        spec.flavors["tiny"] = tiny
     try:
         losses = trainer.train()
         state = _helpers().full_state(trainer.model_parts)
@@ -30,8 +42,10 @@ def _train(folder: str, model: str, local_bs: int, par: dict[str, Any], run: str
 
 
 _CP_LAYOUTS = {
-    # cp 2 x dp_shard 2; ep 2 borrowed from dp_shard x cp (efsdp 2): the ring passes K/V
-    "qwen3_moe-cp2xdp2xep2-ring": (
+    # cp 2 x dp_shard 2; ep 2 borrowed from dp_shard x cp (efsdp 2): the ring passes K/V; with
+    # the auxiliary load-balancing loss (0.1): each rank routes half of two sequences, the loss
+    # counts the experts' choices of all four (MoE.aux_loss_group = the dp x cp group)
+    "qwen3_moe-cp2xdp2xep2-ring-aux": (
         "qwen3_moe",
         {
             "data_parallel_shard_degree": 2,
@@ -39,6 +53,7 @@ _CP_LAYOUTS = {
             "expert_parallel_degree": 2,
             "context_parallel_rotate_method": "alltoall",
         },
+        0.1,
     ),
     # latent attention (query/key size 24, value size 16) through the all-gather-KV path
     "deepseek_v3-cp2xdp2xep2-allgather": (
@@ -48,15 +63,16 @@ _CP_LAYOUTS = {
             "context_parallel_degree": 2,
             "expert_parallel_degree": 2,
         },
+        0.0,
     ),
 }
 
 
 @pytest.mark.parametrize("layout", list(_CP_LAYOUTS))
 def test_moe_with_context_parallel_matches_single_process(tmp_path: Path, layout: str) -> None:
-    model, par = _CP_LAYOUTS[layout]
-    results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "cp", timeout=180)
-    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 4, {}, "ref")
+    model, par, aux = _CP_LAYOUTS[layout]
+    results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "cp", aux, timeout=180)
+    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 4, {}, "r", aux)
     _helpers().assert_matches_reference(
         [r[:3] for r in results],
         (ref_losses, ref_norms, ref_state),
@@ -72,6 +88,10 @@ def test_moe_with_context_parallel_matches_single_process(tmp_path: Path, layout
         assert sum(layer["tokens_per_expert"]) == 4 * 32 * 2  # step tokens x top_k
     if model == "deepseek_v3":
         assert ref_state["layers.1.moe.expert_bias"].abs().sum() > 0
+    if aux > 0:  # the auxiliary loss moved the routers: without it the gates end elsewhere
+        plain = _train(str(tmp_path), model, 4, {}, "plain")[2]
+        gate = "layers.0.moe.router.gate.weight"
+        assert (plain[gate] - ref_state[gate]).abs().max() > 1e-4
 
 
 _PP_LAYOUTS = {

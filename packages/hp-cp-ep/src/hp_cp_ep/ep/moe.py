@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -136,6 +137,11 @@ class MoE(nn.Module):
     rank's routed choices accumulated since the last :func:`hp_cp_ep.update_expert_bias`;
     forwards recomputed by activation checkpointing are not counted again).
     After each forward ``aux_loss`` holds the (detached) auxiliary loss when it is enabled.
+    Setting ``aux_loss_group`` (the ranks routing different tokens of one batch: data and
+    context parallel) makes it this rank's share of the loss over all their tokens: the expert
+    counts and token count are summed over the group (one all-reduce of ``E + 1`` values per
+    forward), so the shares add up, as the gradient sum over the group does, to the loss of one
+    process routing every token.
 
     Under :class:`hp_cp_ep.ExpertParallel` the dispatch all-to-all is issued before the shared
     experts run and waited for after, so the two overlap.
@@ -203,6 +209,7 @@ class MoE(nn.Module):
             persistent=False,
         )
         self.aux_loss: torch.Tensor | None = None
+        self.aux_loss_group: dist.ProcessGroup | None = None
         self.last_load: ExpertLoad | None = None
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
@@ -231,6 +238,23 @@ class MoE(nn.Module):
         one_hot = F.one_hot(flat, self.num_experts)
         position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # rank of the choice in its expert
         return (position < capacity).view_as(selected)
+
+    def _aux_loss_share(self, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the auxiliary loss over the tokens of all of ``aux_loss_group``.
+
+        ``E / (k T^2) * sum_e F_e * sum_t p_te`` with the group's counts ``F`` and token count
+        ``T`` and this rank's normalised scores ``p``: summed over the group it is
+        :func:`~hp_cp_ep.ep.router.load_balancing_loss` of all the tokens.
+        """
+        num_tokens, top_k = selected.shape
+        stats = torch.bincount(selected.reshape(-1), minlength=self.num_experts).float()
+        stats = torch.cat([stats, stats.new_tensor([num_tokens])])
+        dist.all_reduce(stats, group=self.aux_loss_group)
+        # no host sync: with no token anywhere the counts, hence the loss, are zero
+        counts, total = stats[:-1].to(scores.dtype), stats[-1:].to(scores.dtype).clamp_min(1)
+        probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        weight = counts * self.num_experts / (top_k * total * total)
+        return (weight * probs.sum(dim=0)).sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MoE to ``x`` of shape ``[..., dim]``."""
@@ -269,7 +293,12 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared
         if self.moe_args.aux_loss_coeff > 0 and self.training:
-            aux = load_balancing_loss(routing.scores, routing.selected_experts, self.num_experts)
+            if self.aux_loss_group is None:
+                aux = load_balancing_loss(
+                    routing.scores, routing.selected_experts, self.num_experts
+                )
+            else:
+                aux = self._aux_loss_share(routing.scores, routing.selected_experts)
             self.aux_loss = aux.detach()
             out = _AttachAuxLoss.apply(out, aux * self.moe_args.aux_loss_coeff)  # type: ignore[no-untyped-call]
         return out.reshape(shape)

@@ -235,7 +235,9 @@ def parallelize_moe_decoder(
     over ``tp`` (:class:`hp_cp_ep.TensorParallel`). FSDP shards every block over the
     data-parallel mesh and the experts, as a second parameter group of the block's unit, over
     the expert-data-parallel mesh (the ranks holding the same experts). FSDP's gradient division
-    is off: the trainer divides the loss by the global token count.
+    is off: the trainer divides the loss by the global token count. The optional auxiliary
+    load-balancing loss of each MoE layer counts the tokens of all ``dp x cp`` ranks
+    (``MoE.aux_loss_group``), so its gradient is that of one process routing them all.
 
     Args:
         model: A :class:`~hp_trainer.models._moe_block.MoEDecoder`.
@@ -269,6 +271,14 @@ def parallelize_moe_decoder(
             apply_moe_ep_tp(model, tp_mesh, None)
     elif dims.ep_enabled:
         apply_moe_ep_tp(model, None, dims.get_mesh("ep"))
+    if dims.dp_degree * dims.cp > 1:
+        # the auxiliary loss counts the tokens of every rank that routes others (dp x cp):
+        # each rank's share sums, with the gradients, to the loss of one process
+        loss_group = dims.get_mesh("dp_cp").get_group()
+        for block in model.get_submodule("layers").children():
+            moe = getattr(block, "moe", None)
+            if moe is not None:
+                moe.aux_loss_group = loss_group
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable:
