@@ -112,6 +112,11 @@ _PP_LAYOUTS = {
             "context_parallel_rotate_method": "ring",
         },
     ),
+    # TP inside stages: the top-level plan keeps the modules each stage holds
+    "qwen3_moe-pp2xtp2": (
+        "qwen3_moe",
+        {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2},
+    ),
     "deepseek_v3-pp2xdp2xep2": (
         "deepseek_v3",
         {"pipeline_parallel_degree": 2, "expert_parallel_degree": 2},
@@ -123,7 +128,8 @@ _PP_LAYOUTS = {
 def test_moe_with_pipeline_parallel_matches_single_process(tmp_path: Path, layout: str) -> None:
     model, par = _PP_LAYOUTS[layout]
     results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "pp", timeout=180)
-    dp = 4 // (par["pipeline_parallel_degree"] * par.get("context_parallel_degree", 1))
+    model_ranks = par.get("context_parallel_degree", 1) * par.get("tensor_parallel_degree", 1)
+    dp = 4 // (par["pipeline_parallel_degree"] * model_ranks)
     ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 2 * dp, {}, "r")
     _helpers().assert_matches_reference(
         [r[:3] for r in results],

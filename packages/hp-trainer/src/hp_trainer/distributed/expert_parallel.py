@@ -145,6 +145,8 @@ def apply_tp_to_moe_decoder(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel
             use_local_output=not loss_parallel,
         ),
     }
+    present = dict(model.named_children())  # a pipeline stage holds some of them
+    top_plan = {name: style for name, style in top_plan.items() if present.get(name) is not None}
     tp_parallelize_module(model, tp_mesh, top_plan)
     for block in model.get_submodule("layers").children():
         plan: dict[str, ParallelStyle] = {
