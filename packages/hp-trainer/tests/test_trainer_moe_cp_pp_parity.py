@@ -55,6 +55,16 @@ _CP_LAYOUTS = {
         },
         0.1,
     ),
+    # HSDP: the experts' FSDP mesh is (dp_replicate, efsdp), the replicas reduce them too
+    "qwen3_moe-hsdp2xcp2xep2-aux": (
+        "qwen3_moe",
+        {
+            "data_parallel_replicate_degree": 2,
+            "context_parallel_degree": 2,
+            "expert_parallel_degree": 2,
+        },
+        0.05,
+    ),
     # latent attention (query/key size 24, value size 16) through the all-gather-KV path
     "deepseek_v3-cp2xdp2xep2-allgather": (
         "deepseek_v3",

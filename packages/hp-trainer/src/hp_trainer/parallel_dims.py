@@ -33,7 +33,9 @@ class ParallelDims:
     (dp_shard x cp, the FSDP shard axis, also ``fsdp``); ``dp_cp`` (dp x cp, the axis the loss
     is averaged over, also ``loss``); ``fsdp_mesh`` (the 1-D or HSDP 2-D mesh handed to
     ``fully_shard``: axes ``(dp_replicate, dp_shard)``, or ``dp_shard_cp`` in place of
-    ``dp_shard`` when ``cp > 1``); ``ep`` and ``efsdp`` when ``ep > 1``.
+    ``dp_shard`` when ``cp > 1``); ``ep`` and ``efsdp`` when ``ep > 1``, with ``efsdp_mesh``
+    (the mesh handed to ``fully_shard`` for the experts: ``efsdp``, or ``(dp_replicate, efsdp)``
+    under HSDP, whose replicas hold the same experts too).
 
     Args:
         dp_replicate: Data-parallel replicate degree (HSDP outer axis / DDP).
@@ -131,6 +133,15 @@ class ParallelDims:
             sparse = borrowed._unflatten(0, (efsdp, self.ep), ("efsdp", "ep"))
             meshes["efsdp"] = sparse["efsdp"]
             meshes["ep"] = sparse["ep"]
+            meshes["efsdp_mesh"] = sparse["efsdp"]
+            if self.dp_replicate > 1:  # the same split, under the replicate axis
+                replicated = flatten_mesh(
+                    world["dp_replicate", "dp_shard", "cp", "tp"], "dp_replicate_shard_cp_tp"
+                )
+                split = replicated._unflatten(
+                    0, (self.dp_replicate, efsdp, self.ep), ("edp_replicate", "edp_shard", "edp_ep")
+                )
+                meshes["efsdp_mesh"] = split["edp_replicate", "edp_shard"]
         self._meshes = meshes
         return world
 
@@ -170,7 +181,7 @@ class ParallelDims:
             :titan:`torchtitan.distributed.parallel_dims.ParallelDims.get_optional_mesh`.
         """
         if name not in self._meshes:
-            if name in ("ep", "efsdp") and self._meshes:
+            if name in ("ep", "efsdp", "efsdp_mesh") and self._meshes:
                 return None
             return self.get_mesh(name)
         mesh = self._meshes[name]

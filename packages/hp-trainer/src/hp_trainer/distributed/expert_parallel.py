@@ -220,10 +220,14 @@ def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None
 
 
 def _expert_tp_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
-    """``([ep, tp] mesh, efsdp mesh)`` when experts are tensor parallel: ep borrows dp_shard."""
+    """``([ep, tp] mesh, efsdp mesh)`` when experts are tensor parallel: ep borrows dp_shard.
+
+    Under HSDP the efsdp mesh is ``(dp_replicate, efsdp)``: the replicas hold the same experts.
+    """
     world = dims.get_mesh("world")
     split = world._unflatten(2, (dims.dp_shard // dims.ep, dims.ep), ("etp_efsdp", "etp_ep"))
-    return split["etp_ep", "tp"], split["etp_efsdp"]
+    edp = split["dp_replicate", "etp_efsdp"] if dims.dp_replicate > 1 else split["etp_efsdp"]
+    return split["etp_ep", "tp"], edp
 
 
 def parallelize_moe_decoder(
@@ -262,7 +266,7 @@ def parallelize_moe_decoder(
     if problem is not None:
         raise ValueError(problem)
     par = job_config.parallelism
-    edp_mesh = dims.get_mesh("efsdp") if dims.ep_enabled else None
+    edp_mesh = dims.get_mesh("efsdp_mesh") if dims.ep_enabled else None
     if dims.tp_enabled:
         tp_mesh = dims.get_mesh("tp")
         apply_tp_to_moe_decoder(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
