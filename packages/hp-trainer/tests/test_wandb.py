@@ -43,9 +43,20 @@ def test_offline_run_writes_its_files_and_resumes_the_same_run(
     assert len(runs) == 1
     assert runs[0].name.endswith(run_id)
     assert any(runs[0].glob("*.wandb"))  # the offline run's event log, to `wandb sync` later
+    # the resumed run asks W&B to continue the id the folder keeps (checked at the call: in one
+    # loaded CI run wandb's own offline folder for it carried another id, which is wandb's doing)
+    wandb = pytest.importorskip("wandb")
+    calls: list[dict[str, object]] = []
+    real_init = wandb.init
+
+    def recording_init(**kwargs: object) -> object:
+        calls.append(kwargs)
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", recording_init)
     resumed = MetricsProcessor(config, tmp_path, 0, 4, 1000, stream=io.StringIO())
     resumed.start(2)
     resumed.log(3, 0.5, 0.5, 1e-3)
     resumed.close()
+    assert [(c["id"], c["resume"], c["dir"]) for c in calls] == [(run_id, "allow", str(tmp_path))]
     assert (tmp_path / "wandb_run_id").read_text().strip() == run_id
-    assert all(p.name.endswith(run_id) for p in (tmp_path / "wandb").glob("offline-run-*"))
