@@ -124,7 +124,7 @@ def test_expert_load_of_a_known_routing_equals_hand_counts() -> None:
 @pytest.mark.parametrize(
     ("model", "par", "world", "match"),
     [
-        ("deepseek_v3", {"tensor_parallel_degree": 2}, 2, "latent attention"),
+        ("deepseek_v3", {"tensor_parallel_degree": 3}, 3, "tensor_parallel_degree = 3 must divide"),
         ("qwen3_moe", {"expert_parallel_degree": 3}, 3, "divide the model's 8 experts"),
         (
             "qwen3_moe",

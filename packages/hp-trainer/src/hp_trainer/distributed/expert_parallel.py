@@ -105,9 +105,12 @@ def apply_tp_to_moe_decoder(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel
     (:func:`~hp_trainer.distributed.tensor_parallel.apply_tp`); in MoE blocks the router gate and
     shared experts are replicated (:class:`hp_tp.NoParallel`) and the MoE sees every token of the
     sequence on each TP rank (the routed experts are then sharded by :func:`apply_moe_ep_tp`).
+    DeepSeek-V3's latent attention is split over its heads by
+    :func:`~hp_trainer.distributed.latent_attention_tp.apply_tp_to_latent_attention`.
 
     Args:
-        model: The MoE decoder (grouped-query attention: ``wq``/``wk``/``wv``/``wo``).
+        model: The MoE decoder (grouped-query attention: ``wq``/``wk``/``wv``/``wo``, or
+            multi-head latent attention).
         tp_mesh: 1-D tensor-parallel mesh.
         loss_parallel: Keep the logits sharded on the vocabulary.
 
@@ -149,18 +152,27 @@ def apply_tp_to_moe_decoder(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel
     top_plan = {name: style for name, style in top_plan.items() if present.get(name) is not None}
     tp_parallelize_module(model, tp_mesh, top_plan)
     for block in model.get_submodule("layers").children():
+        latent = hasattr(block.get_submodule("attention"), "wkv_a")  # DeepSeek-V3's MLA
         plan: dict[str, ParallelStyle] = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                input_layouts=(Shard(1), None),
+                desired_input_layouts=(Replicate(), None),
+                # latent attention: local tensors inside (its plan sums the shared gradients)
+                use_local_output=latent,
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
-        if getattr(block.get_submodule("attention"), "q_norm", None) is not None:
+        if latent:
+            from hp_trainer.distributed.latent_attention_tp import apply_tp_to_latent_attention
+
+            apply_tp_to_latent_attention(block.get_submodule("attention"), tp_mesh)
+        else:
+            plan["attention.wq"] = ColwiseParallel()
+            plan["attention.wk"] = ColwiseParallel()
+            plan["attention.wv"] = ColwiseParallel()
+            plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
+        if not latent and getattr(block.get_submodule("attention"), "q_norm", None) is not None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if not getattr(block, "moe_enabled", False):
@@ -193,11 +205,10 @@ def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None
         :func:`hp_trainer.layout_validation.validate_parallel_layout`, which raises it.
     """
     dims = parallel_dims
-    if dims.tp > 1 and getattr(model_args, "kv_lora_rank", None) is not None:
+    if dims.tp > 1 and model_args.n_heads % dims.tp != 0:
         return (
-            f"parallelism.tensor_parallel_degree = {dims.tp}: tensor parallelism of multi-head "
-            "latent attention (deepseek_v3) is not available in this release; use expert and "
-            "data parallelism"
+            f"parallelism.tensor_parallel_degree = {dims.tp} must divide the attention's "
+            f"{model_args.n_heads} heads"
         )
     num_experts = model_args.moe_args.num_experts
     if dims.ep > 1 and num_experts % dims.ep != 0:
@@ -254,8 +265,8 @@ def parallelize_moe_decoder(
         The model, parallelized in place.
 
     Raises:
-        ValueError: For a layout :func:`moe_layout_error` refuses (TP of latent
-            attention; degrees not dividing the experts, their hidden size or ``dp_shard``).
+        ValueError: For a layout :func:`moe_layout_error` refuses (degrees not dividing the
+            heads, the experts, their hidden size or ``dp_shard``).
 
     See Also:
         :titan:`torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` and
