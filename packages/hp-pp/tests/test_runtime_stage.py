@@ -198,6 +198,26 @@ def test_eval_runs_forward_only() -> None:
         )
 
 
+@distributed(world_size=2)
+def test_eval_under_no_grad_between_steps() -> None:
+    # Outputs made under no_grad lack requires_grad: the stages still exchange them, and the
+    # next step's input gradients still reach the first stage.
+    rank = dist.get_rank()
+    mods = _chain(2)
+    stage = hp_pp.PipelineStage(mods[rank], rank, 2, torch.device("cpu"))
+    sched = hp_pp.Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
+    x, y = _data(0)
+    sched.step(x) if rank == 0 else sched.step(target=y)
+    mods[rank].zero_grad(set_to_none=True)
+    with torch.no_grad():
+        out = sched.eval(x) if rank == 0 else sched.eval(target=y)
+        if rank == 1:
+            torch.testing.assert_close(out, mods[1](mods[0](x)))
+    assert all(p.grad is None for p in mods[rank].parameters())
+    sched.step(x) if rank == 0 else sched.step(target=y)
+    assert all(p.grad is not None for p in mods[rank].parameters())
+
+
 class TiedEnds(nn.Module):
     """Embedding on the first stage, output head on the last, sharing one weight in the model."""
 

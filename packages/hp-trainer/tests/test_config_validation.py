@@ -65,13 +65,18 @@ def test_impossible_layouts_fail_up_front_naming_the_values(
         assert word in str(info.value), (word, str(info.value))
 
 
-def test_pipeline_with_validation_loop_fails_up_front() -> None:
-    cfg = _cfg(
-        {"pipeline_parallel_degree": 2},
-        validation={"enable": True, "dataset": "tiny_stories_synth"},
-    )
-    with pytest.raises(ValueError, match=r"validation\.enable = true with pipeline_parallel"):
-        validate_parallel_layout(cfg, 2)
+def test_pipeline_validation_batch_must_be_a_multiple_of_the_local_batch() -> None:
+    def cfg(validation_batch: int) -> JobConfig:
+        validation = {"enable": True, "dataset": "tiny_stories_synth"}
+        return _cfg(
+            {"pipeline_parallel_degree": 2},
+            validation={**validation, "local_batch_size": validation_batch},
+        )
+
+    validate_parallel_layout(cfg(4), 2)  # the validation loop runs under PP
+    with pytest.raises(ValueError, match=r"validation\.local_batch_size = 3 with pipeline") as e:
+        validate_parallel_layout(cfg(3), 2)
+    assert "training.local_batch_size = 2" in str(e.value)
 
 
 def test_cp_with_a_model_without_a_cp_path_fails_up_front(monkeypatch: Any) -> None:
@@ -175,5 +180,5 @@ def test_composable_layouts_pass(ws: int, par: dict[str, Any]) -> None:
 
 def test_preflight_runs_the_layout_check() -> None:
     # hp-train calls preflight before it starts any rank
-    with pytest.raises(ValueError, match="tensor parallelism of multi-head latent attention"):
-        preflight(_cfg({"tensor_parallel_degree": 2}, model="deepseek_v3"), 2)
+    with pytest.raises(ValueError, match="tensor_parallel_degree = 3 must divide"):
+        preflight(_cfg({"tensor_parallel_degree": 3}, model="deepseek_v3"), 3)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import datetime
 import io
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -590,7 +590,7 @@ class PipelineStage:
                 self._tag(_KIND_ACT, self.stage_index, 0, _PART_META_LEN),
                 self._tag(_KIND_ACT, self.stage_index, 0, _PART_META),
             )
-        elif metas != self._output_meta:
+        elif metas != self._output_meta and not self._same_without_autograd(metas):
             raise ValueError(
                 f"stage {self.stage_index}, micro-batch {mb}: outputs are "
                 f"{[m.describe() for m in metas]} but stage {dst_stage} expects "
@@ -607,6 +607,14 @@ class PipelineStage:
                 self._tag(_KIND_ACT, self.stage_index, mb, _PART_OBJ_LEN),
                 self._tag(_KIND_ACT, self.stage_index, mb, _PART_OBJ),
             )
+
+    def _same_without_autograd(self, metas: list[_ValueMeta]) -> bool:
+        """Whether a forward-only run under ``torch.no_grad`` (``eval``) sends what the step's
+        outputs were: its outputs only lack ``requires_grad``, which the receiver ignores there."""
+        if torch.is_grad_enabled() or self._output_meta is None:
+            return False
+        sent = [replace(m, requires_grad=False) for m in self._output_meta]
+        return [replace(m, requires_grad=False) for m in metas] == sent
 
     def _check_declared(
         self, metas: list[_ValueMeta], declared: list[_ValueMeta] | None, what: str

@@ -23,12 +23,13 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
 
     Checked: the product of the degrees equals ``world_size`` (``dp_shard = -1`` inferred);
     pipeline parallel needs a model with a splitter (``ModelSpec.pipelining_fn``), untied
-    embeddings, enough blocks for the stages, a micro-batch size dividing the local batch and no
-    validation loop; context parallel needs a model whose attention has a context-parallel path,
-    no ``compile.fullgraph``, and Ulysses/hybrid degrees dividing the heads; tensor parallel
-    must divide the query and key/value heads and cannot shard tied embeddings; expert parallel
-    needs a mixture-of-experts model; the sequence length must be a multiple of ``tp * 2 * cp``;
-    the global batch a multiple of ``local_batch_size`` times the data-parallel degree.
+    embeddings, enough blocks for the stages, a micro-batch size dividing the local batch and a
+    validation batch that is a multiple of the local batch; context parallel needs a model whose
+    attention has a context-parallel path, no ``compile.fullgraph``, and Ulysses/hybrid degrees
+    dividing the heads; tensor parallel must divide the query and key/value heads and cannot shard
+    tied embeddings; expert parallel needs a mixture-of-experts model; the sequence length must
+    be a multiple of ``tp * 2 * cp``; the global batch a multiple of ``local_batch_size`` times
+    the data-parallel degree.
 
     Args:
         config: The job configuration.
@@ -116,10 +117,15 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
                 f"parallelism.pipeline_parallel_microbatch_size = {mb} must divide "
                 f"training.local_batch_size = {training.local_batch_size}"
             )
-        if config.validation.enable:
+        if (
+            config.validation.enable
+            and config.validation.local_batch_size % training.local_batch_size
+        ):
             _fail(
-                f"validation.enable = true with pipeline_parallel_degree = {dims.pp}: the "
-                "validation loop runs the whole model on each rank; disable one of them"
+                f"validation.local_batch_size = {config.validation.local_batch_size} with "
+                f"pipeline_parallel_degree = {dims.pp} must be a multiple of "
+                f"training.local_batch_size = {training.local_batch_size} (the activation "
+                "shapes the stages exchange)"
             )
     if dims.cp > 1:
         if not supports_context_parallel(spec):

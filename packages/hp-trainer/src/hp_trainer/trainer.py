@@ -285,6 +285,7 @@ class Trainer:
                 loss_context=self._loss_context,
                 device=self.device,
                 document_boundaries=self.document_boundaries,
+                pipeline=self.pipeline,
             )
         self.run_folder = cfg.run_folder
         self.metrics = MetricsProcessor(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -17,9 +17,21 @@ from hp_trainer.config import ValidationConfig
 from hp_trainer.data import ParallelAwareDataloader, SampleDataset
 from hp_trainer.models.document_mask import DocumentBoundaries
 
+if TYPE_CHECKING:
+    from hp_trainer.distributed.pipeline import PipelinedStep
+
 __all__ = ["Validator"]
 
 _IGNORE_INDEX = -100
+
+
+def _summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        labels.flatten(0, 1),
+        reduction="sum",
+        ignore_index=_IGNORE_INDEX,
+    )
 
 
 class Validator:
@@ -29,7 +41,9 @@ class Validator:
     batches of ``local_batch_size x dp degree`` and sharded over the data-parallel ranks like the
     training data; ``steps`` batches, or one pass over all complete global batches with
     ``steps = -1``. The loss is the sum over every label token of every rank divided by their
-    global count, so it does not depend on the data-parallel degree.
+    global count, so it does not depend on the data-parallel degree. Under pipeline parallel
+    the batches run forward only through the pipeline schedule, the loss on the last stage,
+    shared with every rank of the pipeline.
 
     Args:
         config: The ``[validation]`` section.
@@ -41,9 +55,13 @@ class Validator:
         device: Keyword-only; where the batches go.
         document_boundaries: Keyword-only; BOS/EOS of packed documents when the model
             attends block-causally (``model.attn_mask_type = "block_causal"``), else None.
+        pipeline: Keyword-only; the trainer's pipelined step under pipeline parallel (the
+            model passed to ``validate`` is then ignored: the schedule's stages run), or
+            None.
 
     Raises:
-        ValueError: If the dataset is smaller than one global batch.
+        ValueError: If the dataset is smaller than one global batch, or (under pipeline
+            parallel) ``local_batch_size`` is not a multiple of the training local batch.
 
     See Also:
         :titan:`torchtitan.components.validate.Validator`: TorchTitan's validator.
@@ -60,6 +78,7 @@ class Validator:
         loss_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         device: torch.device | None = None,
         document_boundaries: DocumentBoundaries | None = None,
+        pipeline: PipelinedStep | None = None,
     ) -> None:
         self.config = config
         self.dataset = dataset
@@ -69,6 +88,13 @@ class Validator:
         self.loss_context = loss_context
         self.device = device or torch.device("cpu")
         self.document_boundaries = document_boundaries
+        self.pipeline = pipeline
+        if pipeline is not None and config.local_batch_size % pipeline.parts.batch_size:
+            raise ValueError(
+                f"validation.local_batch_size = {config.local_batch_size} must be a multiple of "
+                f"training.local_batch_size = {pipeline.parts.batch_size} under pipeline "
+                "parallel (the activation shapes the stages exchange)"
+            )
         global_batch = config.local_batch_size * dp_degree
         if len(dataset) < global_batch:
             raise ValueError(
@@ -98,7 +124,8 @@ class Validator:
         """Run the validation batches through ``model`` (every rank must call it).
 
         Args:
-            model: The (parallelized) model; put in eval mode for the pass, then back.
+            model: The (parallelized) model; put in eval mode for the pass, then back (under
+                pipeline parallel: the pipeline's stage modules instead).
 
         Returns:
             ``(mean loss, perplexity)`` over all label tokens of all data-parallel ranks.
@@ -113,32 +140,41 @@ class Validator:
             self.config.local_batch_size,
             shuffle=False,
         )
-        was_training = model.training
-        model.eval()
+        modules = [model] if self.pipeline is None else self.pipeline.parts.model_parts
+        was_training = [m.training for m in modules]
+        for module in modules:
+            module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
         try:
             batches = iter(loader)
             for _ in range(self.num_batches):
                 inputs, labels = next(batches)
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
-                with self.loss_context():
-                    if self.document_boundaries is None:
-                        logits = model(inputs)
-                    else:
-                        documents = self.document_boundaries.document_ids(inputs)
-                        logits = model(inputs, document_ids=documents)
-                    loss = F.cross_entropy(
-                        logits.flatten(0, 1).float(),
-                        labels.flatten(0, 1),
-                        reduction="sum",
-                        ignore_index=_IGNORE_INDEX,
-                    )
-                if isinstance(loss, DTensor):
-                    loss = loss.full_tensor()
-                totals[0] += loss.double()
+                documents = None
+                if self.document_boundaries is not None:
+                    documents = self.document_boundaries.document_ids(inputs)
+                if self.pipeline is not None:
+                    totals[0] += self.pipeline.evaluate(
+                        inputs,
+                        labels,
+                        _summed_token_loss,
+                        self.loss_context,
+                        document_ids=documents,
+                    ).to(totals.device)
+                else:
+                    with self.loss_context():
+                        if documents is None:
+                            logits = model(inputs)
+                        else:
+                            logits = model(inputs, document_ids=documents)
+                        loss = _summed_token_loss(logits, labels)
+                    if isinstance(loss, DTensor):
+                        loss = loss.full_tensor()
+                    totals[0] += loss.double()
                 totals[1] += int((labels != _IGNORE_INDEX).sum())
         finally:
-            model.train(was_training)
+            for module, training in zip(modules, was_training, strict=True):
+                module.train(training)
         if self.dp_group is not None and self.dp_degree > 1:
             dist.all_reduce(totals, group=self.dp_group)
         mean = float(totals[0] / totals[1])

@@ -6,7 +6,8 @@ model's parallelize function (TP, AC, compile, FSDP) to each stage module, and b
 schedule named by ``parallelism.pipeline_parallel_schedule`` (or read from
 ``parallelism.pipeline_parallel_schedule_csv``). :class:`PipelinedStep` runs one micro-batch
 group through that schedule: inputs on the first stage, the loss on the last, the loss sum shared
-with every rank of the pipeline so that logging works on any rank.
+with every rank of the pipeline so that logging works on any rank; its ``evaluate`` runs the
+schedule forward only, for the validation loop.
 """
 
 from __future__ import annotations
@@ -68,12 +69,15 @@ class PipelineParts:
         model_parts: This rank's stage modules (parallelized), in stage order.
         has_first_stage: Whether this rank runs the first stage (it feeds the inputs).
         has_last_stage: Whether this rank runs the last stage (it computes the loss).
+        batch_size: Samples of one schedule run on this rank (``training.local_batch_size``):
+            the stages' activation shapes are fixed by it.
     """
 
     schedule: PipelineScheduleRuntime
     model_parts: list[nn.Module]
     has_first_stage: bool
     has_last_stage: bool
+    batch_size: int
 
 
 def pipeline_decoder(
@@ -139,7 +143,7 @@ def pipeline_decoder(
     )
     if par.pipeline_parallel_schedule_csv:
         schedule.load_csv(par.pipeline_parallel_schedule_csv)
-    return PipelineParts(schedule, parts, has_first, has_last)
+    return PipelineParts(schedule, parts, has_first, has_last, local_batch)
 
 
 class PipelinedStep:
@@ -189,5 +193,63 @@ class PipelinedStep:
         for loss in losses:
             value = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += value.detach().to(total.device)
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def evaluate(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        loss_sum: LossFn,
+        context: Callable[[], contextlib.AbstractContextManager[Any]],
+        *,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward only through the schedule (no backward, no gradient): a batch's summed loss.
+
+        The batch is run in pieces of ``PipelineParts.batch_size`` samples (the activation
+        shapes the stages exchange are those of training).
+
+        Args:
+            inputs: ``(batch, seq)`` token ids, ``batch`` a multiple of the training local batch.
+            labels: ``(batch, seq)`` targets (used on the rank of the last stage).
+            loss_sum: ``loss_sum(logits, labels)`` of one piece, run on the last stage.
+            context: Entered around each piece (loss parallel under TP).
+            document_ids: ``(batch, seq)`` document ids of the packed inputs, or None.
+
+        Returns:
+            The float64 sum of ``loss_sum`` over the pieces, the same on every pipeline rank.
+
+        Raises:
+            ValueError: A batch that is not a multiple of the training local batch.
+
+        See Also:
+            :titan:`torchtitan.components.validate.Validator.validate`: TorchTitan's PP branch
+            (``pp_schedule.eval``).
+        """
+        parts = self.parts
+        size = parts.batch_size
+        if inputs.shape[0] % size:
+            raise ValueError(
+                f"a pipelined evaluation batch of {inputs.shape[0]} samples is not a multiple of "
+                f"training.local_batch_size = {size} (the shapes the stages exchange)"
+            )
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        for start in range(0, inputs.shape[0], size):
+            piece = slice(start, start + size)
+            args = (inputs[piece],) if parts.has_first_stage else ()
+            kwargs: dict[str, Any] = {}
+            if document_ids is not None:
+                kwargs["document_ids"] = document_ids[piece]
+            # The schedule's own loss_fn (the training loss, scaled by the step's token count)
+            # needs a target on the last stage; the summed loss is taken from the merged logits.
+            target = labels[piece] if parts.has_last_stage else None
+            with context():
+                logits = parts.schedule.eval(*args, target=target, **kwargs)
+                if parts.has_last_stage:
+                    loss = loss_sum(logits, labels[piece])
+                    if isinstance(loss, DTensor):
+                        loss = loss.full_tensor()
+                    total += loss.detach().double().to(total.device)
         dist.all_reduce(total, group=self.pp_group)
         return total
