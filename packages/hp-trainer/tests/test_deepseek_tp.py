@@ -46,11 +46,19 @@ _LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One process with the global batch of both layouts (dp 2 x local batch 2)."""
+    return _train(str(tmp_path_factory.mktemp("deepseek_tp_ref")), 4, {}, "ref")
+
+
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
-def test_deepseek_v3_tensor_parallel_matches_single_process(tmp_path: Path, layout: str) -> None:
+def test_deepseek_v3_tensor_parallel_matches_single_process(
+    tmp_path: Path, layout: str, reference: Any
+) -> None:
     par = _LAYOUTS[layout]
     results = run_distributed(_train, 4, str(tmp_path), 2, par, "tp", timeout=180)
-    ref_losses, ref_norms, ref_state, ref_rows = _train(str(tmp_path), 4, {}, "ref")
+    ref_losses, ref_norms, ref_state, ref_rows = reference
     assert len(ref_losses) == 3
     assert ref_rows == [4 * 24]  # 4 heads of qk_nope 16 + qk_rope 8
     assert all(r[3] == [2 * 24] for r in results)  # 2 local heads per TP rank
