@@ -62,7 +62,7 @@ def stages_per_rank_of(schedule: str) -> int:
 
 @dataclass(frozen=True)
 class PipelineParts:
-    """What :func:`pipeline_decoder` builds on this rank.
+    """What ``pipeline_decoder`` builds on this rank.
 
     Attributes:
         schedule: The schedule over this rank's stages.
@@ -71,6 +71,10 @@ class PipelineParts:
         has_last_stage: Whether this rank runs the last stage (it computes the loss).
         batch_size: Samples of one schedule run on this rank (``training.local_batch_size``):
             the stages' activation shapes are fixed by it.
+
+    See Also:
+        :titan:`torchtitan.distributed.pipeline_parallel.pipeline_llm`: returns the same
+        (schedule, model parts, first/last stage flags).
     """
 
     schedule: PipelineScheduleRuntime
@@ -150,7 +154,7 @@ class PipelinedStep:
     """Forward and backward of one local batch through a pipeline schedule.
 
     Args:
-        parts: What :func:`pipeline_decoder` built.
+        parts: What ``pipeline_decoder`` built.
         pp_group: The pipeline process group (the loss is shared over it).
 
     See Also:
