@@ -135,6 +135,16 @@ def permute_tokens(
     return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], result)
 
 
+def combine_choices(per_choice: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """Sum ``[T, k, ...]`` expert outputs over the k choices, weighted by ``probs`` ``[T, k]``."""
+    num_tokens, topk = per_choice.shape[0], per_choice.shape[1]
+    if probs is None:
+        return per_choice.sum(1)
+    weights = probs.to(per_choice.dtype).reshape(num_tokens, 1, topk)
+    flat = per_choice.reshape(num_tokens, topk, -1)
+    return torch.bmm(weights, flat).view(num_tokens, *per_choice.shape[2:])
+
+
 def _per_choice(
     permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, topk: int
 ) -> torch.Tensor:
@@ -156,13 +166,7 @@ def _unpermute_tokens_op(
     probs: torch.Tensor | None,
     topk: int,
 ) -> torch.Tensor:
-    per_choice = _per_choice(permuted_tokens, sorted_indices, topk)
-    num_tokens = per_choice.shape[0]
-    if probs is None:
-        return per_choice.sum(1)
-    weights = probs.to(permuted_tokens.dtype).reshape(num_tokens, 1, topk)
-    flat = per_choice.reshape(num_tokens, topk, -1)
-    return torch.bmm(weights, flat).view(num_tokens, *permuted_tokens.shape[1:])
+    return combine_choices(_per_choice(permuted_tokens, sorted_indices, topk), probs)
 
 
 @_unpermute_tokens_op.register_fake

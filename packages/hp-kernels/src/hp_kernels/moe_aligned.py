@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 
 from hp_kernels._library import call, define_op, needs_autograd
-from hp_kernels.moe import checked_expert_indices
+from hp_kernels.moe import checked_expert_indices, combine_choices
 
 __all__ = ["permute_tokens_aligned", "unpermute_tokens_aligned"]
 
@@ -94,14 +94,9 @@ _permute_aligned_op.register_autograd(
 def _combine_op(
     rows: torch.Tensor, positions: torch.Tensor, probs: torch.Tensor | None, topk: int
 ) -> torch.Tensor:
-    n = positions.numel()
-    num_tokens = n // topk
+    num_tokens = positions.numel() // topk
     per_choice = rows.index_select(0, positions).view(num_tokens, topk, *rows.shape[1:])
-    if probs is None:
-        return per_choice.sum(1)
-    weights = probs.to(rows.dtype).reshape(num_tokens, 1, topk)
-    flat = per_choice.reshape(num_tokens, topk, -1)
-    return torch.bmm(weights, flat).view(num_tokens, *rows.shape[1:])
+    return combine_choices(per_choice, probs)
 
 
 @_combine_op.register_fake

@@ -129,28 +129,9 @@ def apply_tp_to_moe_decoder(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel
         SequenceParallel,
     )
     from hp_trainer._parallel_api import parallelize_module as tp_parallelize_module
+    from hp_trainer.distributed.tensor_parallel import apply_tp_to_trunk
 
-    tp = tp_mesh.size()
-    args = model.args
-    for name in ("n_heads", "n_kv_heads"):
-        if getattr(args, name) % tp != 0:
-            raise ValueError(
-                f"tensor parallel degree {tp} must divide model {name} = {getattr(args, name)}"
-            )
-    if getattr(model, "enable_weight_tying", False):
-        raise ValueError("tensor parallelism with tied embeddings is not supported")
-    top_plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    present = dict(model.named_children())  # a pipeline stage holds some of them
-    top_plan = {name: style for name, style in top_plan.items() if present.get(name) is not None}
-    tp_parallelize_module(model, tp_mesh, top_plan)
+    apply_tp_to_trunk(model, tp_mesh, loss_parallel)
     for block in model.get_submodule("layers").children():
         latent = hasattr(block.get_submodule("attention"), "wkv_a")  # DeepSeek-V3's MLA
         plan: dict[str, ParallelStyle] = {

@@ -54,33 +54,7 @@ def apply_tp(
             "async tensor parallelism needs symmetric memory on a CUDA device; it is not "
             "available in hp-trainer 0.1"
         )
-    tp = tp_mesh.size()
-    args = getattr(model, "args", None)
-    if args is not None:
-        for name in ("n_heads", "n_kv_heads"):
-            if getattr(args, name) % tp != 0:
-                raise ValueError(
-                    f"tensor parallel degree {tp} must divide model {name} = {getattr(args, name)}"
-                )
-    top_plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    if getattr(model, "enable_weight_tying", False):
-        raise ValueError(
-            "tensor parallelism with tied embeddings is not supported: the embedding is sharded "
-            "row-wise and the LM head column-wise; set enable_weight_tying=False or tp=1"
-        )
-    # a pipeline stage holds some of the top-level parts (the others are None)
-    top_plan = {
-        name: style for name, style in top_plan.items() if getattr(model, name, None) is not None
-    }
-    parallelize_module(model, tp_mesh, top_plan)
+    apply_tp_to_trunk(model, tp_mesh, loss_parallel)
     layers = model.get_submodule("layers")
     for block in layers.children():
         plan: dict[str, ParallelStyle] = {
@@ -107,3 +81,46 @@ def apply_tp(
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+
+
+def apply_tp_to_trunk(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Check the head counts, then shard the decoder's embedding, final norm and LM head.
+
+    The part every decoder plan (dense and MoE) shares: embedding row-wise with its output
+    sharded on the sequence, the final norm sequence parallel, the LM head column-wise (logits
+    vocab-sharded when ``loss_parallel``). A pipeline stage shards the parts it holds.
+
+    Raises:
+        ValueError: If a head count is not divisible by the TP degree, or the embedding and LM
+            head are tied.
+
+    See Also:
+        :titan:`torchtitan.models.llama3.infra.parallelize.apply_tp`: the same top-level plan.
+    """
+    tp = tp_mesh.size()
+    args = getattr(model, "args", None)
+    if args is not None:
+        for name in ("n_heads", "n_kv_heads"):
+            if getattr(args, name) % tp != 0:
+                raise ValueError(
+                    f"tensor parallel degree {tp} must divide model {name} = {getattr(args, name)}"
+                )
+    if getattr(model, "enable_weight_tying", False):
+        raise ValueError(
+            "tensor parallelism with tied embeddings is not supported: the embedding is sharded "
+            "row-wise and the LM head column-wise; set enable_weight_tying=False or tp=1"
+        )
+    top_plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # a pipeline stage holds some of the top-level parts (the others are None)
+    top_plan = {
+        name: style for name, style in top_plan.items() if getattr(model, name, None) is not None
+    }
+    parallelize_module(model, tp_mesh, top_plan)
