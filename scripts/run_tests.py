@@ -10,7 +10,9 @@ import os
 import subprocess
 import sys
 
-# Seconds of test time each package may use on the 2-core CI machine (whole CI run < 25 min).
+# Seconds of test time each package should take on a quiet 2-core machine (whole CI run < 25 min).
+# A package over its budget is a warning line in the summary, never a failure: elapsed time
+# depends on the load of the machine (issue "hp-trainer house", item 4).
 BUDGETS_S = {
     "hp-dtensor": 60,
     "hp-kernels": 45,

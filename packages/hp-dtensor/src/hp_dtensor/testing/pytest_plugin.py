@@ -2,8 +2,9 @@
 
 Enabled for the whole repository through ``-p hp_dtensor.testing.pytest_plugin`` in the root
 ``pyproject.toml``. Budgets come from the ``HP_TEST_BUDGETS`` environment variable
-(``dist=seconds,...``, set by ``scripts/run_tests.py``); a package that spends more than 1.5 times
-its budget fails the session.
+(``dist=seconds,...``, set by ``scripts/run_tests.py``). A budget is a warning, never a failure:
+elapsed time depends on the machine's load, so a package over its budget is reported (with its
+slowest tests) and the session's exit code is left to the tests themselves.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import pytest
 
 from hp_dtensor.testing import pool_stats, shutdown_pool
 
-#: Overrun factor past which a package's test time fails the session.
-BUDGET_TOLERANCE = 1.5
+#: Number of slowest tests listed for a package over its budget.
+SLOWEST_SHOWN = 5
 
 _spent: defaultdict[str, float] = defaultdict(float)
+_durations: defaultdict[str, list[tuple[float, str]]] = defaultdict(list)
 
 
 def _world_size(item: pytest.Item) -> int:
@@ -46,18 +48,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _spent[_package_of(report.nodeid)] += report.duration
+    package = _package_of(report.nodeid)
+    _spent[package] += report.duration
+    _durations[package].append((report.duration, f"{report.nodeid} ({report.when})"))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutdown_pool()
-    over = [
-        name
-        for name, budget in _budgets().items()
-        if _spent.get(name, 0.0) > BUDGET_TOLERANCE * budget
-    ]
-    if over and session.exitstatus == 0:
-        session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -77,5 +74,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         if budget is None:
             terminalreporter.write_line(f"{name:16s} {spent:7.1f} s   (no budget)")
             continue
-        flag = " OVER BUDGET" if spent > BUDGET_TOLERANCE * budget else ""
+        flag = "   WARNING: over budget (not a failure)" if spent > budget else ""
         terminalreporter.write_line(f"{name:16s} {spent:7.1f} s / {budget:5.0f} s{flag}")
+        if flag:
+            for duration, nodeid in sorted(_durations[name], reverse=True)[:SLOWEST_SHOWN]:
+                terminalreporter.write_line(f"    {duration:6.1f} s  {nodeid}")
