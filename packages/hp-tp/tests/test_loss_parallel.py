@@ -138,11 +138,13 @@ def run_module_form_and_memory() -> None:
     assert z.grad is not None
     assert ref_in.grad is not None
     torch.testing.assert_close(z.grad.full_tensor(), ref_in.grad, rtol=1e-5, atol=1e-5)
-    # logits not sharded on the class dim are left to DTensor's own cross_entropy
+    # logits not sharded on the class dim: refused inside the block (as torch refuses them),
+    # left to DTensor's own cross_entropy outside it
     y = distribute_tensor(logits, mesh, [Shard(0)])
-    with hp_tp.loss_parallel():
-        t = distribute_tensor(target, mesh, [Shard(0)])
-        plain = F.cross_entropy(y, t, reduction="sum")
+    t = distribute_tensor(target, mesh, [Shard(0)])
+    with hp_tp.loss_parallel(), pytest.raises(ValueError, match=r"loss_parallel\(\) requires"):
+        F.cross_entropy(y, t, reduction="sum")
+    plain = F.cross_entropy(y, t, reduction="sum")
     torch.testing.assert_close(
         plain.full_tensor(), F.cross_entropy(logits, target, reduction="sum")
     )

@@ -305,9 +305,13 @@ def test_signature_matches_torch(name: str) -> None:
         inspect.signature(getattr(hp_tp, name)),
         inspect.signature(getattr(torch_tp, name)),
     )
-    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == [
-        (p.name, p.kind, p.default) for p in theirs.parameters.values()
-    ]
+    theirs_params = [(p.name, p.kind, p.default) for p in theirs.parameters.values()]
+    ours_params = [(p.name, p.kind, p.default) for p in ours.parameters.values()]
+    assert ours_params[: len(theirs_params)] == theirs_params
+    # extensions: keyword-only, with a default (parallelize_module's strict)
+    extra = ours_params[len(theirs_params) :]
+    assert all(k is inspect.Parameter.KEYWORD_ONLY and d is not inspect._empty for _, k, d in extra)
+    assert [n for n, _, _ in extra] == (["strict"] if name == "parallelize_module" else [])
 
 
 def test_hp_tp_does_not_use_torch_styles() -> None:
@@ -331,7 +335,7 @@ def test_errors() -> None:
         model = nn.Sequential(nn.Linear(8, 8), nn.Conv1d(8, 8, 1))
         with pytest.raises(ValueError, match="'2': no submodule matches '2'") as info:
             hp_tp.parallelize_module(
-                model, mesh, {"0": hp_tp.ColwiseParallel(), "2": hp_tp.NoParallel()}
+                model, mesh, {"0": hp_tp.ColwiseParallel(), "2": hp_tp.NoParallel()}, strict=True
             )
         assert "children of <root>: ['0', '1']" in str(info.value)
         assert not isinstance(model[0].weight, DTensor)  # a bad plan changes nothing

@@ -4,7 +4,8 @@ Inside ``with loss_parallel():`` a call to ``torch.nn.functional.cross_entropy``
 ``nn.CrossEntropyLoss``) whose input is a DTensor sharded on the class dimension is computed
 without gathering the logits: each rank works on its slice of the vocabulary and three
 all-reduces of per-token scalars (max, sum of exponentials, target log-probability) make the
-result exact. The backward needs no communication. Calls on other inputs run unchanged.
+result exact. The backward needs no communication. A DTensor input sharded otherwise is refused
+with ``ValueError`` (as in PyTorch); calls on plain tensors run unchanged.
 
 The interception is a ``TorchFunctionMode`` entered for the ``with`` block: a context-manager
 flag, nothing global survives the block. Unlike PyTorch's version, the backward may run after the
@@ -489,19 +490,56 @@ class _LossParallelMode(TorchFunctionMode):
         handler = _HANDLERS.get(func)
         if handler is not None:
             input = args[0] if args else kwargs.get("input")
-            if isinstance(input, DTensor) and _handles(func, input, args, kwargs):
+            if isinstance(input, DTensor):
+                args = _check_sharded(func, input, args, kwargs)
                 if not args:
                     kwargs.pop("input")
                 return handler(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _handles(func: Any, input: DTensor, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call to ``func`` on ``input`` is one loss_parallel computes itself."""
+def _implicit_softmax_dim(ndim: int) -> int:
+    """The dim ``F.log_softmax`` picks when given none (PyTorch's legacy rule)."""
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+def _check_sharded(
+    func: Any, input: DTensor, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
+    """Refuse a DTensor ``input`` not sharded on the dim loss_parallel splits; the call's args.
+
+    PyTorch's loss_parallel raises ``ValueError`` for such a call (instead of computing it some
+    other way), and so does this one: inside the block, a loss on logits that are replicated or
+    sharded on another dimension is a layout mistake, not a request to gather them.
+    ``F.log_softmax`` without ``dim`` gets the dim PyTorch picks for it, made explicit.
+    """
+    name = getattr(func, "__name__", str(func))
     if func is F.log_softmax:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        return dim is not None and _sharded_mesh_dim(input, dim) is not None
-    return _sharded_class_mesh_dim(input) is not None
+        if dim is None:
+            dim = _implicit_softmax_dim(input.ndim)
+            if len(args) > 1:
+                args = (args[0], dim, *args[2:])
+            else:
+                kwargs["dim"] = dim
+        what = f"dimension {dim % max(input.ndim, 1)} (the softmax dim)"
+    else:
+        dim = _class_dim(input.ndim)
+        what = f"dimension {dim} (the class dimension)"
+    count = sum(
+        1
+        for p in input.placements
+        if isinstance(p, Shard) and p.dim % max(input.ndim, 1) == dim % max(input.ndim, 1)
+    )
+    if count != 1:
+        raise ValueError(
+            f"loss_parallel() requires exactly one mesh dim to shard tensor {what} of the "
+            f"{name} input, got placements {tuple(input.placements)} where {count} mesh dims "
+            f"shard it; give the logits Shard({dim}) on the tensor-parallel mesh dim (e.g. "
+            "ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) on the output "
+            "projection), or compute this loss outside the loss_parallel() block"
+        )
+    return tuple(args)
 
 
 _HANDLERS: dict[Any, Callable[..., DTensor]] = {
@@ -518,7 +556,8 @@ def loss_parallel() -> Iterator[None]:
     Within the block, ``F.cross_entropy(input, target, ...)`` / ``nn.CrossEntropyLoss`` with
     ``input`` a DTensor sharded on the class dimension (dimension 1, or 0 for a 1-D input; the
     usual case is ``[tokens, vocab]`` logits with ``Shard(1)`` / ``Shard(-1)``) on exactly one
-    mesh dimension returns the exact loss. Supported: ``weight`` (replicated), ``ignore_index``,
+    mesh dimension returns the exact loss; a DTensor input sharded otherwise is refused with
+    ``ValueError``, as in PyTorch. Supported: ``weight`` (replicated), ``ignore_index``,
     ``reduction`` ``"mean"``, ``"sum"`` and ``"none"``, and ``label_smoothing`` (which PyTorch's
     version rejects; it costs one more all-reduce). No rank ever holds more than its slice of the
     logits; the forward issues three all-reduces of ``[tokens]``-sized tensors and the backward
@@ -535,13 +574,16 @@ def loss_parallel() -> Iterator[None]:
     The two halves of cross-entropy work too: ``F.log_softmax(x, dim)`` on a DTensor sharded on
     ``dim`` (and replicated elsewhere) returns the log-probabilities sharded alike (its backward
     all-reduces one row sum), and ``F.nll_loss`` on class-sharded log-probabilities returns the
-    loss as above. Calls on other inputs run unchanged.
+    loss as above. Calls on plain (non-DTensor) inputs run unchanged.
 
     Yields:
         None.
 
     Raises:
-        ValueError: inside the block, for ``label_smoothing`` outside [0, 1], class-probability
+        ValueError: inside the block, for a DTensor input that is not sharded on the class
+            dimension on exactly one mesh dim (replicated logits, logits sharded on another
+            dimension: PyTorch's type and phrase "loss_parallel() requires exactly one mesh dim
+            to shard tensor dimension"), for ``label_smoothing`` outside [0, 1], class-probability
             targets, the deprecated ``size_average``/``reduce`` arguments, a target or weight of
             the wrong shape, a local target where the logits are also sharded on a batch
             dimension, or logits with a ``Partial`` placement.

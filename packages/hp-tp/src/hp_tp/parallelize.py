@@ -36,20 +36,29 @@ def _match_children(module: nn.Module, token: str) -> list[tuple[str, nn.Module]
 
 def _resolve(
     module: nn.Module, key: str, prefix: str
-) -> tuple[list[tuple[str, nn.Module]], str | None]:
-    """Submodules a (possibly wildcarded) dotted key names, or the first token that matched none."""
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module, str]]]:
+    """Submodules a (possibly wildcarded) dotted key names, and where it stopped matching.
+
+    The second list holds, for each branch of the key that matched nothing, the path and module
+    reached so far and the token none of its children matched (as PyTorch, which resolves a key
+    branch by branch and warns for each branch that ends early).
+    """
     if key == "":
-        return [(prefix, module)], None
+        return [(prefix, module)], []
     frontier: list[tuple[str, nn.Module]] = [(prefix, module)]
+    misses: list[tuple[str, nn.Module, str]] = []
     for token in key.split("."):
         nxt: list[tuple[str, nn.Module]] = []
         for path, mod in frontier:
-            for name, child in _match_children(mod, token):
+            matched = _match_children(mod, token)
+            if not matched:
+                misses.append((path, mod, token))
+            for name, child in matched:
                 nxt.append((f"{path}.{name}" if path else name, child))
-        if not nxt:
-            return [], token
         frontier = nxt
-    return frontier, None
+        if not frontier:
+            break
+    return frontier, misses
 
 
 def _is_style(plan: object) -> bool:
@@ -70,7 +79,7 @@ def _collect(
     plan: Any,
     prefix: str,
     out: list[tuple[str, nn.Module, Any]],
-    errors: list[str],
+    errors: list[tuple[str, str, str, list[str]]],
 ) -> None:
     if _is_style(plan):
         out.append((prefix, module, plan))
@@ -84,15 +93,11 @@ def _collect(
     for key, value in plan.items():
         if not isinstance(key, str):
             raise TypeError(f"plan keys must be module FQN strings, got {key!r}")
-        targets, missing = _resolve(module, key, prefix)
-        if missing is not None:
-            where = f"{prefix}.{key}" if prefix else key
-            children = [name for name, _ in module.named_children()]
-            errors.append(
-                f"{where!r}: no submodule matches {missing!r} (children of "
-                f"{prefix or '<root>'}: {children})"
-            )
-            continue
+        targets, misses = _resolve(module, key, prefix)
+        where = f"{prefix}.{key}" if prefix else key
+        for path, reached, token in misses:
+            children = [name for name, _ in reached.named_children()]
+            errors.append((where, token, path or "<root>", children))
         for path, target in targets:
             _collect(target, value, path, out, errors)
 
@@ -103,16 +108,19 @@ def parallelize_module(
     parallelize_plan: ParallelStyle | _StyleProtocol | dict[str, Any] | None = None,
     *,
     src_data_rank: int | None = 0,
+    strict: bool = False,
 ) -> nn.Module:
     """Apply tensor parallelism to ``module`` following ``parallelize_plan``.
 
     The plan is either one :class:`~hp_tp.ParallelStyle` for ``module`` itself, or a dict whose
     keys are module FQNs relative to ``module`` (``fnmatch`` wildcards per dotted token, e.g.
     ``"layers.*.attention.wq"``; ``""`` is ``module`` itself) and whose values are styles or,
-    as an extension, nested plans of the same form relative to the matched submodule. Every key
-    is resolved before anything is changed, so a bad plan leaves the module untouched. Each style
-    is applied to a copy carrying ``src_data_rank``, so the caller's style objects are not
-    modified and one style object may serve many modules.
+    as an extension, nested plans of the same form relative to the matched submodule. A key (or
+    a branch of a wildcarded key) that matches no submodule is skipped with a ``UserWarning``, as
+    in PyTorch; with ``strict=True`` it is an error instead. Every key is resolved before
+    anything is changed, so a plan refused under ``strict=True`` leaves the module untouched.
+    Each style is applied to a copy carrying ``src_data_rank``, so the caller's style objects
+    are not modified and one style object may serve many modules.
 
     Args:
         module: the module to parallelize, in place.
@@ -126,13 +134,15 @@ def parallelize_module(
             plan. ``None`` warns and returns the module unchanged (as PyTorch does).
         src_data_rank: rank whose parameter values are scattered/broadcast; ``None`` uses each
             rank's local values.
+        strict: keyword-only extension: raise ``ValueError`` for a plan key that matches no
+            submodule instead of warning and skipping it (PyTorch's behaviour, the default).
 
     Returns:
         ``module``, parallelized.
 
     Raises:
         ValueError: when no mesh is given or current, the mesh is not 1-D while the plan holds
-            an ``hp_tp`` style, or a plan key matches no submodule.
+            an ``hp_tp`` style, or (``strict=True``) a plan key matches no submodule.
         TypeError: when the plan or one of its values is not a style, or a style does not
             support a module type.
 
@@ -152,10 +162,26 @@ def parallelize_module(
         )
         return module
     targets: list[tuple[str, nn.Module, Any]] = []
-    errors: list[str] = []
+    errors: list[tuple[str, str, str, list[str]]] = []
     _collect(module, parallelize_plan, "", targets, errors)
-    if errors:
-        raise ValueError("parallelize_plan has keys that match no submodule: " + "; ".join(errors))
+    if errors and strict:
+        raise ValueError(
+            "parallelize_plan has keys that match no submodule: "
+            + "; ".join(
+                f"{key!r}: no submodule matches {token!r} (children of {path}: {children})"
+                for key, token, path, children in errors
+            )
+        )
+    for key, token, path, children in errors:
+        # PyTorch's phrases ("could not be resolved", "no submodule matching token", "skipping
+        # this plan entry"), so filters and regexes written for its warning match this one.
+        warnings.warn(
+            f"Parallelize plan key {key!r} could not be resolved: no submodule matching token "
+            f"{token!r} among the children {children} of {path}; skipping this plan entry "
+            "(pass strict=True to parallelize_module to make this an error)",
+            UserWarning,
+            stacklevel=2,
+        )
     # hp_tp's styles are 1-D; foreign styles define their own mesh contract (as in PyTorch).
     if mesh.ndim != 1 and any(isinstance(style, ParallelStyle) for _, _, style in targets):
         raise ValueError(

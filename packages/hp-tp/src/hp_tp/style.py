@@ -24,6 +24,7 @@ from torch import nn
 
 from hp_tp._dtensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
 from hp_tp._layout import has_layout
+from hp_tp.errors import TPInputTypeError, TPUsageError
 
 __all__ = [
     "ColwiseParallel",
@@ -584,8 +585,14 @@ class PrepareModuleInput(ParallelStyle):
         use_local_output: hand the module local tensors instead of DTensors.
 
     Raises:
-        ValueError: when the layout tuples disagree in length, or (at forward time) when the
-            number of positional inputs differs from ``input_layouts``.
+        TPUsageError: (a ``ValueError`` and an ``AssertionError``, PyTorch's type) when the
+            layout tuples or keyword-layout dicts disagree in length, when ``input_layouts`` is
+            given without ``desired_input_layouts``, or when ``desired_input_kwarg_layouts``
+            names a keyword input ``input_kwarg_layouts`` does not.
+        ValueError: at forward time, when the number of positional inputs differs from
+            ``input_layouts``.
+        TPInputTypeError: (a ``TypeError`` and an ``AssertionError``) at forward time, when an
+            input with a layout is not a tensor.
 
     See Also:
         :pt:`torch.distributed.tensor.parallel.PrepareModuleInput`: PyTorch's input preparation.
@@ -607,19 +614,32 @@ class PrepareModuleInput(ParallelStyle):
         self.use_local_output = use_local_output
         if self.input_layouts is not None:
             if self.desired_input_layouts is None:
-                raise ValueError("desired_input_layouts is required when input_layouts is given")
+                raise TPUsageError(
+                    "desired_input_layouts is required when input_layouts is given (desired "
+                    "module inputs should not be None)"
+                )
             if len(self.input_layouts) != len(self.desired_input_layouts):
-                raise ValueError(
+                raise TPUsageError(
                     f"input_layouts has {len(self.input_layouts)} entries but "
-                    f"desired_input_layouts has {len(self.desired_input_layouts)}; they must match"
+                    f"desired_input_layouts has {len(self.desired_input_layouts)}; they must match "
+                    "(input_layouts and desired_input_layouts should have same length)"
                 )
         self.with_kwargs = input_kwarg_layouts is not None
         self.input_kwarg_layouts: dict[str, Placement] = dict(input_kwarg_layouts or {})
         self.desired_input_kwarg_layouts: dict[str, Placement] = dict(
             desired_input_kwarg_layouts or {}
         )
+        if self.with_kwargs and len(self.input_kwarg_layouts) != len(
+            self.desired_input_kwarg_layouts
+        ):
+            raise TPUsageError(
+                f"input_kwarg_layouts has {len(self.input_kwarg_layouts)} entries but "
+                f"desired_input_kwarg_layouts has {len(self.desired_input_kwarg_layouts)}; they "
+                "must match (input_kwarg_layouts and desired_input_kwarg_layouts should have "
+                "same length)"
+            )
         if set(self.desired_input_kwarg_layouts) - set(self.input_kwarg_layouts):
-            raise ValueError(
+            raise TPUsageError(
                 "desired_input_kwarg_layouts names keyword inputs "
                 f"{sorted(set(self.desired_input_kwarg_layouts) - set(self.input_kwarg_layouts))} "
                 "that input_kwarg_layouts does not"
@@ -635,6 +655,12 @@ class PrepareModuleInput(ParallelStyle):
     ) -> Any:
         if layout is None:
             return value
+        if not isinstance(value, torch.Tensor):
+            raise TPInputTypeError(
+                f"{type(self).__name__}: {what} has layout {layout} but is a "
+                f"{type(value).__name__}, not a torch.Tensor or DTensor (expecting input to be a "
+                "torch.Tensor); give it the layout None to leave it alone"
+            )
         dt = _to_dtensor(value, mesh, layout, what)
         dt = _redistribute(dt, desired)
         return dt.to_local() if self.use_local_output else dt
@@ -701,8 +727,9 @@ class PrepareModuleOutput(ParallelStyle):
         use_local_output: return local tensors instead of DTensors.
 
     Raises:
-        ValueError: when the layout tuples disagree in length, or (at forward time) when the
-            number of outputs differs from ``output_layouts``.
+        TPUsageError: (a ``ValueError`` and an ``AssertionError``, PyTorch's type) when the
+            layout tuples disagree in length.
+        ValueError: at forward time, when the number of outputs differs from ``output_layouts``.
 
     See Also:
         :pt:`torch.distributed.tensor.parallel.PrepareModuleOutput`: PyTorch's output preparation.
@@ -720,9 +747,10 @@ class PrepareModuleOutput(ParallelStyle):
         if layouts is None or desired is None:
             raise ValueError("output_layouts and desired_output_layouts are required")
         if len(layouts) != len(desired):
-            raise ValueError(
+            raise TPUsageError(
                 f"output_layouts has {len(layouts)} entries but desired_output_layouts has "
-                f"{len(desired)}; they must match"
+                f"{len(desired)}; they must match (output_layouts and desired_output_layouts "
+                "should have same length)"
             )
         self.output_layouts: tuple[Placement | None, ...] = layouts
         self.desired_output_layouts: tuple[Placement | None, ...] = desired
