@@ -63,12 +63,15 @@ from hp_dtensor.testing._pool import (
     PoolStats,
     in_worker,
 )
+from hp_dtensor.testing.host_syncs import HostSyncCounter, count_host_syncs
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DistributedTestError",
     "DistributedTestTimeoutError",
+    "HostSyncCounter",
     "PoolStats",
+    "count_host_syncs",
     "distributed",
     "fake_world",
     "load_test_module",
