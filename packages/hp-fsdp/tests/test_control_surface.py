@@ -257,8 +257,7 @@ def test_control_surface_ws2() -> None:
         ours.set_custom_all_gather(rs)
 
     # Capabilities and hints on the CPU.
-    with pytest.raises(ValueError, match="accelerator"):
-        ours.set_all_reduce_hook(lambda t: None, stream=object())
+    ours.set_all_reduce_hook(lambda t: None, stream=object())  # a hint on the CPU, as in torch
     with pytest.raises(RuntimeError, match="SM90"):
         ours.set_symm_mem_for_comm()
     handler = _ListHandler()

@@ -432,32 +432,35 @@ class FSDPModule:
         """Call ``hook`` on each reduced gradient shard before its division and write-back.
 
         With HSDP the hook runs after the replicate-axis all-reduce, with FSDP after the
-        reduce-scatter; it may modify the tensor in place. Kind (a) for ``stream``: a stream
-        is a capability of accelerators, and passing one on the CPU raises.
+        reduce-scatter; it may modify the tensor in place. ``stream`` is a hint (kind (b)): on
+        an accelerator the hook runs on that stream, ordered after the reduction and before
+        the write-back; on the CPU streams do not exist, so a CPU stream is accepted, as
+        PyTorch accepts it, and the hook runs in program order (logged once at debug level).
 
         Args:
             hook: called with the flat reduced shard (reduce dtype) of each unit.
-            stream: an accelerator stream to run the hook on (None: the current one).
+            stream: a stream to run the hook on (None: the reduction's own stream). Plain
+                FSDP only.
 
         Raises:
-            ValueError: for a stream on a CPU unit.
+            ValueError: for a stream with native HSDP (PyTorch's message: the hook runs on
+                the all-reduce stream there).
 
         See Also:
             :pt:`torch.distributed.fsdp.FSDPModule.set_all_reduce_hook`: PyTorch's method.
         """
         state = self._get_fsdp_state()
         if stream is not None and any(g.mesh_info.is_hsdp for g in state.groups):
-            raise ValueError(
-                "stream cannot be set when using native HSDP: the hook runs on the all-reduce "
-                "stream after the replicate-axis all-reduce"
-            )
-        if stream is not None and not is_accelerator(state.device):
-            raise ValueError(
-                "set_all_reduce_hook(stream=...) needs an accelerator; this unit computes on "
-                f"{state.device}, pass stream=None"
-            )
+            raise ValueError("stream cannot be set when using native HSDP")
         chosen = hook
-        if stream is not None:
+        if stream is not None and not is_accelerator(state.device):
+            _log.debug(
+                "set_all_reduce_hook(stream=%r): streams are no-ops on %s; the hook runs in "
+                "program order after each reduction",
+                stream,
+                state.device,
+            )
+        elif stream is not None:
             hook_stream = stream if isinstance(stream, Stream) else Stream.from_native(stream)
 
             def on_stream(tensor: torch.Tensor) -> None:

@@ -51,8 +51,36 @@ __all__ = [
     "owned_storage",
     "pg_allocate",
     "pg_supports_alloc",
+    "reduce_scatter_in_place",
     "wait_all_gather",
 ]
+
+#: Backends whose reduce-scatter may write its output into its own input: NCCL documents the
+#: in-place layout (``output == input + rank * numel``); gloo's is verified by the tests. Every
+#: other backend (HCCL, torch's threaded and fake test groups, a user's backend) gets a separate
+#: output buffer: the threaded group, for one, writes rank 0's output before the other ranks
+#: have read their inputs.
+_IN_PLACE_REDUCE_SCATTER_BACKENDS = frozenset({"nccl", "gloo"})
+
+
+def reduce_scatter_in_place(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether a reduce-scatter over ``group`` may write into its own input's row.
+
+    Args:
+        group: the process group.
+        device: the device of the buffers (picks the backend of a multi-device group).
+
+    Returns:
+        True for NCCL and gloo, False for every other backend.
+    """
+    try:
+        name = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return False
+    if ":" in name:  # "cpu:gloo,cuda:nccl": the backend of this device
+        per_device = dict(part.split(":", 1) for part in name.split(","))
+        name = per_device.get(device.type, "")
+    return name.lower() in _IN_PLACE_REDUCE_SCATTER_BACKENDS
 
 
 @runtime_checkable
@@ -270,6 +298,8 @@ def issue_reduce_scatter(
     op: dist.ReduceOp.RedOpType,
     pre_divide: float | None,
     comm: ReduceScatter | None = None,
+    *,
+    in_place: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
     """Pack gradients in torch's layout and issue one reduce-scatter (``grads`` is cleared).
 
@@ -283,10 +313,13 @@ def issue_reduce_scatter(
         pre_divide: divide the packed input by this before the collective.
         comm: a custom reduce-scatter (``set_custom_reduce_scatter``); its ``allocate``
             provides the output buffer. None uses ``torch.distributed.reduce_scatter_single``.
+        in_place: write the output into this rank's row of the input (None: where
+            :func:`reduce_scatter_in_place` says the backend allows it).
 
     Returns:
         ``(input, output, work)``: keep ``input`` alive until ``work`` completes. Without
-        ``comm``, ``output`` is this rank's row of ``input`` (see :func:`owned_storage`).
+        ``comm`` on NCCL or gloo, ``output`` is this rank's row of ``input`` (see
+        :func:`owned_storage`).
 
     See Also:
         :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce`.
@@ -299,10 +332,15 @@ def issue_reduce_scatter(
     if world_size == 1:
         return rs_input, rs_input.view(-1), None
     if comm is None:
-        # In place: this rank's row of the input receives the reduced shard (gloo and NCCL
-        # accept ``output == input + rank * numel``), so an in-flight reduction holds one
-        # buffer, as PyTorch's does once its post-reduce has run, not an input and an output.
-        rs_output = rs_input.view(world_size, numel)[dist.get_rank(group)]
+        if in_place is None:
+            in_place = reduce_scatter_in_place(group, rs_input.device)
+        if in_place:
+            # This rank's row of the input receives the reduced shard (gloo and NCCL accept
+            # ``output == input + rank * numel``), so an in-flight reduction holds one buffer,
+            # as PyTorch's does once its post-reduce has run, not an input and an output.
+            rs_output = rs_input.view(world_size, numel)[dist.get_rank(group)]
+        else:
+            rs_output = torch.empty(numel, dtype=rs_input.dtype, device=rs_input.device)
         work = dist.reduce_scatter_single(rs_output, rs_input, group=group, op=op, async_op=True)
     else:
         rs_output = comm.allocate((numel,), dtype=reduce_dtype, device=rs_input.device)

@@ -126,10 +126,8 @@ def mesh_info_from_mesh(mesh: DeviceMesh) -> MeshInfo:
         :pt:`torch.distributed.fsdp.fully_shard`: the ``mesh`` argument.
     """
     if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh {mesh} "
-            "(1-D: FSDP, 2-D: HSDP)"
-        )
+        # PyTorch's exact message (users match it); pass dp_mesh_dims for a larger mesh.
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise FSDPUsageError(
             "Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "

@@ -241,9 +241,9 @@ class ShardedParam:
                 )
             data = param._local_tensor
         if param.ndim == 0:
-            raise ValueError(
-                "fully_shard doesn't support scalar parameters: change "
-                f"{module_info.name!r} to a 1-D tensor with one element"
+            raise ValueError(  # PyTorch's exact message (users match it)
+                "fully_shard doesn't support scalar parameters. "
+                f"Change {module_info.name} to a 1D tensor with numel equal to 1."
             )
         has_pre = hasattr(data, "fsdp_pre_all_gather")
         if has_pre != hasattr(data, "fsdp_post_all_gather"):

@@ -40,6 +40,7 @@ from hp_fsdp.collectives import (
     issue_all_gather,
     issue_reduce_scatter,
     owned_storage,
+    reduce_scatter_in_place,
     wait_all_gather,
 )
 from hp_fsdp.dynamo import run_eagerly
@@ -547,6 +548,8 @@ class ParamGroup:
         self._ag_inputs: list[list[torch.Tensor]] = []
         self._own_streams: CommStreams | None = None
         self._post_forward_indices: list[int] = []
+        #: Per reduce-scatter group: whether its backend reduces in place.
+        self._rs_in_place: dict[dist.ProcessGroup, bool] = {}
         self._initialized = False
         self._register_state_dict_hooks()
 
@@ -1000,6 +1003,10 @@ class ParamGroup:
         if taken is None:
             return
         ctx = self.ctx
+        if ctx is not None and not ctx.callback_queued and ctx.states:
+            # No pre-backward hook ran (a list unit's member used on its own): the root's
+            # end-of-backward callback still finishes this backward's reductions.
+            ctx.states[0].queue_final_callback()
         if ctx is not None and ctx.pending_reductions:
             with record_function(f"FSDP::post_backward_rs_wait ({self.fqn})"):
                 ctx.advance_reductions(self.options.max_inflight_reductions)
@@ -1095,6 +1102,10 @@ class ParamGroup:
             factor,
             self.options.force_sum_reduction,
         )
+        rs_group = self.options.reduce_scatter_group or mesh_info.shard_group
+        in_place = self._rs_in_place.get(rs_group)
+        if in_place is None:  # asked once per group: the backend does not change
+            in_place = self._rs_in_place[rs_group] = reduce_scatter_in_place(rs_group, self.device)
         with device_stream(rs_stream):
             streams.mark("reduce_scatter")
             shard_dims = _pack_layouts(rs_stream, params, grads)
@@ -1102,11 +1113,12 @@ class ParamGroup:
                 grads,
                 shard_dims,
                 reduce_dtype,
-                self.options.reduce_scatter_group or mesh_info.shard_group,
+                rs_group,
                 mesh_info.shard_size,
                 rs_op,
                 pre,
                 self.options.custom_reduce_scatter,
+                in_place=in_place,
             )
             work = streams.order_on_stream(work)
         event = rs_stream.record_event(streams.new_event("reduce_scatter"))

@@ -340,10 +340,7 @@ class FSDPState:
     @run_eagerly
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         self.training_state = TrainingState.PRE_BACKWARD
-        ctx = self.ctx
-        if not ctx.callback_queued:
-            ctx.callback_queued = True
-            queue_engine_callback(self._final_callback)
+        self.queue_final_callback()
         # Once per backward per group (this hook fires for every output tensor): issue every
         # group's all-gather before waiting for any.
         fresh = [g for g in self.groups if g.training_state != TrainingState.PRE_BACKWARD]
@@ -377,6 +374,19 @@ class FSDPState:
             ):
                 target.unshard(target.options.unshard_async_op)
             index -= 1
+
+    def queue_final_callback(self) -> None:
+        """Queue the end-of-backward callback of this state's root once per backward.
+
+        Called from every unit's pre-backward and from a unit's post-backward: a member of a
+        list-of-modules unit run on its own (``head(x)`` after a forward that skipped it) has
+        no pre-backward hook, yet its reduction must finish in that backward, as in PyTorch.
+        """
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            root = ctx.states[0] if ctx.states else self
+            queue_engine_callback(root._final_callback)
 
     @run_eagerly
     def _final_callback(self) -> None:
