@@ -246,6 +246,24 @@ def test_a_region_entered_on_another_thread_counts_that_threads_backward() -> No
     assert seen_outside[0].total == 0
 
 
+def _nonzero_rows_kernel(x: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, (x.sum(1) != 0).nonzero().flatten())
+
+
+_nonzero_rows = torch.library.custom_op("hp_dtensor_tests::nonzero_rows", mutates_args=())(
+    _nonzero_rows_kernel
+)
+
+
+def test_ops_inside_custom_ops_are_counted() -> None:
+    x = torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 0.0]])
+    kernel_line = inspect.getsourcelines(_nonzero_rows_kernel)[1] + 1
+    with count_host_syncs() as syncs:
+        out = _nonzero_rows(x)
+    assert syncs.events == [("aten.nonzero", f"{os.path.relpath(__file__)}:{kernel_line}")]
+    assert out.tolist() == [[1.0, 2.0], [3.0, 0.0]]
+
+
 def test_nested_regions_both_count() -> None:
     with count_host_syncs() as outer:
         _X[0].item()

@@ -10,7 +10,8 @@ every rank of the distributed harness.
 
 How it sees them: a dispatch mode (the level below autograd, so backward ops are seen as well:
 the autograd engine carries the region's modes into the threads it runs backward on) counts the
-ATen ops that synchronize, and a torch-function mode counts what never reaches the dispatcher on
+ATen ops that synchronize (entering ``torch.library`` custom ops such as hp-kernels' MoE
+permutation, so the ATen ops their kernels run are seen too), and a torch-function mode counts what never reaches the dispatcher on
 a CPU tensor: ``Tensor.tolist()``, ``Tensor.cpu()`` and tensors created from Python data
 (``torch.tensor``, ``torch.as_tensor``, ``torch.asarray``, ``Tensor.new_tensor``). One
 user-level call counts once (``.tolist()`` on a GPU tensor is one event, not a copy plus a read).
@@ -60,7 +61,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hp_dtensor._torch_compat import TorchDispatchMode, tree_flatten
+from hp_dtensor._torch_compat import TorchDispatchMode, require, tree_flatten
 
 __all__ = ["HostSyncCounter", "count_host_syncs"]
 
@@ -95,6 +96,17 @@ _INDEX_PUT = {
     _aten._index_put_impl_: "aten.index_put[bool]",
 }
 _COPIES = {_aten.copy_, _aten._to_copy}
+
+# Ops of these namespaces are PyTorch's own; an op of any other namespace (a ``torch.library``
+# custom op, e.g. ``hp_kernels::permute_tokens``) is entered, so the ops its kernel runs count.
+_BUILTIN_NAMESPACES = frozenset(
+    {"aten", "prim", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"}
+)
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_dispatch_keys = require("hp-dtensor", "torch._C._dispatch_keys")
+_BELOW_PYTHON = require("hp-dtensor", "torch._C._dispatch_keyset_full_after")(
+    require("hp-dtensor", "torch._C.DispatchKey").Python
+)
 
 _FROM_PYTHON: frozenset[Any] = frozenset(
     {
@@ -184,6 +196,7 @@ class HostSyncCounter:
         self._lock = threading.Lock()
         self._events: list[tuple[str, str]] = []
         self._local = threading.local()
+        self._mode = _SyncDispatchMode(self)
 
     # -- results -------------------------------------------------------------------------------
 
@@ -292,6 +305,8 @@ class HostSyncCounter:
             ) and self._any_device(args[0]):
                 self._record(name)
             return func(*args, **kwargs)
+        if func.namespace not in _BUILTIN_NAMESPACES:
+            return self._enter_custom_op(func, args, kwargs)
         if packet in _COPIES:
             out = func(*args, **kwargs)
             src = args[1] if packet is _aten.copy_ else args[0]
@@ -303,6 +318,19 @@ class HostSyncCounter:
                 self._record(COPY_D2H)
             return out
         return func(*args, **kwargs)
+
+    def _enter_custom_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a custom op's kernel with the counting mode active, so its own ops are seen."""
+        tensors = [
+            leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)
+        ]
+        if not tensors or any(type(t) not in _PLAIN_TENSOR_TYPES for t in tensors):
+            return func(*args, **kwargs)  # subclasses (DTensor) handle the op themselves
+        keys = _dispatch_keys(tensors[0])
+        for tensor in tensors[1:]:
+            keys = keys | _dispatch_keys(tensor)
+        with self._mode:
+            return func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
 
     def _is_d2h(self, src: Any, dst: Any, non_blocking: bool) -> bool:
         if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
@@ -419,5 +447,5 @@ def count_host_syncs(
         :pt:`torch.cuda.set_sync_debug_mode`: the runtime check on a real GPU.
     """
     counter = HostSyncCounter(device_tensors=device_tensors, host_tensors=host_tensors)
-    with _SyncFunctionMode(counter), _SyncDispatchMode(counter):
+    with _SyncFunctionMode(counter), counter._mode:
         yield counter
