@@ -11,10 +11,11 @@ every rank of the distributed harness.
 How it sees them: a dispatch mode (the level below autograd, so backward ops are seen as well:
 the autograd engine carries the region's modes into the threads it runs backward on) counts the
 ATen ops that synchronize (entering ``torch.library`` custom ops such as hp-kernels' MoE
-permutation, so the ATen ops their kernels run are seen too), and a torch-function mode counts what never reaches the dispatcher on
-a CPU tensor: ``Tensor.tolist()``, ``Tensor.cpu()`` and tensors created from Python data
-(``torch.tensor``, ``torch.as_tensor``, ``torch.asarray``, ``Tensor.new_tensor``). One
-user-level call counts once (``.tolist()`` on a GPU tensor is one event, not a copy plus a read).
+permutation, so the ATen ops their kernels run are seen too), and a torch-function mode
+counts what never reaches the dispatcher on a CPU tensor: ``Tensor.tolist()``,
+``Tensor.cpu()`` and tensors created from Python data (``torch.tensor``, ``torch.as_tensor``,
+``torch.asarray``, ``Tensor.new_tensor``). One user-level call counts once (``.tolist()`` on a
+GPU tensor is one event, not a copy plus a read).
 
 What counts as a device tensor: by default every tensor that is neither on the meta device nor
 in pinned host memory, whatever machine runs the test (so a CPU test stands in for the device and
