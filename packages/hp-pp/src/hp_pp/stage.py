@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from hp_pp._backward import WeightPass, backward_input
 from hp_pp._fsdp_protocol import FSDPControl
 
 __all__ = ["PipelineStage"]
@@ -188,6 +189,7 @@ class _MicrobatchState:
     input_grads: list[torch.Tensor | None] | None = None
     weight_pending: bool = False
     dw_runner: Callable[..., None] | None = None
+    weight_pass: WeightPass | None = None
 
 
 class PipelineStage:
@@ -663,6 +665,11 @@ class PipelineStage:
         """Backward of micro-batch ``mb``: all gradients, or (``full_backward=False``) only
         the gradients of the inputs, leaving the weight gradients to
         :meth:`backward_weight_one_chunk`.
+
+        The input-only backward splits the graph once (see :mod:`hp_pp._backward`): it
+        computes the input gradients and records the gradients arriving at every node that
+        feeds a weight, so the weight pass starts there and never walks the activation chain
+        again (FLOPs of input + weight = one full backward).
         """
         if loss is not None:
             self.set_loss(mb, loss)
@@ -684,19 +691,20 @@ class PipelineStage:
                     state.weight_pending = True
             self._release(mb, keep_for_weight=False)
             return
-        # Backward for the inputs only: keep the graph for the weight gradients.
-        if roots and leaves:
-            state.input_grads = list(
-                torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+        if roots:
+            # An FSDP module reduces in the hooks it put on its outputs: keep them (and the
+            # graph) until the weight pass, which ends with a pass that reaches those hooks.
+            state.input_grads, state.weight_pass = backward_input(
+                roots, grads, leaves, keep_graph=self.fsdp is not None
             )
         else:
             state.input_grads = [None] * len(leaves)
         state.weight_pending = True
-        self._release(mb, keep_for_weight=True)
+        self._release(mb, keep_for_weight=self.fsdp is not None)
 
     def backward_weight_one_chunk(self, mb: int) -> None:
         """Weight gradients of micro-batch ``mb`` (after a backward-input), accumulated into
-        the parameters' ``.grad``.
+        the parameters' ``.grad``, from the gradients the backward-input recorded.
         """
         state = self._state(mb)
         if not state.weight_pending:
@@ -709,26 +717,38 @@ class PipelineStage:
             runner, state.dw_runner = state.dw_runner, None
             runner()
             return
-        roots, grads = self._grad_outputs(mb)
-        params = [p for p in self.submod.parameters() if p.requires_grad]
-        if roots and params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        weight_pass, state.weight_pass = state.weight_pass, None
+        if weight_pass is not None:
+            weight_pass.run()
+            del weight_pass
+        if self.fsdp is not None:
+            self._reach_output_hooks(mb)
         self._release(mb, keep_for_weight=False)
 
+    def _reach_output_hooks(self, mb: int) -> None:
+        """Run the hooks on the submodule's outputs (an FSDP module's pre-backward hook,
+        which queues its post-backward: gradient accumulation, reshard, reduce-scatter)
+        without computing anything on the activation chain: the gradients are captured at
+        the outputs themselves."""
+        state = self._state(mb)
+        if state.outputs is None:
+            return
+        roots, grads = self._grad_outputs(mb)
+        outputs = [o for o in state.outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if roots and outputs:
+            torch.autograd.grad(roots, outputs, grads, allow_unused=True)
+
     def _release(self, mb: int, *, keep_for_weight: bool) -> None:
+        """Drop what backward of micro-batch ``mb`` no longer needs; ``keep_for_weight``
+        keeps the outputs, their gradients and the loss for the weight pass."""
         state = self._state(mb)
         state.input_leaves = []
         if keep_for_weight:
             return
         state.output_grads = None
         state.loss = None
-        if self.is_last:
-            # The merged output is returned to the user; drop its graph.
-            state.outputs = tuple(
-                o.detach() if isinstance(o, torch.Tensor) else o for o in state.outputs or ()
-            )
-        else:
-            state.outputs = None
+        # The merged output of the last stage is kept (detached) in ``output_chunks``.
+        state.outputs = None
 
     def input_grads_of(self, mb: int) -> list[torch.Tensor | None]:
         """The gradients of micro-batch ``mb``'s inputs computed by backward."""
