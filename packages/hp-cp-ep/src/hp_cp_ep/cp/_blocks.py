@@ -7,6 +7,12 @@ them so). For a causal mask, query chunk ``a`` sees key chunk ``b < a`` entirely
 :func:`plan_tasks` turns that rule into as few kernel calls as possible, and :func:`run_forward`
 / :func:`run_backward` execute them, merging partial outputs by their log-sum-exp.
 
+Packed documents: :func:`restrict_to_documents` decides once per batch, for every block at once,
+which tasks run as they are, which are skipped and which take a document mask; the masks
+themselves are rebuilt from O(sequence) document ids and positions (:class:`DocumentMasks`) next
+to each kernel call, in forward and again in backward, so no O(sequence^2) tensor is kept
+between them.
+
 Why equal-and-ascending chunk lists need one causal call: the kernel's causal mask compares
 *local* row and column indices, and when both sides hold the same chunks in ascending order the
 local order is the global order, so the local causal mask is the global one.
@@ -25,14 +31,20 @@ from hp_kernels import merge_attention_partials
 
 @dataclass(frozen=True)
 class BlockTask:
-    """One kernel call: query rows ``[q0, q1)`` against key rows ``[k0, k1)`` (local indices)."""
+    """One kernel call: query rows ``[q0, q1)`` against key rows ``[k0, k1)`` (local indices).
+
+    ``masked`` tasks take a document mask, built from the batch's :class:`DocumentMasks` next to
+    the kernel call in forward and again in backward (never kept in between); ``mask_causal``
+    says whether that mask also hides keys after the query's global position.
+    """
 
     q0: int
     q1: int
     k0: int
     k1: int
     is_causal: bool
-    mask: torch.Tensor | None = None
+    masked: bool = False
+    mask_causal: bool = False
 
 
 def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
@@ -87,42 +99,90 @@ def plan_tasks(
     return tasks
 
 
+def chunk_positions(ids: Sequence[int], chunk_len: int, device: torch.device) -> torch.Tensor:
+    """Global positions of the rows of chunks ``ids`` (in that order), ``[len(ids) * chunk_len]``.
+
+    Built on the device from ranges (no tensor made from host data, so nothing to copy over).
+    """
+    return torch.cat([torch.arange(c * chunk_len, (c + 1) * chunk_len, device=device) for c in ids])
+
+
+@dataclass(frozen=True)
+class DocumentMasks:
+    """What a batch's document masks are built from: O(sequence), never O(sequence^2).
+
+    Document ids of the local query rows (chunks ``q_ids``) and of every key/value row the
+    queries meet (chunks ``kv_ids``: the K/V blocks side by side, so block ``j`` of ``n`` rows
+    starts at row ``j * n``). A task's boolean mask is rebuilt from these whenever a kernel
+    needs it; global positions come from the chunk ids (ranges, built when needed).
+    """
+
+    q_doc: torch.Tensor
+    kv_doc: torch.Tensor
+    q_ids: tuple[int, ...]
+    kv_ids: tuple[int, ...]
+    chunk_len: int
+
+    def same_document(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
+        """``[..., q, k]`` boolean: query row and key row in the same document."""
+        k0, k1 = kv_offset + t.k0, kv_offset + t.k1
+        return self.q_doc[..., t.q0 : t.q1, None] == self.kv_doc[..., None, k0:k1]
+
+    def not_after(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
+        """``[q, k]`` boolean: key position at or before the query position."""
+        n = self.chunk_len
+        k0, k1 = kv_offset + t.k0, kv_offset + t.k1
+        q_pos = chunk_positions(self.q_ids[t.q0 // n : t.q1 // n], n, self.q_doc.device)
+        kv_pos = chunk_positions(self.kv_ids[k0 // n : k1 // n], n, self.q_doc.device)
+        return q_pos[:, None] >= kv_pos[None, :]
+
+    def mask(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
+        """The boolean ``[B or 1, 1, q, k]`` mask of a masked task (``True`` = attend)."""
+        same = self.same_document(t, kv_offset)
+        if t.mask_causal:
+            same = same & self.not_after(t, kv_offset)
+        return same.unsqueeze(-3) if same.dim() == 3 else same[None, None]
+
+
 def restrict_to_documents(
-    tasks: Sequence[BlockTask],
-    q_doc: torch.Tensor,
-    kv_doc: torch.Tensor,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
-) -> list[BlockTask]:
-    """The tasks restricted to query/key pairs of the same document (packed sequences).
+    blocks: Sequence[tuple[int, Sequence[BlockTask]]], masks: DocumentMasks
+) -> list[list[BlockTask]]:
+    """Every block's tasks restricted to query/key pairs of the same document (packed sequences).
 
     A task whose rows all share one document with its keys is kept as it is (so a single
     document computes exactly the plain causal or full blocks); a task with no same-document
-    pair is dropped (no kernel call); any other task gets a boolean mask, same document and, for
-    a causal task, key position at or before the query position.
+    pair is dropped (no kernel call); any other task becomes a masked task (same document and,
+    for a causal task, key position at or before the query position).
+
+    All blocks are decided together, before any attention runs: the decisions are two booleans
+    per task, read by the host in one transfer (the batch's only host synchronisation; the ring
+    steps, forward and backward, then run without any).
 
     Args:
-        tasks: The block's tasks from :func:`plan_tasks`.
-        q_doc: Document ids of the local query rows, ``[Sq]`` or ``[B, Sq]``.
-        kv_doc: Document ids of the block's key rows, ``[Sk]`` or ``[B, Sk]``.
-        q_pos: Global positions of the query rows, ``[Sq]``.
-        kv_pos: Global positions of the key rows, ``[Sk]``.
+        blocks: ``(kv_offset, tasks)`` per key/value block: the block's first row in
+            ``masks.kv_doc`` and its tasks from :func:`plan_tasks`.
+        masks: The batch's document ids and positions.
 
     Returns:
-        The tasks to run; empty when no query row sees any key of the block.
+        The tasks to run, per block (a block may be left with none).
     """
-    kept: list[BlockTask] = []
-    for t in tasks:
-        same = q_doc[..., t.q0 : t.q1, None] == kv_doc[..., None, t.k0 : t.k1]
-        if bool(same.all()):
-            kept.append(t)
-            continue
-        if t.is_causal:
-            same = same & (q_pos[t.q0 : t.q1, None] >= kv_pos[None, t.k0 : t.k1])
-        if not bool(same.any()):
-            continue
-        mask = same.unsqueeze(-3) if same.dim() == 3 else same[None, None]  # [B or 1, 1, q, k]
-        kept.append(BlockTask(t.q0, t.q1, t.k0, t.k1, False, mask))
+    flags = []
+    for offset, tasks in blocks:
+        for t in tasks:
+            same = masks.same_document(t, offset)
+            visible = same & masks.not_after(t, offset) if t.is_causal else same
+            flags.append(torch.stack((same.all(), visible.any())))
+    decided = iter(torch.stack(flags).tolist() if flags else [])
+    kept: list[list[BlockTask]] = []
+    for _, tasks in blocks:
+        block: list[BlockTask] = []
+        for t in tasks:
+            all_same, any_visible = next(decided)
+            if all_same:
+                block.append(t)
+            elif any_visible:
+                block.append(BlockTask(t.q0, t.q1, t.k0, t.k1, False, True, t.is_causal))
+        kept.append(block)
     return kept
 
 
@@ -151,6 +211,14 @@ class PartialOutput:
         self.lse[:, :, rows] = merged_lse
 
 
+def _task_mask(t: BlockTask, masks: DocumentMasks | None, kv_offset: int) -> torch.Tensor | None:
+    if not t.masked:
+        return None
+    if masks is None:
+        raise RuntimeError("a masked attention task needs the batch's document masks")
+    return masks.mask(t, kv_offset)
+
+
 def run_forward(
     kernel: AttentionKernel,
     q: torch.Tensor,
@@ -159,23 +227,30 @@ def run_forward(
     tasks: Sequence[BlockTask],
     scale: float | None,
     partial: PartialOutput,
+    masks: DocumentMasks | None = None,
+    kv_offset: int = 0,
 ) -> list[object]:
-    """Run the tasks' forward kernels, merging into ``partial``; returns each call's state."""
+    """Run the tasks' forward kernels, merging into ``partial``; returns each call's state.
+
+    A masked task's mask is built here from ``masks`` (its key rows start at ``kv_offset`` in
+    ``masks.kv_doc``) and dropped after the call.
+    """
     aux = []
     for t in tasks:
+        mask = _task_mask(t, masks, kv_offset)
         res = kernel.forward(
             q[:, :, t.q0 : t.q1],
             k[:, :, t.k0 : t.k1],
             v[:, :, t.k0 : t.k1],
             is_causal=t.is_causal,
             scale=scale,
-            mask=t.mask,
+            mask=mask,
         )
         out, lse = res.out, res.lse
-        if t.mask is not None:
+        if mask is not None:
             # A row that sees no key of this block must merge as "no contribution": LSE -inf
             # and a finite output (the CPU kernel reports LSE 0 for such rows).
-            empty = ~t.mask.any(-1)
+            empty = ~mask.any(-1)
             lse = lse.masked_fill(empty, float("-inf"))
             out = out.masked_fill(empty[..., None], 0.0)
         partial.add(t.q0, t.q1, out, lse)
@@ -201,11 +276,14 @@ def run_backward(
     dq: torch.Tensor,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    masks: DocumentMasks | None = None,
+    kv_offset: int = 0,
 ) -> list[KVGrad]:
     """Run the tasks' backward kernels (with the merged ``out``/``lse``), adding into ``dq``.
 
     The K/V gradients are added into ``dk``/``dv`` when given; otherwise they are returned, for
-    a caller that has no accumulator yet (the ring's arrives from the previous rank).
+    a caller that has no accumulator yet (the ring's arrives from the previous rank). Masks are
+    rebuilt from ``masks`` as in :func:`run_forward`.
     """
     pending: list[KVGrad] = []
     for t, state in zip(tasks, aux, strict=True):
@@ -220,7 +298,7 @@ def run_backward(
             state,
             is_causal=t.is_causal,
             scale=scale,
-            mask=t.mask,
+            mask=_task_mask(t, masks, kv_offset),
         )
         dq[:, :, rows] += gq
         if dk is not None and dv is not None:

@@ -7,11 +7,18 @@ backward accepts an output and LSE it did not compute. The kernel is chosen by t
 query through :mod:`hp_dtensor.device`:
 
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (tested in CI).
-  They handle grouped-query attention (fewer K/V heads) natively.
+  They take grouped-query attention (fewer K/V heads) as it is, as SDPA's ``enable_gqa=True``
+  does: no K/V repetition, and the K/V gradients come back with the K/V heads.
 * CUDA: the flash kernel for fp16/bf16 without a mask, otherwise the memory-efficient kernel; the
-  cuDNN kernel when it is the only SDPA backend enabled in ``torch.backends.cuda``. K/V heads are
-  repeated for grouped-query attention and their gradients summed back. Written from the ops'
-  schemas and not run in CI (no GPU there).
+  cuDNN kernel when it is the only SDPA backend enabled in ``torch.backends.cuda``. The flash
+  kernel takes fewer K/V heads as they are (as SDPA's ``enable_gqa=True`` does); for the
+  memory-efficient and cuDNN kernels, which take equal head counts only, K/V heads are repeated
+  for that call and their gradients summed back (as SDPA itself does for them). Written from the
+  ops' schemas and not run in CI (no GPU there).
+
+A document mask reaches a kernel as a boolean mask, converted to the additive bias the kernels
+take for that call only, and is passed again (rebuilt by the caller) to the backward: no kernel
+state keeps a mask or bias between forward and backward.
 
 Any other device raises a ``RuntimeError`` naming the devices that have a kernel.
 """
@@ -127,9 +134,10 @@ class _CudaKernel:
         mask: torch.Tensor | None,
     ) -> BlockResult:
         heads, sq = q.shape[1], q.shape[2]
-        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
         bias = _additive_mask(mask, q.dtype)
         kind = self._choice(q, bias)
+        if kind != "flash":  # flash takes fewer K/V heads natively
+            k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
         if kind == "flash":
             out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, is_causal, False, scale=scale
@@ -139,7 +147,7 @@ class _CudaKernel:
             out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
                 q, k, v, bias, True, 0.0, is_causal, False, scale=scale
             )
-            aux = (kind, cq, ck, mq, mk, seed, offset, bias)
+            aux = (kind, cq, ck, mq, mk, seed, offset)
         else:
             if bias is not None:
                 bias = bias.expand(q.shape[0], heads, sq, k.shape[2])
@@ -147,7 +155,7 @@ class _CudaKernel:
                 q, k, v, bias, True, 0.0, is_causal, scale=scale
             )
             # The efficient kernel pads the LSE's last dim; the merge needs exactly Sq.
-            aux = (kind, seed, offset, bias, lse.shape[-1])
+            aux = (kind, seed, offset, lse.shape[-1])
             lse = lse[..., :sq]
         # Some kernels give the LSE a trailing unit dim; the merge wants out.shape[:-1].
         trailing = lse.dim() == out.dim()
@@ -168,24 +176,28 @@ class _CudaKernel:
         mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         heads, kv_heads = q.shape[1], k.shape[1]
-        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
         aux, trailing = aux
         lse = lse.float()  # the CUDA kernels keep their LSE in float32
         lse = lse.unsqueeze(-1) if trailing else lse
         kind = aux[0]
+        bias = _additive_mask(mask, q.dtype)  # rebuilt: the forward kept none
+        if kind != "flash":
+            k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
         if kind == "flash":
             _, cq, ck, mq, mk, seed, offset = aux
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
                 dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, is_causal, seed, offset, scale=scale
             )
         elif kind == "cudnn":
-            _, cq, ck, mq, mk, seed, offset, bias = aux
+            _, cq, ck, mq, mk, seed, offset = aux
             dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
                 dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, 0.0, is_causal,
                 scale=scale,
             )  # fmt: skip
         else:
-            _, seed, offset, bias, padded = aux
+            _, seed, offset, padded = aux
+            if bias is not None:
+                bias = bias.expand(q.shape[0], heads, q.shape[2], k.shape[2])
             pad = padded - lse.shape[-1]
             lse_in = torch.nn.functional.pad(lse, (0, pad)) if pad > 0 else lse
             dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(

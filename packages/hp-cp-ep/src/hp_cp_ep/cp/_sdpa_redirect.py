@@ -53,10 +53,12 @@ def _call_engine(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     document_ids: torch.Tensor | None = None,
+    plans: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Check an SDPA call's arguments against what the engine supports and run it.
 
-    ``document_ids`` (this rank's shard) restrict every query to keys of its document.
+    ``document_ids`` (this rank's shard) restrict every query to keys of its document;
+    ``plans`` is the route's per-batch plan cache (one plan, one host sync, for every layer).
     """
     a = _bind(args, kwargs)
     if a["attn_mask"] is not None:
@@ -75,10 +77,7 @@ def _call_engine(
             f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for "
             "grouped-query attention"
         )
-    return engine(
-        q, k, a["value"], is_causal=bool(a["is_causal"]), scale=a["scale"],
-        document_ids=document_ids,
-    )  # fmt: skip
+    return engine._call(q, k, a["value"], bool(a["is_causal"]), a["scale"], document_ids, plans)
 
 
 class _SdpaRouter:
@@ -97,7 +96,8 @@ class _SdpaRouter:
         routes = self.routes
         if not routes:  # a caller kept a reference to the router past the last exit
             return self.original(*args, **kwargs)
-        return _call_engine(routes[-1].engine, args, kwargs, routes[-1].document_ids)
+        route = routes[-1]
+        return _call_engine(route.engine, args, kwargs, route.document_ids, route.plans)
 
     def push(self, route: SdpaRoute) -> None:
         with self._lock:
@@ -137,7 +137,11 @@ class SdpaRoute:
     Process-wide (every thread, the backward pass included), so the recomputation of an
     activation checkpoint run inside the block is context-parallel too. Nested routes: the
     innermost engine answers. ``document_ids`` (this rank's shard, optional) go with every
-    call: packed documents.
+    call: packed documents. They are fixed while the route is active (one batch), so the
+    engine's plan for them is made at the first call and reused by every later one (every
+    layer, and the recomputation of a checkpointed layer): one host synchronisation and one
+    gather of the ids per batch, not per layer. Every rank makes the same calls in the same
+    order, so all ranks reuse the plan together.
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class SdpaRoute:
     ) -> None:
         self.engine = engine
         self.document_ids = document_ids
+        self.plans: dict[Any, Any] = {}
 
     def __enter__(self) -> SdpaRoute:
         _ROUTER.push(self)

@@ -15,9 +15,21 @@ values reach the queries:
   or ``"ring"``) or all-gather (``"allgather"``) over dim 0.
 
 Every mode takes document ids (packed sequences: a query attends only to keys of its document).
-The ring all-gathers them once (tiny integer tensors) and masks each step's block by document and
-global position; a block holding no same-document pair is skipped, and a query row that sees no
-key of a block merges as an empty partial (LSE ``-inf``).
+The ids are gathered once (tiny integer tensors) and a *plan* is made before any attention runs:
+for every key/value block the query rows meet, which kernel calls run unmasked, which are
+skipped (no same-document pair) and which take a document mask. Making the plan reads two
+booleans per kernel call from the device in one transfer: the call's only host synchronisation
+(the functional front makes one plan per batch and every layer reuses it). The ring steps,
+forward and backward, then run without any host synchronisation, and a query row that sees no
+key of a block merges as an empty partial (LSE ``-inf``). Masks are rebuilt from the O(sequence)
+ids and positions next to each kernel call, in forward and again in backward; nothing
+O(sequence^2) is kept for the backward.
+
+Grouped-query attention: the kernels take the K/V heads as they are (no repetition per block).
+Ulysses sends each rank the K/V heads its query heads use: all ``Hkv`` split ``u`` ways when
+``Hkv % u == 0``, otherwise each K/V head repeated ``(H / Hkv) / gcd(H / u, H / Hkv)`` times
+before the exchange (``u`` heads in all, ``u / Hkv`` of a plain split, when ``H / u`` divides
+``H / Hkv``; never the ``H / Hkv`` of repeating K/V to every query head).
 
 Tensors are ``[batch, heads, local_seq, head_dim]`` as for ``F.scaled_dot_product_attention``,
 sharded along the sequence by :class:`~hp_cp_ep.cp._layout.ChunkLayout` over the flattened mesh.
@@ -25,6 +37,7 @@ sharded along the sequence by :class:`~hp_cp_ep.cp._layout.ChunkLayout` over the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_cp_ep._torch_compat import single_device_sdpa
 from hp_cp_ep.cp._blocks import (
     BlockTask,
+    DocumentMasks,
     PartialOutput,
     add_kv_grads,
     plan_tasks,
@@ -54,12 +68,24 @@ CP_MODES = ("ring", "allgather", "ulysses", "hybrid")
 
 
 @dataclass(frozen=True)
-class _RingDocuments:
-    """Document ids of the local queries and of every ring rank's K/V block (gathered once)."""
+class _Plan:
+    """A batch's attention plan, made before any attention runs (pure data, O(sequence)).
 
-    q_doc: torch.Tensor
-    q_pos: torch.Tensor
-    kv_doc_of: tuple[torch.Tensor, ...]
+    ``order``: chunk ids of the local rows as stored (after Ulysses); ``q_ids``: the same ids
+    sorted, the order attention runs in. ``blocks[j]``: the kernel calls of the local queries
+    against key/value block ``j`` (ring rank ``j``'s block, or the one local / all-gathered
+    block), whose rows start at ``j * block_rows`` in ``masks``. ``gathered``/``kv_ids``: the
+    all-gathered K/V chunk ids as received and sorted (all-gather exchange only).
+    """
+
+    order: tuple[int, ...]
+    q_ids: tuple[int, ...]
+    chunk_len: int
+    blocks: tuple[tuple[BlockTask, ...], ...]
+    block_rows: int
+    masks: DocumentMasks | None = None
+    gathered: tuple[int, ...] = ()
+    kv_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,23 +93,24 @@ class _RingSpec:
     group: ProcessGroup
     size: int
     rank: int
-    q_ids: tuple[int, ...]
-    kv_ids_of: tuple[tuple[int, ...], ...]
-    chunk_len: int
-    is_causal: bool
     scale: float | None
     kernel: AttentionKernel
-    documents: _RingDocuments | None = None
+    plan: _Plan
 
-    def tasks(self, src: int) -> list[BlockTask]:
-        """The kernel calls of the local queries against the K/V block of ring rank ``src``."""
-        kv_ids = self.kv_ids_of[src]
-        tasks = plan_tasks(self.q_ids, kv_ids, self.chunk_len, self.is_causal)
-        if self.documents is None:
-            return tasks
-        docs = self.documents
-        kv_pos = _positions(kv_ids, self.chunk_len, docs.q_pos.device)
-        return restrict_to_documents(tasks, docs.q_doc, docs.kv_doc_of[src], docs.q_pos, kv_pos)
+    def run_forward(
+        self,
+        src: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        partial: PartialOutput,
+    ) -> list[object]:
+        """The local queries against the K/V block of ring rank ``src``."""
+        plan = self.plan
+        return run_forward(
+            self.kernel, q, k, v, plan.blocks[src], self.scale, partial, plan.masks,
+            src * plan.block_rows,
+        )  # fmt: skip
 
 
 class _RingAttention(torch.autograd.Function):
@@ -98,8 +125,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(spec.size):
             if step + 1 < spec.size:
                 exchange.start((k_cur, v_cur))  # the next hop flies while this block computes
-            tasks = spec.tasks((spec.rank - step) % spec.size)
-            aux.append(run_forward(spec.kernel, q, k_cur, v_cur, tasks, spec.scale, partial))
+            aux.append(spec.run_forward((spec.rank - step) % spec.size, q, k_cur, v_cur, partial))
             if step + 1 < spec.size:
                 k_cur, v_cur = exchange.wait()
         out = partial.out.to(q.dtype)
@@ -111,6 +137,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         spec: _RingSpec = ctx.spec
+        plan = spec.plan
         dout = dout.contiguous()
         kv_exchange, grad_exchange = RingExchange(spec.group), RingExchange(spec.group, tag=1)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -120,10 +147,11 @@ class _RingAttention(torch.autograd.Function):
         for step in range(spec.size):
             if step + 1 < spec.size:
                 kv_exchange.start((k_cur, v_cur))
-            tasks = spec.tasks((spec.rank - step) % spec.size)  # the forward's, masks included
+            src = (spec.rank - step) % spec.size  # the forward's tasks; masks rebuilt
             grads = run_backward(
-                spec.kernel, dout, q, k_cur, v_cur, out, lse, tasks, ctx.aux[step], spec.scale, dq
-            )
+                spec.kernel, dout, q, k_cur, v_cur, out, lse, plan.blocks[src], ctx.aux[step],
+                spec.scale, dq, masks=plan.masks, kv_offset=src * plan.block_rows,
+            )  # fmt: skip
             if step == 0:
                 dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
                 dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
@@ -152,12 +180,13 @@ class _LocalAttention(torch.autograd.Function):
         tasks: Sequence[BlockTask],
         scale: float | None,
         kernel: AttentionKernel,
+        masks: DocumentMasks | None,
     ) -> torch.Tensor:
         partial = PartialOutput(q, v.shape[-1])
-        aux = run_forward(kernel, q, k, v, tasks, scale, partial)
+        aux = run_forward(kernel, q, k, v, tasks, scale, partial, masks)
         out = partial.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, partial.lse)
-        ctx.tasks, ctx.aux, ctx.scale, ctx.kernel = tasks, aux, scale, kernel
+        ctx.tasks, ctx.aux, ctx.scale, ctx.kernel, ctx.masks = tasks, aux, scale, kernel, masks
         return out
 
     @staticmethod
@@ -167,20 +196,41 @@ class _LocalAttention(torch.autograd.Function):
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in (q, k, v))
         run_backward(
             ctx.kernel, dout.contiguous(), q, k, v, out, lse, ctx.tasks, ctx.aux, ctx.scale,
-            dq, dk, dv,
+            dq, dk, dv, masks=ctx.masks,
         )  # fmt: skip
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _rows_of(ids: Sequence[int], order: Sequence[int], chunk_len: int, device: Any) -> Any:
-    """Row indices that reorder a tensor holding chunks ``ids`` into the chunk order ``order``."""
-    where = {c: i for i, c in enumerate(ids)}
-    starts = torch.tensor([where[c] * chunk_len for c in order], device=device)
-    return (starts[:, None] + torch.arange(chunk_len, device=device)).reshape(-1)
+def _permute_chunks(
+    x: torch.Tensor, have: Sequence[int], want: Sequence[int], chunk_len: int, dim: int = 2
+) -> torch.Tensor:
+    """``x`` (holding chunks ``have`` along ``dim``) with its chunks in the order ``want``.
+
+    Slices and one concatenation: no index tensor is built (nothing copied from the host).
+    """
+    if tuple(have) == tuple(want):
+        return x
+    where = {c: i for i, c in enumerate(have)}
+    return torch.cat([x.narrow(dim, where[c] * chunk_len, chunk_len) for c in want], dim=dim)
 
 
-def _reorder(x: torch.Tensor, rows: torch.Tensor | None, dim: int = 2) -> torch.Tensor:
-    return x if rows is None else x.index_select(dim, rows)
+def _kv_heads_for_ulysses(x: torch.Tensor, heads: int, ulysses: int) -> torch.Tensor:
+    """K/V ``[B, Hkv, s, D]`` with the heads every Ulysses rank needs, in rank order.
+
+    Rank ``j`` gets query heads ``[j * H/u, (j + 1) * H/u)``. When ``Hkv % u == 0`` it needs
+    ``Hkv / u`` whole K/V heads and ``x`` is split as it is. Otherwise each K/V head is repeated
+    ``r = (H / Hkv) / gcd(H / u, H / Hkv)`` times: consecutive runs of ``g' = gcd(H/u, H/Hkv)``
+    query heads then share one (repeated) K/V head on every rank (grouped-query attention with
+    group ``g'`` after the exchange), and the all-to-all carries ``Hkv * r = H / g'`` heads in
+    all instead of ``H``.
+    """
+    kv = x.shape[1]
+    if kv % ulysses == 0:
+        return x
+    group = heads // kv
+    repeat = group // math.gcd(heads // ulysses, group)
+    b, _, s, d = x.shape
+    return x.unsqueeze(2).expand(b, kv, repeat, s, d).reshape(b, kv * repeat, s, d)
 
 
 class ContextParallelAttention:
@@ -288,6 +338,23 @@ class ContextParallelAttention:
             ValueError: Bad shapes, heads not divisible by the Ulysses degree, a local length
                 not divisible into the layout's chunks, or document ids of the wrong shape.
         """
+        return self._call(query, key, value, is_causal, scale, document_ids, None)
+
+    def _call(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        is_causal: bool,
+        scale: float | None,
+        document_ids: torch.Tensor | None,
+        plans: dict[tuple[bool, int], _Plan] | None,
+    ) -> torch.Tensor:
+        """:meth:`__call__`, reusing and filling ``plans`` (a front's per-batch plan cache).
+
+        A front passes one ``plans`` dict for as long as its document ids stay the same (every
+        rank calls in the same order, so every rank hits or misses the cache together).
+        """
         self._check(query, key, value, document_ids)
         if document_ids is not None:  # masks are built next to the scores, ids gathered there
             document_ids = document_ids.to(query.device)
@@ -297,78 +364,100 @@ class ContextParallelAttention:
                 enable_gqa=key.shape[1] != query.shape[1],
             )  # fmt: skip
         kernel = AttentionKernel(query.device.type)
-        heads = query.shape[1]
-        ids = self.layout.chunks_of(self.outer_rank * self.ulysses_size + self.ulysses_rank)
-        chunk_len = query.shape[2] // len(ids)
+        plan_key = (is_causal, query.shape[2])
+        plan = None if plans is None else plans.get(plan_key)
+        if plan is None:
+            plan = self._plan(query.shape[2], is_causal, document_ids, query.device)
+            if plans is not None:
+                plans[plan_key] = plan
         q, k, v = query, key, value
         if self._ulysses_group is not None:
-            if k.shape[1] % self.ulysses_size:  # too few K/V heads to split: share them out
-                k = k.repeat_interleave(heads // k.shape[1], dim=1)
-                v = v.repeat_interleave(heads // v.shape[1], dim=1)
+            heads = q.shape[1]
+            k, v = (_kv_heads_for_ulysses(t, heads, self.ulysses_size) for t in (k, v))
             q, k, v = seq_to_heads((q, k, v), self._ulysses_group, concurrent=self.concurrent)
-            if document_ids is not None:
-                document_ids = _gather_ids(document_ids, self._ulysses_group)
-            ids = self._ids_after_ulysses(self.outer_rank)
-        q_ids = tuple(sorted(ids))
-        sort_rows = None if list(ids) == list(q_ids) else _rows_of(ids, q_ids, chunk_len, q.device)
-        q, k, v = (_reorder(t, sort_rows) for t in (q, k, v))
-        if document_ids is not None:
-            document_ids = _reorder(document_ids, sort_rows, dim=-1)
-        out = self._outer(q, k, v, q_ids, chunk_len, is_causal, scale, document_ids, kernel)
-        if sort_rows is not None:
-            out = out.index_select(2, torch.argsort(sort_rows))
+        q, k, v = (_permute_chunks(t, plan.order, plan.q_ids, plan.chunk_len) for t in (q, k, v))
+        out = self._outer(q, k, v, plan, scale, kernel)
+        out = _permute_chunks(out, plan.q_ids, plan.order, plan.chunk_len)
         if self._ulysses_group is not None:
             out = heads_to_seq(out, self._ulysses_group)
         return out
+
+    def _plan(
+        self,
+        local_len: int,
+        is_causal: bool,
+        document_ids: torch.Tensor | None,
+        device: torch.device,
+    ) -> _Plan:
+        """The batch's plan: chunk orders, kernel calls per K/V block, document masks' inputs.
+
+        Without documents it is pure host arithmetic. With documents it gathers the ids (one
+        all-gather per exchange dimension) and reads the tasks' decisions from the device once
+        (:func:`restrict_to_documents`).
+        """
+        ids = self.layout.chunks_of(self.outer_rank * self.ulysses_size + self.ulysses_rank)
+        chunk_len = local_len // len(ids)
+        order, docs = ids, document_ids
+        if self._ulysses_group is not None:
+            order = self._ids_after_ulysses(self.outer_rank)
+            if docs is not None:
+                docs = _gather_ids(docs, self._ulysses_group)
+        q_ids = tuple(sorted(order))
+        if docs is not None:
+            docs = _permute_chunks(docs, order, q_ids, chunk_len, dim=-1)
+        group = self._outer_group
+        gathered: tuple[int, ...] = ()
+        kv_ids: tuple[int, ...] = ()
+        kv_doc = docs
+        if group is None or self.outer_size == 1:
+            kv_ids_of: tuple[tuple[int, ...], ...] = (q_ids,)
+        elif self.exchange == "ring":
+            kv_ids_of = tuple(
+                tuple(sorted(self._ids_after_ulysses(r))) for r in range(self.outer_size)
+            )
+            if docs is not None:  # tiny int tensors: gathered once, never sent with K/V hops
+                kv_doc = _gather_ids(docs, group)
+        else:
+            gathered = tuple(
+                c for r in range(self.outer_size) for c in sorted(self._ids_after_ulysses(r))
+            )
+            kv_ids = tuple(sorted(gathered))
+            kv_ids_of = (kv_ids,)
+            if docs is not None:
+                kv_doc = _permute_chunks(_gather_ids(docs, group), gathered, kv_ids, chunk_len, -1)
+        block_rows = len(kv_ids_of[0]) * chunk_len
+        blocks = [plan_tasks(q_ids, kv, chunk_len, is_causal) for kv in kv_ids_of]
+        masks = None
+        if docs is not None and kv_doc is not None:
+            all_kv = tuple(c for kv in kv_ids_of for c in kv)
+            masks = DocumentMasks(docs, kv_doc, q_ids, all_kv, chunk_len)
+            offsets = [j * block_rows for j in range(len(blocks))]
+            blocks = restrict_to_documents(list(zip(offsets, blocks, strict=True)), masks)
+        return _Plan(
+            order, q_ids, chunk_len, tuple(tuple(b) for b in blocks), block_rows, masks,
+            gathered, kv_ids,
+        )  # fmt: skip
 
     def _outer(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_ids: tuple[int, ...],
-        chunk_len: int,
-        is_causal: bool,
+        plan: _Plan,
         scale: float | None,
-        document_ids: torch.Tensor | None,
         kernel: AttentionKernel,
     ) -> torch.Tensor:
         group = self._outer_group
-        if group is None or self.outer_size == 1:
-            kv_ids, kv_doc = q_ids, document_ids
-        elif self.exchange == "ring":
-            all_ids = tuple(
-                tuple(sorted(self._ids_after_ulysses(r))) for r in range(self.outer_size)
-            )
-            documents = None
-            if document_ids is not None:
-                # tiny int tensors: gathered once instead of travelling with every K/V hop
-                kv_docs = torch.split(_gather_ids(document_ids, group), q.shape[2], dim=-1)
-                q_pos = _positions(q_ids, chunk_len, q.device)
-                documents = _RingDocuments(document_ids, q_pos, tuple(kv_docs))
-            spec = _RingSpec(
-                group, self.outer_size, self.outer_rank, q_ids, all_ids, chunk_len, is_causal,
-                scale, kernel, documents,
-            )  # fmt: skip
-            out: torch.Tensor = _RingAttention.apply(q, k, v, spec)  # type: ignore[no-untyped-call]
-            return out
-        else:
+        if group is not None and self.outer_size > 1:
+            if self.exchange == "ring":
+                spec = _RingSpec(group, self.outer_size, self.outer_rank, scale, kernel, plan)
+                out: torch.Tensor = _RingAttention.apply(q, k, v, spec)  # type: ignore[no-untyped-call]
+                return out
             k, v = gather_seq((k, v), group, concurrent=self.concurrent)
-            gathered = [
-                c for r in range(self.outer_size) for c in sorted(self._ids_after_ulysses(r))
-            ]
-            kv_ids = tuple(sorted(gathered))
-            rows = _rows_of(gathered, kv_ids, chunk_len, q.device)
-            k, v = _reorder(k, rows), _reorder(v, rows)
-            kv_doc = None
-            if document_ids is not None:
-                kv_doc = _reorder(_gather_ids(document_ids, group), rows, dim=-1)
-        if document_ids is not None and kv_doc is not None:
-            mask = _document_mask(document_ids, kv_doc, q_ids, kv_ids, chunk_len, is_causal)
-            tasks = [BlockTask(0, q.shape[2], 0, k.shape[2], False, mask)]
-        else:
-            tasks = plan_tasks(q_ids, kv_ids, chunk_len, is_causal)
-        result: torch.Tensor = _LocalAttention.apply(q, k, v, tasks, scale, kernel)  # type: ignore[no-untyped-call]
+            k, v = (_permute_chunks(t, plan.gathered, plan.kv_ids, plan.chunk_len) for t in (k, v))
+        result: torch.Tensor = _LocalAttention.apply(  # type: ignore[no-untyped-call]
+            q, k, v, plan.blocks[0], scale, kernel, plan.masks
+        )
         return result
 
     def _check(
@@ -415,27 +504,3 @@ def _gather_ids(ids: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     out = torch.empty((n * ids.shape[0], *ids.shape[1:]), dtype=ids.dtype, device=ids.device)
     dist.all_gather_single(out, ids.contiguous(), group=group)
     return torch.cat(list(out.view(n, *ids.shape).unbind(0)), dim=-1)
-
-
-def _positions(ids: Sequence[int], chunk_len: int, device: Any) -> torch.Tensor:
-    starts = torch.tensor([c * chunk_len for c in ids], device=device)
-    return (starts[:, None] + torch.arange(chunk_len, device=device)).reshape(-1)
-
-
-def _document_mask(
-    q_doc: torch.Tensor,
-    kv_doc: torch.Tensor,
-    q_ids: Sequence[int],
-    kv_ids: Sequence[int],
-    chunk_len: int,
-    is_causal: bool,
-) -> torch.Tensor:
-    """Boolean ``[B or 1, 1, Sq, Sk]`` mask: same document (and not in the future if causal)."""
-    mask = q_doc.unsqueeze(-1) == kv_doc.unsqueeze(-2)
-    if is_causal:
-        pos_q = _positions(q_ids, chunk_len, q_doc.device)
-        pos_k = _positions(kv_ids, chunk_len, q_doc.device)
-        mask = mask & (pos_q[:, None] >= pos_k[None, :])
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0 if mask.dim() < 3 else 1)
-    return mask
