@@ -13,6 +13,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from hp_trainer.config import LRSchedulerConfig, OptimizerConfig
 from hp_trainer.muon import get_hyper_optimizer
 
+_GATHER_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
 __all__ = [
     "LRSchedulersContainer",
     "OptimizersContainer",
@@ -26,7 +28,8 @@ class OptimizersContainer:
     """One optimizer per model part, stepped and zeroed together.
 
     ``optimizer.name = "Muon"`` builds :func:`~hp_trainer.get_hyper_optimizer` per part
-    (Muon on hidden matrices, AdamW on the rest, in one optimizer).
+    (Muon on hidden matrices and expert weights, AdamW on the rest, in one optimizer; the update
+    shards travel to each matrix's owner rank in ``optimizer.muon_gather_dtype``).
 
     Args:
         model_parts: The model chunks (one for non-pipelined training).
@@ -47,6 +50,7 @@ class OptimizersContainer:
                     weight_decay=cfg.weight_decay,
                     adamw_betas=(cfg.beta1, cfg.beta2),
                     adamw_eps=cfg.eps,
+                    gather_dtype=_GATHER_DTYPES[cfg.muon_gather_dtype],
                 )
                 for part in self.model_parts
             ]
