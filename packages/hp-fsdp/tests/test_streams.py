@@ -76,3 +76,70 @@ def test_streams_and_events_order_hsdp_step() -> None:
         ("wait_stream", "copy_in", "compute"),
         ("wait_stream", "all_gather", "compute"),
     ]
+
+
+def _nth(entries: list[tuple[str, ...]], entry: tuple[str, ...], n: int) -> int:
+    """The index of the ``n``-th (from 0) occurrence of ``entry`` (len(entries) if fewer)."""
+    seen = -1
+    for i, e in enumerate(entries):
+        if e == entry:
+            seen += 1
+            if seen == n:
+                return i
+    return len(entries)
+
+
+@distributed(world_size=3)
+def test_all_gather_buffers_freed_by_event_waits_two_in_flight() -> None:
+    """All-gather buffers: no ``record_stream``; each is dropped only after the copy-in and
+    all-gather streams waited for its copy-out event; a copy-in never starts before the
+    copy-out two all-gathers back (at most two in flight per root); bitwise equal to torch
+    and tensor-level peak memory <= torch's (ws 3, three resharding blocks)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    h = _helpers()
+    cfg = h.Config(mesh_shape=(3,), reshard=True, blocks=3)
+    ours, theirs, _, _ = h.build_pair(cfg)
+    batch = h.make_batch(1 + torch.distributed.get_rank())
+    h.loss_fn(ours, batch).backward()  # lazy init
+    h.loss_fn(theirs, batch).backward()
+    log = StreamLog()
+    state = get_state(ours)
+    assert state is not None
+    state.ctx.comm.streams = CommStreams.recording(log)
+    peaks = []
+    for model in (ours, theirs):
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            h.loss_fn(model, batch).backward()
+        peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    h.assert_bitwise(ours, theirs, "with recording streams")
+    assert peaks[0] <= peaks[1], peaks
+
+    entries = log.entries
+    assert ("record_tensor", "compute") not in entries  # no record_stream on the buffers
+    assert ("record_tensor", "copy_in") not in entries
+    allocs = [e[2] for e in entries if e[:2] == ("alloc", "all_gather_output")]
+    assert len(allocs) == 4 + 3  # root + 3 blocks in forward, 3 blocks again in backward
+    live, most = set(), 0
+    for e in entries:
+        if e[:2] == ("alloc", "all_gather_output"):
+            live.add(e[2])
+            most = max(most, len(live))
+        elif e[:2] == ("free", "all_gather_output"):
+            live.discard(e[2])
+    assert most == 2, most
+    assert not live  # every buffer freed by the end of the step
+    copy_out = ("record", "all_gather_copy_out", "compute")
+    ci_wait = ("wait_event", "copy_in", "all_gather_copy_out")
+    ag_wait = ("wait_event", "all_gather", "all_gather_copy_out")
+    assert entries.count(copy_out) == len(allocs)
+    for k, n in enumerate(allocs):
+        freed = entries.index(("free", "all_gather_output", n))
+        # its copy-out was recorded, then both streams waited for it, then it was dropped
+        assert _nth(entries, copy_out, k) < _nth(entries, ci_wait, k) < freed, k
+        assert _nth(entries, ag_wait, k) < freed, k
+        if k >= 2:  # the rate limit: this copy-in waited for the copy-out two gathers back
+            allocated = entries.index(("alloc", "all_gather_output", n))
+            assert _nth(entries, ci_wait, k - 2) < allocated, k

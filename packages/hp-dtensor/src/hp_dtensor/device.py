@@ -23,6 +23,7 @@ import logging
 import os
 import resource
 import sys
+import weakref
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -687,8 +688,9 @@ class StreamLog:
     Each entry is a tuple: ``("enter", stream)``, ``("leave", stream)``,
     ``("wait_stream", waiter, waited)``, ``("record", event, stream)``,
     ``("wait_event", stream, event)``, ``("record_tensor", stream)``,
-    ``("copy_to_host", stream)`` or ``("synchronize", what)``; streams and events appear
-    by name. ``ran_on`` maps labels given to :meth:`mark` to the stream current at that point.
+    ``("copy_to_host", stream)``, ``("synchronize", what)``, or ``("alloc", label, n)`` /
+    ``("free", label, n)`` for buffers given to :meth:`track`; streams and events appear by
+    name. ``ran_on`` maps labels given to :meth:`mark` to the stream current at that point.
 
     See Also:
         :pt:`torch.Stream` / :pt:`torch.Event`: the calls being recorded.
@@ -698,6 +700,7 @@ class StreamLog:
         self.entries: list[tuple[str, ...]] = []
         self._current: list[str] = ["compute"]
         self.ran_on: dict[str, list[str]] = {}
+        self._tracked = 0
 
     @property
     def current(self) -> str:
@@ -711,6 +714,21 @@ class StreamLog:
             label: a name for the work (e.g. ``"all_gather"``).
         """
         self.ran_on.setdefault(label, []).append(self.current)
+
+    def track(self, tensor: torch.Tensor, label: str) -> None:
+        """Log ``("alloc", label, n)`` now and ``("free", label, n)`` when ``tensor`` dies.
+
+        ``n`` numbers the buffers tracked so far (from 0), so a test can follow each one's
+        lifetime against the stream entries between its allocation and its free.
+
+        Args:
+            tensor: the buffer.
+            label: its kind (e.g. ``"all_gather_output"``).
+        """
+        n = self._tracked
+        self._tracked += 1
+        self.entries.append(("alloc", label, str(n)))
+        weakref.finalize(tensor, self.entries.append, ("free", label, str(n)))
 
     def count(self, kind: str) -> int:
         """How many entries of a kind were recorded (e.g. ``"synchronize"``).

@@ -7,6 +7,14 @@ Collectives are issued with ``async_op=True``: on every backend the returned wor
 the runtime waits on, so communication overlaps computation on the CPU (gloo's worker threads)
 and on accelerators (the backend's own stream).
 
+All-gather buffers are freed by event waits, never ``record_stream``: after a unit's copy-out
+the compute stream records an event, and before the buffer is dropped the copy-in and
+all-gather streams wait for it (:class:`AllGatherState`), so the caching allocator may hand the
+memory to the next all-gather at once, and that all-gather's copy-in cannot start before the
+copy-out it would overwrite. In forward the newest gathered unit's state is kept until the next
+unit's copy-out (its copy-out overlaps the next all-gather): at most two all-gathers in flight
+per root however far the host runs ahead, as in PyTorch's FSDP2.
+
 See Also:
     :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives`: PyTorch's FSDP2 collectives.
 """
@@ -23,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hp_dtensor.device import Event, current_stream
+from hp_dtensor.device import Event
 from hp_dtensor.device import stream as device_stream
 from hp_fsdp._torch_compat import local_tensor, unsafe_preserve_version_counter
 from hp_fsdp.streams import CommStreams
@@ -40,6 +48,7 @@ from hp_kernels import (
 
 __all__ = [
     "AllGatherResult",
+    "AllGatherState",
     "ProcessGroupAllGather",
     "ProcessGroupReduceScatter",
     "ReleasesBuffers",
@@ -149,9 +158,10 @@ def issue_all_gather(
     copy_in_stream = streams.copy_in if streams is not None else None
     with device_stream(copy_in_stream):
         if streams is not None:
+            # Shards come from the compute stream, which the copy-in stream waited for at the
+            # root's pre-forward; they are released only after the compute stream waited for
+            # this all-gather's event (its copy-out), so no ``record_stream`` is needed.
             streams.mark("all_gather_copy_in")
-            for tensor in inputs:  # shards written on the compute stream, read here
-                streams.copy_in.record_tensor(tensor)
         if world_size == 1:  # nothing to gather (replicate-only mesh): pack, no collective
             _, ag_output = all_gather_copy_in(inputs, splits, 1, 0, dtype, device)
         elif comm is None:
@@ -165,6 +175,8 @@ def issue_all_gather(
             ag_input, ag_output = all_gather_copy_in(
                 inputs, splits, world_size, rank, dtype, device, out=buffer
             )
+        if streams is not None:
+            streams.track(ag_output, "all_gather_output")
     if streams is None:
         event = None
     else:
@@ -210,7 +222,6 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
         result.work = None
     if result.event is not None:  # the current (compute) stream waits for the all-gather only
         result.event.wait()
-        current_stream(result.output.device.type).record_tensor(result.output)
         result.event = None
     with unsafe_preserve_version_counter(tuple(outs)):
         all_gather_copy_out(result.output, result.split_sizes, result.world_size, outs)
@@ -219,21 +230,54 @@ def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> No
         result.release = None
 
 
-def discard_all_gather(result: AllGatherResult) -> None:
+def discard_all_gather(result: AllGatherResult, streams: CommStreams | None = None) -> None:
     """Wait for an all-gather whose output will not be used, and give its buffer back.
+
+    The compute stream (which frees the inputs) and the copy-in stream (which reuses the
+    output's memory) wait for the all-gather's event: the buffer is freed by event waits.
 
     Args:
         result: the pending all-gather.
+        streams: the root's streams (None: only the current stream waits).
     """
     if result.work is not None:
         result.work.wait()
         result.work = None
-    if result.release is not None:  # the buffer's next writer waits for this gather
-        if result.event is not None:
-            result.event.wait()
-            result.event = None
+    if result.event is not None:
+        result.event.wait()
+        if streams is not None:
+            streams.copy_in.wait_event(result.event)
+        result.event = None
+    if result.release is not None:
         result.release()
         result.release = None
+
+
+@dataclass
+class AllGatherState:
+    """Gathered buffers already copied out, kept until the streams that reuse them wait.
+
+    ``event`` is recorded on the compute stream after the copy-out. :meth:`free` makes the
+    copy-in and all-gather streams wait for it and drops the buffers, so the caching allocator
+    reuses their memory for a later all-gather only once the copy-out has run, without
+    ``record_stream`` and without a host wait.
+
+    See Also:
+        :pt:`torch.distributed.fsdp._fully_shard._fsdp_param_group.AllGatherState`.
+    """
+
+    results: list[AllGatherResult]
+    event: Event
+
+    def free(self, streams: CommStreams) -> None:
+        """Order the all-gather streams after the copy-out and drop the buffers.
+
+        Args:
+            streams: the root's streams.
+        """
+        streams.copy_in.wait_event(self.event)
+        streams.all_gather.wait_event(self.event)
+        self.results.clear()
 
 
 def divide_factors(

@@ -34,6 +34,7 @@ from hp_fsdp._torch_compat import (
 )
 from hp_fsdp.collectives import (
     AllGatherResult,
+    AllGatherState,
     apply_gradient_scaling_factor,
     discard_all_gather,
     divide_factors,
@@ -802,6 +803,27 @@ class ParamGroup:
                 out.copy_(param.all_gather_input())
 
     def _wait_gathered(self, result: AllGatherResult) -> None:
+        """Copy the gathered data out; free the buffers by event waits (see collectives)."""
+        streams = self.comm_streams()
+        ctx = self.ctx
+        ordered = streams.device_ordered or streams.log is not None
+        keep = ordered and ctx is not None and self.training_state == TrainingState.FORWARD
+        if keep:  # the previous unit's buffers: free them before this copy-out
+            assert ctx is not None
+            ctx.free_all_gather_state()
+        results = self._ag_parts or [result]
+        self._copy_out(result)
+        if not ordered:  # no device streams: program order; the buffers die here
+            return
+        event = streams.current().record_event(streams.new_event("all_gather_copy_out"))
+        state = AllGatherState(list(results), event)
+        if keep:  # kept until the next unit's copy-out, which overlaps this unit's all-gather
+            assert ctx is not None
+            ctx.all_gather_state = state
+        else:
+            state.free(streams)
+
+    def _copy_out(self, result: AllGatherResult) -> None:
         world_size = result.world_size
         outs: list[list[torch.Tensor]] = []
         regroup: list[tuple[ShardedParam, torch.Tensor, torch.Tensor]] = []
@@ -847,8 +869,9 @@ class ParamGroup:
         self._ag = None
         self._ag_inputs = []
         parts, self._ag_parts = self._ag_parts or [result], []
+        streams = self.comm_streams()
         for part in parts:
-            discard_all_gather(part)
+            discard_all_gather(part, streams)
 
     @_outside_functorch
     def reshard(self) -> None:

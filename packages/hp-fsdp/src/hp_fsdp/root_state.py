@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hp_dtensor.device import Event, Stream
+from hp_fsdp.collectives import AllGatherState
 from hp_fsdp.mesh_info import MeshInfo, PostForwardInfo
 from hp_fsdp.streams import CommStreams
 from hp_fsdp.symm_mem import SymmetricBufferPools
@@ -123,6 +124,15 @@ class RootContext:
         #: The last such event of each stream that copied gradients to the host without
         #: blocking (CPU offload): the host waits for these at the end of backward.
         self.host_copy_events: dict[Stream, Event] = {}
+        #: The newest unit gathered in forward, kept until the next unit's copy-out so that
+        #: its copy-out overlaps the next all-gather (at most two all-gathers in flight).
+        self.all_gather_state: AllGatherState | None = None
+
+    def free_all_gather_state(self) -> None:
+        """Order the all-gather streams after the kept copy-out and drop its buffers."""
+        state, self.all_gather_state = self.all_gather_state, None
+        if state is not None and self.comm.streams is not None:
+            state.free(self.comm.streams)
 
     def post_forward_info(self, mesh_info: MeshInfo, k: int) -> PostForwardInfo:
         """The group of ``k`` consecutive shard ranks this rank reshards to after forward.

@@ -293,6 +293,7 @@ class FSDPState:
                 for group in state.groups:
                     if group.has_pending_all_gather:
                         group.drop_pending_all_gather()
+            ctx.free_all_gather_state()  # the last unit's buffers
             ctx.iter_forward_root = None
         return self._cast_output(output)
 
@@ -433,6 +434,7 @@ class FSDPState:
         for reduction in ctx.pending_reductions:
             reduction.discard()
         ctx.pending_reductions = []
+        ctx.free_all_gather_state()
         ctx.post_reduce_events.clear()
         ctx.host_copy_events.clear()
         ctx.post_forward_order.clear()

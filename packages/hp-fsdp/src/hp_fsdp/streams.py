@@ -139,6 +139,16 @@ class CommStreams:
         work.wait()
         return None
 
+    def track(self, tensor: torch.Tensor, label: str) -> None:
+        """Note for the recording double when a buffer is allocated and when it is freed.
+
+        Args:
+            tensor: the buffer (its Python object's lifetime is logged).
+            label: the buffer's kind (e.g. ``"all_gather_output"``).
+        """
+        if self.log is not None:
+            self.log.track(tensor, label)
+
     def mark(self, label: str) -> None:
         """Note for the recording double which stream the work ``label`` runs on.
 
