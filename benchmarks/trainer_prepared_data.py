@@ -92,7 +92,7 @@ def main() -> int:
             _corpus(text, mb)
             start = time.perf_counter()
             subprocess.run(
-                [sys.executable, "-m", "hp_trainer.prepare", str(text), "-o",
+                [sys.executable, "-m", "hp_trainer.components.data.prepare", str(text), "-o",
                  str(root / f"prepared-{mb}"), "--workers", "2", "--quiet"],
                 check=True,
             )  # fmt: skip

@@ -23,8 +23,8 @@ from torch import nn
 import hp_dcp
 import hp_fsdp
 from hp_dtensor.testing import distributed, rank_seed, run_distributed
-from hp_trainer.checkpoint import CheckpointManager
-from hp_trainer.models.decoder import Decoder, DecoderArgs
+from hp_trainer.components.checkpoint import CheckpointManager
+from hp_trainer.models.common.decoder import Decoder, DecoderArgs
 from hp_trainer.models.llama3 import llama3_flavors
 
 # hp-fsdp's fully_shard when it exists (it does in this repo), torch's FSDP2 otherwise
@@ -409,7 +409,7 @@ def test_per_rank_dataloader_state_is_kept_per_rank(folder: str) -> None:
 def test_rng_state_round_trip_single_process() -> None:
     import random
 
-    from hp_trainer.checkpoint import RNGState
+    from hp_trainer.components.checkpoint import RNGState
 
     rng = RNGState()
     random.seed(5)

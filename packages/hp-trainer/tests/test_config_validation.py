@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from hp_trainer import ConfigManager, JobConfig
-from hp_trainer.layout_validation import validate_parallel_layout
+from hp_trainer.distributed.layout_validation import validate_parallel_layout
 from hp_trainer.preflight import preflight
 
 
@@ -82,7 +82,7 @@ def test_pipeline_validation_batch_must_be_a_multiple_of_the_local_batch() -> No
 def test_cp_with_a_model_without_a_cp_path_fails_up_front(monkeypatch: Any) -> None:
     import dataclasses
 
-    import hp_trainer.model_spec as model_spec
+    import hp_trainer.protocols.model_spec as model_spec
 
     spec = model_spec.get_model_spec("deepseek_v3")
     plain = dataclasses.replace(spec, extra={})  # an attention without a CP path
@@ -94,7 +94,7 @@ def test_cp_with_a_model_without_a_cp_path_fails_up_front(monkeypatch: Any) -> N
 def test_pp_with_a_model_without_a_splitter_fails_up_front(monkeypatch: Any) -> None:
     import dataclasses
 
-    import hp_trainer.model_spec as model_spec
+    import hp_trainer.protocols.model_spec as model_spec
 
     spec = model_spec.get_model_spec("qwen3_moe")
     plain = dataclasses.replace(spec, pipelining_fn=None)

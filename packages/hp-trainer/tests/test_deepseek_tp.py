@@ -74,10 +74,10 @@ def test_deepseek_v3_tensor_parallel_matches_single_process(
 
 
 def test_deepseek_v3_tp_not_dividing_the_heads_fails_up_front(tmp_path: Path) -> None:
-    from hp_trainer.distributed.expert_parallel import moe_layout_error
-    from hp_trainer.layout_validation import validate_parallel_layout
-    from hp_trainer.model_spec import get_model_spec
-    from hp_trainer.parallel_dims import ParallelDims
+    from hp_trainer.distributed.layout_validation import validate_parallel_layout
+    from hp_trainer.distributed.parallel_dims import ParallelDims
+    from hp_trainer.models.common.expert_parallel import moe_layout_error
+    from hp_trainer.protocols.model_spec import get_model_spec
 
     cfg = _helpers().job(tmp_path, {"tensor_parallel_degree": 3}, run="bad", model="deepseek_v3")
     with pytest.raises(ValueError, match="tensor_parallel_degree = 3 must divide"):
@@ -96,8 +96,9 @@ def _query_lora_gradients(tp_degree: int) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hp_trainer.distributed.expert_parallel import apply_moe_ep_tp, apply_tp_to_moe_decoder
+    from hp_trainer.models.common.expert_parallel import apply_moe_ep_tp, apply_tp_to_moe_decoder
     from hp_trainer.models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
+    from hp_trainer.models.deepseek_v3.parallelize import apply_tp_to_latent_attention
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -107,7 +108,9 @@ def _query_lora_gradients(tp_degree: int) -> Any:
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     if tp_degree > 1:
         mesh = init_device_mesh("cpu", (tp_degree,))
-        apply_tp_to_moe_decoder(model, mesh, loss_parallel=False)
+        apply_tp_to_moe_decoder(
+            model, mesh, loss_parallel=False, attention_tp=apply_tp_to_latent_attention
+        )
         apply_moe_ep_tp(model, mesh, None)
     logits = model(tokens)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())

@@ -25,13 +25,13 @@ from hp_trainer import (
     ValidationConfig,
     load_documents,
 )
-from hp_trainer.models.decoder import Decoder
+from hp_trainer.components.validation import Validator
+from hp_trainer.models.common.decoder import Decoder
+from hp_trainer.models.common.document_mask import DocumentBoundaries, block_causal_mask
 from hp_trainer.models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
-from hp_trainer.models.document_mask import DocumentBoundaries, block_causal_mask
 from hp_trainer.models.llama3 import llama3_flavors
 from hp_trainer.models.qwen3 import qwen3_flavors
 from hp_trainer.models.qwen3_moe import Qwen3MoE, qwen3_moe_flavors
-from hp_trainer.validation import Validator
 
 BOS, EOS = 0, 1
 

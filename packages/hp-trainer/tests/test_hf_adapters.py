@@ -22,15 +22,15 @@ from torch import nn
 import hp_dcp
 import hp_fsdp
 from hp_dtensor.testing import distributed, rank_seed
-from hp_trainer.checkpoint import CheckpointManager
-from hp_trainer.hf_adapters import (
-    Llama3StateDictAdapter,
-    Qwen3StateDictAdapter,
+from hp_trainer.components.checkpoint import CheckpointManager
+from hp_trainer.components.hf_io.adapters import (
     StateDictAdapter,
     half_to_interleaved_rotary,
     interleaved_to_half_rotary,
 )
-from hp_trainer.models.decoder import Decoder, DecoderArgs
+from hp_trainer.models.llama3 import Llama3StateDictAdapter
+from hp_trainer.models.qwen3 import Qwen3StateDictAdapter
+from hp_trainer.models.common.decoder import Decoder, DecoderArgs
 from hp_trainer.models.llama3 import llama3_flavors
 from hp_trainer.models.qwen3 import qwen3_flavors
 
@@ -325,8 +325,8 @@ def _job(folder: Path, flavor: str, hf: Path, seq_len: int = 32) -> Any:
 
 def test_llama31_checkpoint_loads_with_auto_and_gives_the_reference_logits(tmp_path: Path) -> None:
     from hp_trainer import get_model_spec
-    from hp_trainer.hf_config import resolve_model_args
-    from hp_trainer.models.decoder import RopeScaling
+    from hp_trainer.components.hf_io.config import resolve_model_args
+    from hp_trainer.models.common.decoder import RopeScaling
 
     hf = _make_llama31_checkpoint(tmp_path / "hf")
     args = resolve_model_args(get_model_spec("llama3"), _job(tmp_path, "auto", tmp_path / "hf"))
@@ -379,7 +379,7 @@ def test_a_flavor_that_differs_from_config_json_is_refused_naming_every_field(
 
 
 def test_published_flavors_match_their_config_json() -> None:
-    from hp_trainer.hf_config import hf_config_mismatches
+    from hp_trainer.components.hf_io.config import hf_config_mismatches
 
     llama31_8b = {  # Meta-Llama-3.1-8B config.json (the fields compared)
         "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -411,7 +411,7 @@ def test_export_with_rope_scaling_loads_in_transformers_with_the_same_logits(
     tmp_path: Path,
 ) -> None:
     transformers = pytest.importorskip("transformers")
-    from hp_trainer.hf_config import decoder_args_from_hf_config
+    from hp_trainer.components.hf_io.config import decoder_args_from_hf_config
 
     args = decoder_args_from_hf_config(LLAMA31_TINY_CONFIG)
     model = build(args, 3)

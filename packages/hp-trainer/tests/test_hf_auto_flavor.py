@@ -17,10 +17,14 @@ import pytest
 import torch
 
 from hp_trainer import ConfigManager
-from hp_trainer.checkpoint import CheckpointManager
 from hp_trainer.cli import main
-from hp_trainer.hf_config import hf_config_mismatches, model_args_from_hf_config, resolve_model_args
-from hp_trainer.model_spec import get_model_spec
+from hp_trainer.components.checkpoint import CheckpointManager
+from hp_trainer.components.hf_io.config import (
+    hf_config_mismatches,
+    model_args_from_hf_config,
+    resolve_model_args,
+)
+from hp_trainer.protocols.model_spec import get_model_spec
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
 

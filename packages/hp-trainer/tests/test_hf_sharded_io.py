@@ -32,13 +32,12 @@ import hp_dcp
 import hp_fsdp
 from hp_dtensor.state_dict import StateDictOptions, set_model_state_dict
 from hp_dtensor.testing import distributed
-from hp_trainer.checkpoint import CheckpointManager
+from hp_trainer.components.checkpoint import CheckpointManager
+from hp_trainer.components.hf_io.sharded_io import HFShardedReader, HFShardedWriter, HFShardPlan
 from hp_trainer.config import parse_args
-from hp_trainer.hf_adapters import Llama3StateDictAdapter, Qwen3StateDictAdapter
-from hp_trainer.hf_sharded_io import HFShardedReader, HFShardedWriter, HFShardPlan
-from hp_trainer.models.decoder import Decoder, DecoderArgs
-from hp_trainer.models.llama3 import llama3_flavors
-from hp_trainer.models.qwen3 import qwen3_flavors
+from hp_trainer.models.common.decoder import Decoder, DecoderArgs
+from hp_trainer.models.llama3 import Llama3StateDictAdapter, llama3_flavors
+from hp_trainer.models.qwen3 import Qwen3StateDictAdapter, qwen3_flavors
 
 CASES = {
     "llama3": (llama3_flavors, Llama3StateDictAdapter),

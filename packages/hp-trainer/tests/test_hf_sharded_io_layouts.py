@@ -28,9 +28,9 @@ from hp_dtensor._torch_compat import compute_local_shape_and_global_offset
 from hp_dtensor.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from hp_dtensor.testing import distributed
 from hp_trainer import ConfigManager
-from hp_trainer.hf_sharded_io import HFShardedReader, HFShardedWriter
-from hp_trainer.model_spec import get_model_spec
-from hp_trainer.parallel_dims import _parallel_dims_from_config
+from hp_trainer.components.hf_io.sharded_io import HFShardedReader, HFShardedWriter
+from hp_trainer.distributed.parallel_dims import parallel_dims_from_config
+from hp_trainer.protocols.model_spec import get_model_spec
 
 _SHARD_BYTES = 60_000  # files of two or three tensors; some span both pipeline stages
 
@@ -93,7 +93,7 @@ def _parts(model_name: str, par: dict[str, int], seed: int) -> list[nn.Module]:
             "parallelism": par,
         }
     )
-    dims = _parallel_dims_from_config(cfg.parallelism, dist.get_world_size())
+    dims = parallel_dims_from_config(cfg.parallelism, dist.get_world_size())
     dims.build_mesh("cpu")
     spec = get_model_spec(model_name)
     model = _source(_args(model_name), seed, model_name)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hp_cp_ep import MoE
-from hp_trainer.model_spec import get_model_spec
 from hp_trainer.models.deepseek_v3 import DeepSeekV3, MLAttention
+from hp_trainer.protocols.model_spec import get_model_spec
 
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
 

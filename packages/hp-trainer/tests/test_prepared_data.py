@@ -19,8 +19,8 @@ from hp_trainer import (
     Trainer,
     load_documents,
 )
-from hp_trainer.prepare import PrepareOptions, main, prepare_corpus
-from hp_trainer.prepared import PreparedTokenDataset, read_index
+from hp_trainer.components.data.prepare import PrepareOptions, main, prepare_corpus
+from hp_trainer.components.data.prepared import PreparedTokenDataset, read_index
 
 DOCS = 400
 

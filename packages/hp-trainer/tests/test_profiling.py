@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hp_trainer import ConfigManager, Trainer, load_documents
-from hp_trainer.profiling import MEMORY_SNAPSHOT_UNAVAILABLE
+from hp_trainer.components.profiling import MEMORY_SNAPSHOT_UNAVAILABLE
 
 
 def test_profiler_writes_chrome_traces_of_the_window(

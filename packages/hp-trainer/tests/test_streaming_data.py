@@ -26,8 +26,8 @@ from hp_trainer import (
     Trainer,
     load_documents,
 )
+from hp_trainer.components.data.streaming import StreamingSource, check_streaming_source
 from hp_trainer.preflight import preflight
-from hp_trainer.streaming import StreamingSource, check_streaming_source
 
 # imported in the tests, not when pytest collects every file (datasets takes seconds to import)
 pytestmark = pytest.mark.skipif(

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from hp_cp_ep import MoE
 from hp_dtensor.testing import load_test_module, run_distributed
 from hp_trainer import JobConfig, Trainer
-from hp_trainer.expert_load import ExpertLoadTracker, format_expert_load
-from hp_trainer.model_spec import get_model_spec
+from hp_trainer.components.expert_load import ExpertLoadTracker, format_expert_load
+from hp_trainer.protocols.model_spec import get_model_spec
 
 
 def _helpers() -> ModuleType:
@@ -137,7 +137,7 @@ def test_expert_load_of_a_known_routing_equals_hand_counts() -> None:
 def test_moe_layouts_that_cannot_work_fail_up_front(
     tmp_path: Path, model: str, par: dict[str, Any], world: int, match: str
 ) -> None:
-    from hp_trainer.layout_validation import validate_parallel_layout
+    from hp_trainer.distributed.layout_validation import validate_parallel_layout
 
     cfg = _config(tmp_path, model, 2, par, "bad")
     with pytest.raises(ValueError, match=match):

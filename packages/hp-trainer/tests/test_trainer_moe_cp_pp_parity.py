@@ -11,7 +11,7 @@ import pytest
 
 from hp_dtensor.testing import load_test_module, run_distributed
 from hp_trainer import Trainer
-from hp_trainer.model_spec import get_model_spec
+from hp_trainer.protocols.model_spec import get_model_spec
 
 
 def _helpers() -> ModuleType:

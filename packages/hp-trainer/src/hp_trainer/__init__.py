@@ -9,13 +9,23 @@ See Also:
 """
 
 from hp_trainer.__about__ import __version__
-from hp_trainer.checkpoint import (
+from hp_trainer.components.checkpoint import (
     CheckpointManager,
     LRSchedulersState,
     ModelWrapper,
     OptimizersWrapper,
     RNGState,
 )
+from hp_trainer.components.data.dataset import (
+    ParallelAwareDataloader,
+    TokenizedDataset,
+    load_documents,
+)
+from hp_trainer.components.data.streaming import StreamingTextLoader
+from hp_trainer.components.expert_load import ExpertLoadTracker
+from hp_trainer.components.hf_io.adapters import DecoderStateDictAdapter, StateDictAdapter
+from hp_trainer.components.metrics import MetricsProcessor, get_peak_flops
+from hp_trainer.components.tokenizer import HuggingFaceTokenizer, build_tokenizer
 from hp_trainer.config import (
     ActivationCheckpointConfig,
     CheckpointConfig,
@@ -35,13 +45,6 @@ from hp_trainer.config import (
     builtin_config_names,
     parse_args,
 )
-from hp_trainer.data import (
-    HuggingFaceTokenizer,
-    ParallelAwareDataloader,
-    TokenizedDataset,
-    build_tokenizer,
-    load_documents,
-)
 from hp_trainer.distributed.activation_checkpoint import (
     apply_ac,
     checkpoint,
@@ -50,37 +53,27 @@ from hp_trainer.distributed.activation_checkpoint import (
     swap_wrapper,
 )
 from hp_trainer.distributed.compile import apply_compile
-from hp_trainer.distributed.expert_parallel import apply_moe_ep_tp
 from hp_trainer.distributed.fsdp import (
     apply_fsdp_to_decoder,
     disable_fsdp_gradient_division,
     enable_fsdp_symm_mem,
     get_fsdp_reshard_after_forward_policy,
 )
+from hp_trainer.distributed.parallel_dims import ParallelDims
 from hp_trainer.distributed.swap import CheckpointPolicy, HostBufferPool, SwapManager
-from hp_trainer.distributed.tensor_parallel import apply_tp
-from hp_trainer.expert_load import ExpertLoadTracker
-from hp_trainer.hf_adapters import (
-    DecoderStateDictAdapter,
-    Llama3StateDictAdapter,
-    Qwen3StateDictAdapter,
-    StateDictAdapter,
+from hp_trainer.models.common.decoder import Decoder, DecoderArgs
+from hp_trainer.models.common.expert_parallel import apply_moe_ep_tp
+from hp_trainer.models.common.moe_decoder import MoEDecoderArgs
+from hp_trainer.models.common.tensor_parallel import apply_tp
+from hp_trainer.models.deepseek_v3 import (
+    DeepSeekV3,
+    DeepSeekV3Args,
+    DeepSeekV3StateDictAdapter,
+    parallelize_deepseek_v3,
 )
-from hp_trainer.hf_moe_adapters import DeepSeekV3StateDictAdapter, Qwen3MoeStateDictAdapter
-from hp_trainer.metrics import MetricsProcessor, get_peak_flops
-from hp_trainer.model_spec import (
-    ModelSpec,
-    get_model_spec,
-    list_model_specs,
-    register_model_spec,
-    register_spec,
-)
-from hp_trainer.models._moe_block import MoEDecoderArgs
-from hp_trainer.models.decoder import Decoder, DecoderArgs
-from hp_trainer.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Args, parallelize_deepseek_v3
-from hp_trainer.models.llama3 import parallelize_llama
-from hp_trainer.models.qwen3 import parallelize_qwen3
-from hp_trainer.models.qwen3_moe import Qwen3MoE, parallelize_qwen3_moe
+from hp_trainer.models.llama3 import Llama3StateDictAdapter, parallelize_llama
+from hp_trainer.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
+from hp_trainer.models.qwen3_moe import Qwen3MoE, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe
 from hp_trainer.muon import Muon, get_hyper_optimizer
 from hp_trainer.optimizer import (
     LRSchedulersContainer,
@@ -89,8 +82,13 @@ from hp_trainer.optimizer import (
     build_optimizers,
     lr_factor,
 )
-from hp_trainer.parallel_dims import ParallelDims
-from hp_trainer.streaming import StreamingTextLoader
+from hp_trainer.protocols.model_spec import (
+    ModelSpec,
+    get_model_spec,
+    list_model_specs,
+    register_model_spec,
+    register_spec,
+)
 from hp_trainer.trainer import BaseTrainer, LLMTrainer, Trainer, clip_grad_norm_
 
 HyperTrainerConfig = JobConfig

@@ -102,12 +102,13 @@ def preflight(config: JobConfig, world_size: int) -> PreflightReport:
     See Also:
         :titan:`torchtitan.train.main`: TorchTitan validates in each rank instead.
     """
-    from hp_trainer.data import BUILTIN_DATASETS, build_tokenizer
-    from hp_trainer.hf_config import resolve_model_args
-    from hp_trainer.layout_validation import validate_parallel_layout
-    from hp_trainer.model_spec import get_model_spec
-    from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
-    from hp_trainer.streaming import check_streaming_source
+    from hp_trainer.components.data.dataset import BUILTIN_DATASETS
+    from hp_trainer.components.data.prepared import PreparedTokenDataset, is_prepared_corpus
+    from hp_trainer.components.data.streaming import check_streaming_source
+    from hp_trainer.components.hf_io.config import resolve_model_args
+    from hp_trainer.components.tokenizer import build_tokenizer
+    from hp_trainer.distributed.layout_validation import validate_parallel_layout
+    from hp_trainer.protocols.model_spec import get_model_spec
 
     args = resolve_model_args(get_model_spec(config.model.name), config)
     validate_parallel_layout(config, world_size, args)

@@ -22,29 +22,28 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor import device as hp_device
 from hp_trainer._parallel_api import loss_parallel
-from hp_trainer.checkpoint import CheckpointManager
-from hp_trainer.config import JobConfig
-from hp_trainer.data import (
-    HuggingFaceTokenizer,
+from hp_trainer.components.checkpoint import CheckpointManager
+from hp_trainer.components.data.dataset import (
     ParallelAwareDataloader,
     TokenizedDataset,
-    build_tokenizer,
     load_documents,
 )
+from hp_trainer.components.data.prepared import PreparedTokenDataset, is_prepared_corpus
+from hp_trainer.components.data.streaming import StreamingTextLoader
+from hp_trainer.components.expert_load import ExpertLoadTracker
+from hp_trainer.components.hf_io.config import resolve_model_args
+from hp_trainer.components.metrics import MetricsProcessor, logger
+from hp_trainer.components.profiling import StepProfiler
+from hp_trainer.components.tokenizer import HuggingFaceTokenizer, build_tokenizer
+from hp_trainer.components.validation import Validator
+from hp_trainer.config import JobConfig
 from hp_trainer.distributed.context_parallel import ContextParallelStep
+from hp_trainer.distributed.layout_validation import validate_parallel_layout
+from hp_trainer.distributed.parallel_dims import parallel_dims_from_config
 from hp_trainer.distributed.pipeline import PipelinedStep
-from hp_trainer.expert_load import ExpertLoadTracker
-from hp_trainer.hf_config import resolve_model_args
-from hp_trainer.layout_validation import validate_parallel_layout
-from hp_trainer.metrics import MetricsProcessor, logger
-from hp_trainer.model_spec import ModelSpec, get_model_spec
-from hp_trainer.models.document_mask import DocumentBoundaries
+from hp_trainer.models.common.document_mask import DocumentBoundaries
 from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
-from hp_trainer.parallel_dims import _parallel_dims_from_config
-from hp_trainer.prepared import PreparedTokenDataset, is_prepared_corpus
-from hp_trainer.profiling import StepProfiler
-from hp_trainer.streaming import StreamingTextLoader
-from hp_trainer.validation import Validator
+from hp_trainer.protocols.model_spec import ModelSpec, get_model_spec
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
 
@@ -128,7 +127,7 @@ class Trainer:
 
     Raises:
         ValueError: For a layout that cannot work (see
-            ``hp_trainer.layout_validation.validate_parallel_layout``), checked before
+            ``hp_trainer.distributed.layout_validation.validate_parallel_layout``), checked before
             the process group is created, or inconsistent sizes.
 
     See Also:
@@ -151,7 +150,7 @@ class Trainer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = hp_device.get_device()
-        self.parallel_dims = _parallel_dims_from_config(par, self.world_size)
+        self.parallel_dims = parallel_dims_from_config(par, self.world_size)
         dims = self.parallel_dims
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank = 0

@@ -23,7 +23,7 @@ from hp_cp_ep.cp import context_parallel, shard_sequence
 
 if TYPE_CHECKING:
     from hp_trainer.config import ParallelismConfig
-    from hp_trainer.model_spec import ModelSpec
+    from hp_trainer.protocols.model_spec import ModelSpec
 
 __all__ = ["CP_ROTATE_METHODS", "ContextParallelStep", "supports_context_parallel"]
 

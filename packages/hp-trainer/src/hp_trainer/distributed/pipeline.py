@@ -31,7 +31,7 @@ from hp_pp import (
 
 if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
-    from hp_trainer.parallel_dims import ParallelDims
+    from hp_trainer.distributed.parallel_dims import ParallelDims
 
 __all__ = ["PipelinedStep", "pipeline_decoder", "stages_per_rank_of"]
 

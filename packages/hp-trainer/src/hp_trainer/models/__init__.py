@@ -1,11 +1,12 @@
-"""Built-in model families (registered on import): ``llama3``, ``qwen3``, ``qwen3_moe`` and
-``deepseek_v3``.
+"""Model families, one folder each: ``llama3``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``.
+
+Each folder holds the family's model (or uses :mod:`hp_trainer.models.common`'s decoder),
+``flavors`` (its sizes), ``parallelize`` (its TP/EP plan and recipe), ``state_dict_adapter``
+(its HuggingFace mapping) and, where it has one, ``hf_config`` (its ``config.json`` reader);
+importing the folder registers the family's :class:`~hp_trainer.protocols.model_spec.ModelSpec`.
+``common`` holds the building blocks the families share. This package imports no family, so a
+building block never pulls in a model (the registry imports them by name on first lookup).
 
 See Also:
     :titan:`torchtitan.models`: TorchTitan's model families.
 """
-
-from hp_trainer.models import deepseek_v3, llama3, qwen3, qwen3_moe
-from hp_trainer.models.decoder import Decoder, DecoderArgs
-
-__all__ = ["Decoder", "DecoderArgs", "deepseek_v3", "llama3", "qwen3", "qwen3_moe"]

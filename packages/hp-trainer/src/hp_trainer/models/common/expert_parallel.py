@@ -1,0 +1,317 @@
+"""Expert parallelism for the MoE decoders and their recipe: EP -> AC -> compile -> FSDP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hp_cp_ep import ExpertParallel, ExpertTensorParallel, TensorParallel
+
+# the expert styles implement PyTorch's style protocol; hp-tp's entry point applies them as they are
+from hp_tp import NoParallel, parallelize_module
+from hp_trainer.distributed.activation_checkpoint import apply_ac
+from hp_trainer.distributed.compile import apply_compile
+from hp_trainer.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_gradient_division
+from hp_trainer.models.common.parallelize import MIXED_PRECISION_DTYPES
+
+if TYPE_CHECKING:
+    from hp_trainer.config import JobConfig
+    from hp_trainer.distributed.parallel_dims import ParallelDims
+
+__all__ = [
+    "apply_moe_ep_tp",
+    "apply_tp_to_moe_decoder",
+    "moe_layout_error",
+    "parallelize_moe_decoder",
+]
+
+
+def apply_moe_ep_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh | None,
+    ep_mesh: DeviceMesh | None,
+    ep_etp_mesh: DeviceMesh | None = None,
+    etp_enabled: bool = False,
+) -> None:
+    """Shard the routed experts of every MoE block: EP, EP x TP, or TP alone.
+
+    ``ep_mesh`` only: :class:`hp_cp_ep.ExpertParallel` (experts over ``ep``, tokens dispatched
+    by all-to-all). ``ep_etp_mesh`` with ``etp_enabled``: :class:`hp_cp_ep.ExpertTensorParallel`
+    on the 2-D ``[ep, tp]`` mesh. ``tp_mesh`` only: :class:`hp_cp_ep.TensorParallel` (every rank
+    holds all experts, a slice of their hidden units).
+
+    Args:
+        model: A decoder whose blocks have ``moe_enabled`` and ``moe.experts``.
+        tp_mesh: Tensor-parallel mesh (None: no TP).
+        ep_mesh: Expert-parallel mesh (None: no EP).
+        ep_etp_mesh: The 2-D ``[ep, tp]`` mesh for expert tensor parallelism.
+        etp_enabled: Shard each expert's hidden units over TP too.
+
+    Raises:
+        ValueError: ``etp_enabled`` without ``ep_etp_mesh``; the styles' own errors (experts not
+            divisible by the EP degree, hidden size by the TP degree).
+
+    See Also:
+        :titan:`torchtitan.distributed.expert_parallel` and
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp`.
+    """
+    if etp_enabled and ep_etp_mesh is None:
+        raise ValueError("etp_enabled=True needs the 2-D [ep, tp] mesh ep_etp_mesh")
+    layers = model.get_submodule("layers")
+    for block in layers.children():
+        if not getattr(block, "moe_enabled", False):
+            continue
+        experts = block.get_submodule("moe.experts")
+        if ep_mesh is not None and etp_enabled:
+            assert ep_etp_mesh is not None
+            parallelize_module(experts, ep_etp_mesh, ExpertTensorParallel())
+        elif ep_mesh is not None:
+            parallelize_module(experts, ep_mesh, ExpertParallel())
+        elif tp_mesh is not None:
+            parallelize_module(experts, tp_mesh, TensorParallel())
+
+
+def _replicate_tokens_for_moe(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Run ``moe`` on all tokens of the sequence on every TP rank; shard its output again.
+
+    The sequence-sharded input is all-gathered (backward: each rank keeps its chunk of the
+    replicated gradient), the MoE computes on plain tensors, and its replicated output is
+    sharded on the sequence and returned as the local chunk (backward: all-gather), so the
+    router's and shared experts' gradients are the full ones on every TP rank.
+    """
+
+    def gather(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(tp_mesh, [Replicate()]).to_local(), *args[1:])
+
+    def shard(_module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        full = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+        # the residual stream between blocks is the local sequence chunk (as the dense plan's)
+        return full.redistribute(tp_mesh, [Shard(1)]).to_local()
+
+    moe.register_forward_pre_hook(gather)
+    moe.register_forward_hook(shard)
+
+
+def apply_tp_to_moe_decoder(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool,
+    *,
+    attention_tp: Callable[[nn.Module, DeviceMesh], None] | None = None,
+) -> None:
+    """Megatron-style TP with sequence parallel for a grouped-query-attention MoE decoder.
+
+    Embedding, norms, attention and dense feed-forwards as the dense plan
+    (:func:`~hp_trainer.models.common.tensor_parallel.apply_tp`); in MoE blocks the router gate and
+    shared experts are replicated (:class:`hp_tp.NoParallel`) and the MoE sees every token of the
+    sequence on each TP rank (the routed experts are then sharded by :func:`apply_moe_ep_tp`).
+    A family whose attention is not grouped-query passes its own plan as ``attention_tp``
+    (DeepSeek-V3: :func:`~hp_trainer.models.deepseek_v3.parallelize.apply_tp_to_latent_attention`).
+
+    Args:
+        model: The MoE decoder (grouped-query attention: ``wq``/``wk``/``wv``/``wo``, or
+            multi-head latent attention).
+        tp_mesh: 1-D tensor-parallel mesh.
+        loss_parallel: Keep the logits sharded on the vocabulary.
+        attention_tp: Keyword-only; ``fn(attention, tp_mesh)`` sharding each block's attention
+            (its inputs arrive replicated, its output is a local tensor), instead of the
+            grouped-query plan.
+
+    Raises:
+        ValueError: A head count not divisible by the TP degree, or tied embeddings.
+
+    See Also:
+        :titan:`torchtitan.models.qwen3.infra.parallelize.apply_non_moe_tp` and
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp`.
+    """
+    from hp_trainer._parallel_api import (
+        ColwiseParallel,
+        ParallelStyle,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+    from hp_trainer._parallel_api import parallelize_module as tp_parallelize_module
+    from hp_trainer.models.common.tensor_parallel import apply_tp_to_trunk
+
+    apply_tp_to_trunk(model, tp_mesh, loss_parallel)
+    for block in model.get_submodule("layers").children():
+        latent = attention_tp is not None  # e.g. DeepSeek-V3's latent attention
+        plan: dict[str, ParallelStyle] = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None),
+                desired_input_layouts=(Replicate(), None),
+                # latent attention: local tensors inside (its plan sums the shared gradients)
+                use_local_output=latent,
+            ),
+            "ffn_norm": SequenceParallel(),
+        }
+        if attention_tp is not None:
+            attention_tp(block.get_submodule("attention"), tp_mesh)
+        else:
+            plan["attention.wq"] = ColwiseParallel()
+            plan["attention.wk"] = ColwiseParallel()
+            plan["attention.wv"] = ColwiseParallel()
+            plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
+        if not latent and getattr(block.get_submodule("attention"), "q_norm", None) is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if not getattr(block, "moe_enabled", False):
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+            plan["feed_forward.w3"] = ColwiseParallel()
+        tp_parallelize_module(block, tp_mesh, plan)
+        if getattr(block, "moe_enabled", False):
+            moe = block.get_submodule("moe")
+            tp_parallelize_module(moe.get_submodule("router.gate"), tp_mesh, NoParallel())
+            if getattr(moe, "shared_experts", None) is not None:
+                tp_parallelize_module(moe.get_submodule("shared_experts"), tp_mesh, NoParallel())
+            _replicate_tokens_for_moe(moe, tp_mesh)
+
+
+def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None:
+    """Why this layout cannot train this MoE model, or None when it can (checked up front).
+
+    Args:
+        parallel_dims: The degrees (no mesh needed).
+        model_args: The MoE model's arguments (``moe_args``, ``moe_hidden_dim``).
+
+    Returns:
+        A message naming the values, or None.
+
+    See Also:
+        :func:`hp_trainer.distributed.layout_validation.validate_parallel_layout`, which raises it.
+    """
+    dims = parallel_dims
+    if dims.tp > 1 and model_args.n_heads % dims.tp != 0:
+        return (
+            f"parallelism.tensor_parallel_degree = {dims.tp} must divide the attention's "
+            f"{model_args.n_heads} heads"
+        )
+    num_experts = model_args.moe_args.num_experts
+    if dims.ep > 1 and num_experts % dims.ep != 0:
+        return (
+            f"parallelism.expert_parallel_degree = {dims.ep} must divide the model's "
+            f"{num_experts} experts"
+        )
+    if dims.tp > 1 and model_args.moe_hidden_dim % dims.tp != 0:
+        return (
+            f"parallelism.tensor_parallel_degree = {dims.tp} must divide the experts' hidden "
+            f"size {model_args.moe_hidden_dim}"
+        )
+    if dims.tp > 1 and dims.ep > 1 and dims.dp_shard % dims.ep != 0:
+        return (
+            f"expert_parallel_degree = {dims.ep} with tensor_parallel_degree = {dims.tp}: the "
+            "experts are sharded over tp too, so ep borrows its ranks from FSDP alone and must "
+            f"divide data_parallel_shard_degree = {dims.dp_shard}"
+        )
+    return None
+
+
+def _expert_tp_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
+    """``([ep, tp] mesh, efsdp mesh)`` when experts are tensor parallel: ep borrows dp_shard.
+
+    Under HSDP the efsdp mesh is ``(dp_replicate, efsdp)``: the replicas hold the same experts.
+    """
+    world = dims.get_mesh("world")
+    split = world._unflatten(2, (dims.dp_shard // dims.ep, dims.ep), ("etp_efsdp", "etp_ep"))
+    edp = split["dp_replicate", "etp_efsdp"] if dims.dp_replicate > 1 else split["etp_efsdp"]
+    return split["etp_ep", "tp"], edp
+
+
+def parallelize_moe_decoder(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    *,
+    attention_tp: Callable[[nn.Module, DeviceMesh], None] | None = None,
+) -> nn.Module:
+    """Apply TP, EP, activation checkpointing, compile and FSDP to an MoE decoder.
+
+    Routed experts: over ``ep`` (:class:`hp_cp_ep.ExpertParallel`), with TP also over ``tp``
+    (:class:`hp_cp_ep.ExpertTensorParallel` on ``[ep, tp]``: ep then borrows from
+    ``dp_shard`` alone, TorchTitan's ``expert_tensor_parallel_degree = tp``), or with TP alone
+    over ``tp`` (:class:`hp_cp_ep.TensorParallel`). FSDP shards every block over the
+    data-parallel mesh and the experts, as a second parameter group of the block's unit, over
+    the expert-data-parallel mesh (the ranks holding the same experts). FSDP's gradient division
+    is off: the trainer divides the loss by the global token count. The optional auxiliary
+    load-balancing loss of each MoE layer counts the tokens of all ``dp x cp`` ranks
+    (``MoE.aux_loss_group``), so its gradient is that of one process routing them all.
+
+    Args:
+        model: A :class:`~hp_trainer.models.common.moe_decoder.MoEDecoder`.
+        parallel_dims: Degrees and meshes (``build_mesh`` done when world size > 1).
+        job_config: The job configuration.
+        attention_tp: Keyword-only; the attention's own TP plan (see
+            :func:`apply_tp_to_moe_decoder`).
+
+    Returns:
+        The model, parallelized in place.
+
+    Raises:
+        ValueError: For a layout :func:`moe_layout_error` refuses (degrees not dividing the
+            heads, the experts, their hidden size or ``dp_shard``).
+
+    See Also:
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` and
+        :titan:`torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3`.
+    """
+    dims = parallel_dims
+    problem = moe_layout_error(dims, model.args)
+    if problem is not None:
+        raise ValueError(problem)
+    par = job_config.parallelism
+    edp_mesh = dims.get_mesh("efsdp_mesh") if dims.ep_enabled else None
+    if dims.tp_enabled:
+        tp_mesh = dims.get_mesh("tp")
+        apply_tp_to_moe_decoder(
+            model, tp_mesh, loss_parallel=not par.disable_loss_parallel, attention_tp=attention_tp
+        )
+        if dims.ep_enabled:
+            ep_tp_mesh, edp_mesh = _expert_tp_meshes(dims)
+            apply_moe_ep_tp(model, tp_mesh, ep_tp_mesh["etp_ep"], ep_tp_mesh, etp_enabled=True)
+        else:
+            apply_moe_ep_tp(model, tp_mesh, None)
+    elif dims.ep_enabled:
+        apply_moe_ep_tp(model, None, dims.get_mesh("ep"))
+    if dims.dp_degree * dims.cp > 1:
+        # the auxiliary loss counts the tokens of every rank that routes others (dp x cp):
+        # each rank's share sums, with the gradients, to the loss of one process
+        loss_group = dims.get_mesh("dp_cp").get_group()
+        for block in model.get_submodule("layers").children():
+            moe = getattr(block, "moe", None)
+            if moe is not None:
+                moe.aux_loss_group = loss_group
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint)
+    if job_config.compile.enable:
+        # a checkpoint cannot be traced around the context-parallel attention (a graph break)
+        apply_compile(model, job_config.compile, inside_checkpoint=dims.cp_enabled)
+    if dims.dp_enabled or dims.cp_enabled:  # CP alone: FSDP over cp sums the shards' grads
+        training = job_config.training
+        apply_fsdp_to_decoder(
+            model,
+            dims.get_mesh("fsdp_mesh"),
+            param_dtype=MIXED_PRECISION_DTYPES[training.mixed_precision_param],
+            reduce_dtype=MIXED_PRECISION_DTYPES[training.mixed_precision_reduce],
+            pp_enabled=dims.pp_enabled,
+            cpu_offload=training.enable_cpu_offload,
+            reshard_after_forward_policy=par.fsdp_reshard_after_forward,
+            ep_degree=dims.ep,
+            edp_mesh=edp_mesh,
+            enable_symm_mem=par.enable_symm_mem,
+        )
+        disable_fsdp_gradient_division(model)
+    return model

@@ -1,0 +1,34 @@
+"""The parallelize function of qwen3: TP, activation checkpointing, compile, FSDP/HSDP."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from hp_trainer.models.common.parallelize import parallelize_dense_decoder
+
+if TYPE_CHECKING:
+    from hp_trainer.config import JobConfig
+    from hp_trainer.distributed.parallel_dims import ParallelDims
+
+__all__ = ["parallelize_qwen3"]
+
+
+def parallelize_qwen3(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+) -> nn.Module:
+    """Apply TP (incl. head-sharded QK-norm), AC, compile and FSDP/HSDP to a Qwen 3 model.
+
+    Args:
+        model: The Qwen 3 decoder.
+        parallel_dims: Degrees and meshes (``build_mesh`` done).
+        job_config: The job configuration.
+
+    Returns:
+        The parallelized model (modified in place).
+
+    See Also:
+        :titan:`torchtitan.models.qwen3.infra.parallelize.parallelize_qwen3`.
+    """
+    return parallelize_dense_decoder(model, parallel_dims, job_config)
