@@ -9,7 +9,12 @@ largest rank. cp = 1 is single-device ``F.scaled_dot_product_attention``
 on the whole sequence. Step time: every rank alternates the CP step with a single-device step on
 the full sequence (same process, warm-up discarded); the figure is the slowest rank's median CP
 step over the median single-device step. On this 2-core CPU machine the ranks share cores, so
-the time ratio shows overhead, not speed-up; the memory columns are the point here. PyTorch's own
+the time ratio shows overhead, not speed-up; the memory columns are the point here. The noise
+column is the single-device step timed against itself (same alternation): time ratios within
+its distance from 1.00 are noise. Packed documents: the same call with document ids (documents of
+uneven lengths crossing every chunk boundary) reports its host synchronisations per call
+(forward + backward, ``hp_dtensor.testing.count_host_syncs``), its peak memory over the causal
+call's and its time over the causal call's. PyTorch's own
 ``context_parallel`` is not a baseline here: it has no CPU attention kernels (a GPU comparison is
 still to be written).
 
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_cp_ep import ContextParallelAttention, shard_sequence
+from hp_dtensor.testing import count_host_syncs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
 
@@ -47,6 +53,16 @@ MODES = ("ring", "allgather", "ulysses")
 def _inputs(seq: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seq)
     return tuple(torch.randn(1, HEADS, seq, HEAD_DIM, generator=gen) for _ in range(4))
+
+
+def _documents(seq: int) -> torch.Tensor:
+    """``[1, seq]`` ids of packed documents of uneven lengths (crossing chunk boundaries)."""
+    lengths, doc = [7, 29, 13, 51, 5, 37, 97], 0
+    ids: list[int] = []
+    while len(ids) < seq:
+        ids += [doc] * lengths[doc % len(lengths)]
+        doc += 1
+    return torch.tensor([ids[:seq]])
 
 
 def _peak_bytes(step: Any) -> int:
@@ -76,42 +92,58 @@ def measure(mesh: Any, seqs: list[int], steps: int) -> dict[str, Any]:
             out[str(seq)] = {"single": {"peak": _peak_bytes(single)}}
             continue
         local = [shard_sequence(t, mesh, 2) for t in (q, k, v, g)]
+        local_docs = shard_sequence(_documents(seq), mesh, 1)
         row = {}
         for mode in MODES:
             attn = ContextParallelAttention(mesh, mode=mode, load_balance=True)
 
-            def cp_step(attn: ContextParallelAttention = attn, local: Any = local) -> None:
+            def cp_step(
+                attn: ContextParallelAttention = attn, local: Any = local, docs: Any = None
+            ) -> None:
                 ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
-                attn(ql, kl, vl, is_causal=True).backward(local[3])
+                attn(ql, kl, vl, is_causal=True, document_ids=docs).backward(local[3])
+
+            def doc_step(cp_step: Any = cp_step, docs: Any = local_docs) -> None:
+                cp_step(docs=docs)
 
             cp_step()
+            doc_step()
             single()  # warm-up
-            peak = _peak_bytes(cp_step)
-            times: dict[str, list[float]] = {"cp": [], "single": []}
+            peak, peak_docs = _peak_bytes(cp_step), _peak_bytes(doc_step)
+            with count_host_syncs() as syncs_plain:
+                cp_step()
+            with count_host_syncs() as syncs_docs:
+                doc_step()
+            steps_of = {"cp": cp_step, "docs": doc_step, "single": single, "single2": single}
+            times: dict[str, list[float]] = {name: [] for name in steps_of}
             for _ in range(steps):
-                for name, fn in (("cp", cp_step), ("single", single)):
+                for name, fn in steps_of.items():
                     dist.barrier()
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
             row[mode] = {
                 "peak": peak,
-                "cp_ms": 1e3 * statistics.median(times["cp"]),
-                "single_ms": 1e3 * statistics.median(times["single"]),
+                "peak_docs": peak_docs,
+                "syncs": syncs_plain.total,
+                "syncs_docs": syncs_docs.total,
+                **{f"{name}_ms": 1e3 * statistics.median(t) for name, t in times.items()},
             }
         out[str(seq)] = row
     return out
 
 
 def _merge(gathered: list[Any]) -> dict[str, Any]:
-    """Largest peak and the slowest rank's times over ranks."""
-    merged = gathered[0]
+    """Largest peaks and sync counts, and the slowest rank's times, over ranks."""
+    merged: dict[str, Any] = gathered[0]
     for seq, row in merged.items():
         for mode, entry in row.items():
             others = [g[seq][mode] for g in gathered]
-            entry["peak"] = max(o["peak"] for o in others)
+            for key in ("peak", "peak_docs", "syncs", "syncs_docs"):
+                entry[key] = max(o[key] for o in others)
             slow = max(others, key=lambda o: o["cp_ms"])
-            entry["cp_ms"], entry["single_ms"] = slow["cp_ms"], slow["single_ms"]
+            for key in ("cp_ms", "docs_ms", "single_ms", "single2_ms"):
+                entry[key] = slow[key]
     return merged
 
 
@@ -152,8 +184,9 @@ def _table(results: dict[str, Any], steps: int) -> str:
         "1/cp for the sequence-sharded tensors). Time: slowest rank's median CP step / median "
         "single-device step in the same process (cores are shared: overhead, not speed-up).",
         "",
-        "| seq | single MB | cp | mode | peak MB | memory / single | time / single |",
-        "|---|---|---|---|---|---|---|",
+        "| seq | single MB | cp | mode | peak MB | memory / single | time / single | noise "
+        "| syncs / call | docs: syncs / call | docs: peak / causal | docs: time / causal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for seq in seqs:
         single = results["cp"]["1"][seq]["single"]["peak"]
@@ -163,7 +196,10 @@ def _table(results: dict[str, Any], steps: int) -> str:
             for mode, e in by_seq[seq].items():
                 lines.append(
                     f"| {seq} | {single / 2**20:.2f} | {cp} | {mode} | {e['peak'] / 2**20:.2f} | "
-                    f"{e['peak'] / single:.3f} | {e['cp_ms'] / e['single_ms']:.2f} |"
+                    f"{e['peak'] / single:.3f} | {e['cp_ms'] / e['single_ms']:.2f} | "
+                    f"{e['single2_ms'] / e['single_ms']:.2f} | {e['syncs']} | "
+                    f"{e['syncs_docs']} | {e['peak_docs'] / e['peak']:.3f} | "
+                    f"{e['docs_ms'] / e['cp_ms']:.2f} |"
                 )
     return "\n".join(lines) + "\n"
 

@@ -38,7 +38,8 @@ _MODES = {1: ("ring", "allgather", "ulysses"), 2: ("hybrid", "allgather")}
 
 def _documents(seq: int, batch: int = 2) -> torch.Tensor:
     """Packed documents of uneven lengths crossing every chunk boundary; rows differ."""
-    lengths, ids, doc = [7, 29, 13, 51, 5, 37], [], 0
+    lengths, doc = [7, 29, 13, 51, 5, 37], 0
+    ids: list[int] = []
     while len(ids) < seq:
         ids += [doc] * lengths[doc % len(lengths)]
         doc += 1
@@ -188,7 +189,7 @@ def _collective_bytes() -> Iterator[Counter[str]]:
     try:
         for name in names:
             setattr(dist, name, counted(name))
-        dist.batch_isend_irecv = p2p
+        setattr(dist, "batch_isend_irecv", p2p)  # noqa: B010
         yield sent
     finally:
         for name, fn in originals.items():
@@ -257,3 +258,81 @@ def test_collective_bytes_match_the_formula_cp3(kv_heads: int) -> None:
 @distributed(world_size=2)
 def test_collective_bytes_match_the_formula_cp2() -> None:
     _check_bytes(init_device_mesh("cpu", (2,)), 8, 1)  # 2 K/V heads sent (was 8)
+
+
+class _RecordingAten:
+    """Stand-ins for the CUDA attention ops (shapes only), recording what the kernel passes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, tuple[int, ...] | None]] = []
+
+    def _record(self, name: str, k: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.calls.append((name, k.shape[1], None if bias is None else tuple(bias.shape)))
+
+    def _scaled_dot_product_flash_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kw: Any
+    ) -> tuple[Any, ...]:
+        self._record("flash", k)
+        b, h, s, _ = q.shape
+        out, lse = torch.zeros(b, h, s, v.shape[-1]), torch.zeros(b, h, s)
+        return out, lse, None, None, s, k.shape[2], 0, 0, None
+
+    def _scaled_dot_product_flash_attention_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *a: Any,
+        **kw: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        self._record("flash_backward", k)
+        return torch.zeros_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    def _scaled_dot_product_efficient_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, *a: Any, **kw: Any
+    ) -> tuple[Any, ...]:
+        self._record("efficient", k, bias)
+        b, h, s, _ = q.shape
+        return torch.zeros(b, h, s, v.shape[-1]), torch.zeros(b, h, 32), 0, 0
+
+    def _scaled_dot_product_efficient_attention_backward(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any,
+        *a: Any, **kw: Any,
+    ) -> tuple[Any, ...]:  # fmt: skip
+        self._record("efficient_backward", k, bias)
+        return torch.zeros_like(q), torch.ones_like(k), torch.ones_like(v), None
+
+
+def test_cuda_kernel_glue_passes_kv_heads_to_flash_and_keeps_no_bias(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA path's glue (no GPU here: the ops are recording stand-ins, shapes only)."""
+    from hp_cp_ep.cp import _sdpa_backend
+
+    fake = _RecordingAten()
+    monkeypatch.setattr(_sdpa_backend, "_aten", fake)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    kernel = _sdpa_backend._CudaKernel()
+    q = torch.zeros(2, 4, 8, 16, dtype=torch.bfloat16)
+    k = v = torch.zeros(2, 1, 8, 16, dtype=torch.bfloat16)
+    # Unmasked half precision: flash, with the one K/V head as it is (native GQA), both ways.
+    res = kernel.forward(q, k, v, True, None, None)
+    grads = kernel.backward(q, q, k, v, res.out, res.lse, res.aux, True, None, None)
+    assert fake.calls == [("flash", 1, None), ("flash_backward", 1, None)]
+    assert grads[1].shape == k.shape
+    assert grads[2].shape == v.shape
+    # A document mask: the memory-efficient kernel (equal heads: repeated for that call, the
+    # gradient summed back); its bias is not kept in the kernel state but rebuilt in backward.
+    fake.calls.clear()
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    res = kernel.forward(q, k, v, False, None, mask)
+    kept = [t for t in torch.utils._pytree.tree_leaves(res.aux) if isinstance(t, torch.Tensor)]
+    assert kept == []
+    grads = kernel.backward(q, q, k, v, res.out, res.lse, res.aux, False, None, mask)
+    assert fake.calls == [
+        ("efficient", 4, (2, 4, 8, 8)),
+        ("efficient_backward", 4, (2, 4, 8, 8)),
+    ]
+    assert grads[1].shape == k.shape
+    assert bool((grads[1] == 4).all())
