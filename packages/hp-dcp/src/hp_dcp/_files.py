@@ -79,7 +79,13 @@ def read_member(root: Path, name: str, source: str, limit: int) -> bytes:
                 f"{root / name} has {size} bytes, more than the {limit} such a file may have"
             )
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(limit + 1)
+            # read(n) allocates n bytes up front: ask for what the file holds, not the limit
+            data = f.read(size + 1)
+        if len(data) > limit:
+            raise CheckpointCorruptionError(
+                f"{root / name} grew past {limit} bytes, more than such a file may have"
+            )
+        return data
     finally:
         os.close(fd)
 

@@ -35,6 +35,7 @@ from hp_dcp._checkpoint_dir import (
     read_checksums,
 )
 from hp_dcp._checksum import crc32
+from hp_dcp._extensions import ReadTransforms, expanded_limit
 from hp_dcp._files import open_member, read_member
 from hp_dcp._safe_pickle import load_byte_item, load_metadata, weights_only_error
 from hp_dcp._tensor_blob import decode_tensor
@@ -63,12 +64,17 @@ class FileSystemReader(StorageReader):
 
     Args:
         path: the checkpoint directory.
-        _extension_registry: stream transforms are not supported; must be ``None``.
+        _extension_registry: PyTorch's ``ExtensionRegistry`` (experimental there too) for items
+            written through stream transforms; ``None`` knows PyTorch's built-in ones
+            (``ZStandard``, which needs ``zstandard``). Register your own extension classes in
+            a registry and pass it. Transformed items are verified on their stored bytes, may
+            expand only to the size the metadata gives them, and are unpickled under the same
+            allow-lists as any other item.
         verify_checksums: keyword-only. Verify CRC-32s (default). ``False`` skips them
             knowingly (paths, sizes and pickles are still checked).
 
     Raises:
-        ValueError: an extension registry was given.
+        TypeError: ``_extension_registry`` is not an extension registry.
 
     See Also:
         :pt:`torch.distributed.checkpoint.FileSystemReader`: PyTorch's file-system reader.
@@ -82,16 +88,13 @@ class FileSystemReader(StorageReader):
         *,
         verify_checksums: bool = True,
     ) -> None:
-        if _extension_registry is not None:
-            raise ValueError(
-                "hp_dcp.FileSystemReader does not support stream transform extensions; use "
-                "torch.distributed.checkpoint.FileSystemReader for such checkpoints"
-            )
+        self._transforms = ReadTransforms(_extension_registry)
         super().__init__()
         self.fs = FileSystem()
         self.path = Path(path)
         self.verify_checksums = verify_checksums
         self.storage_data: dict[MetadataIndex, Any] = {}
+        self._state_dict_metadata: dict[str, Any] = {}
         self.load_id = str(uuid.uuid4())
         self._checksums: dict[str, Any] | None = None
         self.first_error: BaseException | None = None
@@ -188,6 +191,7 @@ class FileSystemReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointCorruptionError(f"{self.path}/.metadata has no storage index")
         self.storage_data = metadata.storage_data
+        self._state_dict_metadata = metadata.state_dict_metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Return the local plan unchanged.
@@ -237,7 +241,9 @@ class FileSystemReader(StorageReader):
             :pt:`torch.distributed.checkpoint.StorageReader.read_data`.
         """
         try:
-            with _ReadSession(self.path, self._checksums) as session:
+            with _ReadSession(
+                self.path, self._checksums, self._transforms, self._state_dict_metadata
+            ) as session:
                 for req in plan.items:
                     session.add(req, self.storage_data.get(req.storage_index))
                 session.stage(planner)
@@ -335,8 +341,17 @@ class _ReadSession:
     """One ``read_data`` call: every file opened and checked, every item verified and decoded
     (staged), and only then copied into the destination (committed)."""
 
-    def __init__(self, root: Path, sums: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        sums: dict[str, Any] | None,
+        transforms: ReadTransforms,
+        state_dict_metadata: dict[str, Any],
+    ) -> None:
         self._root = root
+        self._transforms = transforms
+        self._sd_md = state_dict_metadata
+        self._descriptors: dict[tuple[str, int, int], list[str]] = {}
         self._files = sums["files"] if sums is not None else None
         self._per_file: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
         self._maps: list[mmap.mmap] = []
@@ -360,12 +375,10 @@ class _ReadSession:
             raise CheckpointCorruptionError(
                 f"{self._root}/.metadata has no stored item for {req.storage_index.fqn!r}"
             )
-        if getattr(info, "transform_descriptors", None):
-            raise ValueError(
-                f"checkpoint item {req.storage_index.fqn!r} was written with stream "
-                f"transforms {info.transform_descriptors!r}, which hp-dcp does not read; "
-                "use torch.distributed.checkpoint.FileSystemReader"
-            )
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors:
+            key = (info.relative_path, int(info.offset), int(info.length))
+            self._descriptors[key] = list(descriptors)
         groups = self._per_file.setdefault(info.relative_path, {})
         groups.setdefault((int(info.offset), int(info.length)), []).append(req)
 
@@ -419,7 +432,8 @@ class _ReadSession:
         for (offset, length), group in sorted(groups.items()):
             blob = view[offset : offset + length]
             self._views.append(blob)
-            self._stage_item(path, blob, offset, group, planner, expected)
+            descriptors = self._descriptors.get((rel, offset, length))
+            self._stage_item(path, blob, offset, group, planner, expected, descriptors)
 
     def _stage_item(
         self,
@@ -429,6 +443,7 @@ class _ReadSession:
         group: list[ReadItem],
         planner: LoadPlanner,
         expected: dict[int, tuple[int, int]] | None,
+        descriptors: list[str] | None = None,
     ) -> None:
         length = len(blob)
         key = group[0].storage_index.fqn
@@ -441,7 +456,12 @@ class _ReadSession:
                 )
             if crc32(blob) != rec[1]:
                 raise crc_mismatch(path, offset, length, f"item {key!r}")
-        if group[0].type == LoadItemType.BYTE_IO:
+        is_bytes = group[0].type == LoadItemType.BYTE_IO
+        if descriptors:  # verified as stored; now expanded, within what the metadata allows
+            where = f"item {key!r} in {path}"
+            limit = expanded_limit(self._sd_md, group[0].storage_index, is_bytes, where)
+            blob = memoryview(self._transforms.expand(blob, descriptors, limit, where))
+        if is_bytes:
             data = bytes(blob)
             value = load_byte_item(data, key, str(path))
             self._bytes.extend((req, value, data) for req in group)

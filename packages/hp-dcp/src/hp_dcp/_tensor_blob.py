@@ -37,7 +37,7 @@ class _UnsupportedBlobError(Exception):
     """The blob is not the plain single-tensor layout this fast path understands."""
 
 
-class _ViewReader(io.RawIOBase):
+class ViewReader(io.RawIOBase):
     """A seekable read-only file over a memoryview (``zipfile`` reads only the directory)."""
 
     def __init__(self, view: memoryview) -> None:
@@ -144,7 +144,7 @@ def decode_tensor(blob: memoryview) -> torch.Tensor | None:
     writable (an ``ACCESS_COPY`` mmap) for ``torch.frombuffer``.
     """
     try:
-        zf = zipfile.ZipFile(_ViewReader(blob))
+        zf = zipfile.ZipFile(ViewReader(blob))
         records: dict[str, memoryview] = {}
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:

@@ -24,9 +24,13 @@ except ImportError as _exc:  # pragma: no cover - only on an unsupported torch
 __all__ = [
     "MEM_FORMAT_ENCODING",
     "PRIVATE_NAMES",
+    "Extension",
+    "ExtensionRegistry",
     "HFStorageInfo",
     "StorageInfo",
     "StoragePrefix",
+    "StreamTransformExtension",
+    "ZStandard",
     "get_layout",
     "rebuild_tensor_v2",
 ]
@@ -42,6 +46,17 @@ get_layout: Callable[[str], Any] = require(_PACKAGE, "torch.serialization._get_l
 #: What a pickled tensor calls to rebuild itself.
 rebuild_tensor_v2: Callable[..., Any] = require(_PACKAGE, "torch._utils._rebuild_tensor_v2")
 
+#: DCP's stream-transform extensions (compression, encryption) and their registry; the on-disk
+#: descriptors name them, so hp-dcp reads and writes the same ones.
+Extension: type = require(_PACKAGE, "torch.distributed.checkpoint._extension.Extension")
+StreamTransformExtension: type = require(
+    _PACKAGE, "torch.distributed.checkpoint._extension.StreamTransformExtension"
+)
+ExtensionRegistry: type = require(
+    _PACKAGE, "torch.distributed.checkpoint._extension.ExtensionRegistry"
+)
+ZStandard: type = require(_PACKAGE, "torch.distributed.checkpoint._extension.ZStandard")
+
 PRIVATE_NAMES = (
     "torch.distributed.checkpoint.filesystem._StorageInfo",
     "torch.distributed.checkpoint.filesystem._StoragePrefix",
@@ -49,4 +64,8 @@ PRIVATE_NAMES = (
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
     "torch.serialization._get_layout",
     "torch._utils._rebuild_tensor_v2",
+    "torch.distributed.checkpoint._extension.Extension",
+    "torch.distributed.checkpoint._extension.StreamTransformExtension",
+    "torch.distributed.checkpoint._extension.ExtensionRegistry",
+    "torch.distributed.checkpoint._extension.ZStandard",
 )

@@ -27,6 +27,9 @@ from hp_dcp.errors import CheckpointCorruptionError
 __all__ = ["validate_metadata", "validate_sidecar"]
 
 _MAX_DIMS = 64
+# Stream transform descriptors per stored item ("stream.zstd/1"): few and short.
+_MAX_TRANSFORMS = 8
+_MAX_DESCRIPTOR_CHARS = 256
 
 
 def _is_count(x: object) -> bool:
@@ -87,6 +90,17 @@ def _check_storage(storage: object, source: str) -> dict[MetadataIndex, _Storage
                 f"item {index.fqn!r} has offset {info.offset!r} and length {info.length!r}, "
                 "expected non-negative ints",
             )
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (
+            isinstance(descriptors, list | tuple)
+            and len(descriptors) <= _MAX_TRANSFORMS
+            and all(isinstance(d, str) and 0 < len(d) <= _MAX_DESCRIPTOR_CHARS for d in descriptors)
+        ):
+            raise _fail(
+                source,
+                f"item {index.fqn!r} has stream transform descriptors {descriptors!r:.120}, "
+                f"expected a list of at most {_MAX_TRANSFORMS} short strings",
+            )
     return storage
 
 
@@ -125,7 +139,9 @@ def validate_metadata(md: object, source: str) -> Metadata:
             if info is None:
                 raise _fail(source, f"a chunk of {key!r} at {tuple(chunk.offsets)} is not stored")
             need = _numel(tuple(chunk.sizes)) * itemsize
-            if need > info.length:
+            # A transformed (compressed) item may be smaller than its chunk; what it expands to
+            # is bounded by the chunk's size when it is read (hp_dcp._extensions).
+            if need > info.length and not getattr(info, "transform_descriptors", None):
                 raise _fail(
                     source,
                     f"a chunk of {key!r} of shape {tuple(chunk.sizes)} needs {need} bytes, its "

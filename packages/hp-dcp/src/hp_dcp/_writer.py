@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -45,6 +45,7 @@ from hp_dcp._checkpoint_dir import (
 )
 from hp_dcp._checksum import crc32
 from hp_dcp._commit import SaveLock, publish, recover_leftovers
+from hp_dcp._extensions import WriteTransforms
 from hp_dcp._files import fsync_dir, write_synced
 from hp_dcp._integrity import saved_at
 from hp_dcp._tensor_blob import can_encode, encode_tensor
@@ -159,13 +160,19 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             budget applies.
         cache_staged_state_dict: keep the host copy made by ``async_save`` staging for reuse.
         overwrite: replace an existing checkpoint at ``path``; ``False`` raises instead.
-        _extensions: stream transforms are not supported; must be ``None`` or empty.
+        _extensions: PyTorch's stream transforms (experimental there too): a sequence of
+            ``StreamTransformExtension`` instances, e.g. ``[ZStandard()]`` from
+            ``torch.distributed.checkpoint._extension`` (``zstandard`` must be installed), or
+            your own. Every stored item goes through them; the descriptors are recorded per item
+            as PyTorch records them, so either library reads the result. Checksums cover the
+            stored (transformed) bytes.
         serialization_format: only ``SerializationFormat.TORCH_SAVE`` (the format PyTorch's
             reader loads); use ``HuggingFaceStorageWriter`` for safetensors.
 
     Raises:
-        ValueError: an unsupported ``_extensions``, ``serialization_format`` or
-            ``thread_count`` was given.
+        ValueError: an unsupported ``serialization_format`` or ``thread_count``, or an
+            extension whose descriptor is not a short string, was given.
+        TypeError: ``_extensions`` is not a sequence of stream transform extensions.
 
     See Also:
         :pt:`torch.distributed.checkpoint.FileSystemWriter`: PyTorch's file-system writer.
@@ -183,11 +190,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         _extensions: Sequence[Any] | None = None,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
     ) -> None:
-        if _extensions:
-            raise ValueError(
-                f"hp_dcp.FileSystemWriter does not support stream transform extensions; got "
-                f"{list(_extensions)!r}, expected None"
-            )
+        self._transforms = WriteTransforms(_extensions)
         if serialization_format != SerializationFormat.TORCH_SAVE:
             raise ValueError(
                 f"hp_dcp.FileSystemWriter writes SerializationFormat.TORCH_SAVE only (the format "
@@ -400,6 +403,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         sums: list[list[int]] = []
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
         ordered += [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
+        transformed = bool(self._transforms.extensions)
         with (staging / name).open("wb") as raw:
             stream = _ChecksumStream(cast(BinaryIO, raw))
             for item in ordered:
@@ -409,8 +413,10 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
                     raw.write(b"\0" * pad)
                 offset = stream.tell()
                 stream.crc = 0
+                # Through the stream transforms, if any: the checksum sees the stored bytes.
+                out: Any = self._transforms.wrap(cast(IO[bytes], stream)) if transformed else stream
                 if item.type == WriteItemType.BYTE_IO:
-                    stream.write(cast(io.BytesIO, data).getbuffer())
+                    out.write(cast(io.BytesIO, data).getbuffer())
                 else:
                     tensor = cast(torch.Tensor, data).detach()
                     if tensor.device.type != "cpu":
@@ -418,16 +424,23 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()
                     if can_encode(tensor):
-                        encode_tensor(tensor, stream.write)
+                        encode_tensor(tensor, out.write)
                     else:
-                        torch.save(tensor, cast(BinaryIO, stream))
+                        torch.save(tensor, cast(BinaryIO, out))
+                if out is not stream:
+                    out.close()  # flushes the transforms into the file
                 length = stream.tell() - offset
                 sums.append([offset, length, stream.crc])
                 results.append(
                     WriteResult(
                         index=item.index,
                         size_in_bytes=length,
-                        storage_data=_StorageInfo(name, offset, length),
+                        storage_data=_StorageInfo(
+                            name,
+                            offset,
+                            length,
+                            transform_descriptors=self._transforms.descriptors,
+                        ),
                     )
                 )
             raw.flush()

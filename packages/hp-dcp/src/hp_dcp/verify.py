@@ -16,9 +16,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from hp_dcp._checksum import crc32
+from hp_dcp._extensions import ReadTransforms, expanded_limit
 from hp_dcp._files import open_member
 from hp_dcp._safe_pickle import load_byte_item
 from hp_dcp._tensor_blob import decode_tensor
@@ -100,6 +101,8 @@ class _Checker:
         self.root = root
         self.files: list[str] = []
         self.items = 0
+        self._transforms = ReadTransforms()
+        self._transformed: dict[tuple[str, int, int], tuple[list[str], MetadataIndex]] = {}
 
     def fail(self, exc: BaseException, file: str | None, item: str | None) -> VerificationReport:
         status = next(s for cls, s in _STATUS_OF.items() if isinstance(exc, cls))
@@ -131,6 +134,11 @@ class _Checker:
         entries = dict(sums["files"]) if sums is not None else {}
         entries.pop(".metadata", None)
         per_file = _items_per_file(md)
+        self._transformed = {
+            (info.relative_path, info.offset, info.length): (list(descriptors), index)
+            for index, info in md.storage_data.items()
+            if (descriptors := getattr(info, "transform_descriptors", None))
+        }
         for name in sorted(set(per_file) | set(entries)):
             items = per_file.get(name, [])
             entry = entries.get(name)
@@ -215,7 +223,11 @@ class _Checker:
         for offset, length, fqn in items:
             blob = view[offset : offset + length]
             try:
-                if isinstance(md.state_dict_metadata.get(fqn), BytesStorageMetadata):
+                is_bytes = isinstance(md.state_dict_metadata.get(fqn), BytesStorageMetadata)
+                transformed = self._transformed.get((name, offset, length))
+                if transformed is not None:
+                    blob = self._expand(blob, transformed, md, is_bytes, f"item {fqn!r} in {path}")
+                if is_bytes:
                     load_byte_item(bytes(blob), fqn, str(path))
                 else:
                     tensor = decode_tensor(blob)
@@ -228,6 +240,25 @@ class _Checker:
                 blob.release()
             self.items += 1
         return None
+
+    def _expand(
+        self,
+        blob: memoryview,
+        transformed: tuple[list[str], MetadataIndex],
+        md: Metadata,
+        is_bytes: bool,
+        where: str,
+    ) -> memoryview:
+        """The item's bytes with its stream transforms undone (PyTorch's built-in ones)."""
+        descriptors, index = transformed
+        limit = expanded_limit(md.state_dict_metadata, index, is_bytes, where)
+        try:
+            expanded = self._transforms.expand(blob, descriptors, limit, where)
+        except ValueError as exc:  # an extension this process does not have: cannot be read
+            raise UnsafeCheckpointError(str(exc)) from exc
+        finally:
+            blob.release()
+        return memoryview(expanded)
 
     def hf(self) -> VerificationReport:
         try:
