@@ -148,3 +148,56 @@ def test_checkpoint_api() -> None:
     assert CheckpointPolicy.PREFER_RECOMPUTE.to_torch() is (
         torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
     )
+
+
+def test_no_host_wait_per_layer_events_order_copies() -> None:
+    """The recording double: every ordering is an event on the copy stream waited on by the
+    compute stream (or a stream wait); the host never synchronizes, in forward or backward;
+    results stay bitwise equal over two steps (the second reuses the pooled buffers)."""
+    from hp_dtensor.device import StreamLog
+
+    ref = _model()
+    x = _data()
+    ref(x).square().mean().backward()
+    log = StreamLog()
+    model = _model()
+    manager = SwapManager(stream_log=log)
+    for i in range(len(model)):
+        model[i] = swap_wrapper(model[i], manager=manager)
+    for step in range(2):
+        log.entries.clear()
+        model.zero_grad()
+        loss = model(x).square().mean()
+        forward = list(log.entries)
+        loss.backward()
+        for got, want in zip(_grads(model), _grads(ref), strict=True):
+            assert torch.equal(got, want)
+        entries = log.entries
+        assert log.count("synchronize") == 0, [e for e in entries if e[0] == "synchronize"]
+        at = entries.index
+        for i in range(3):
+            # offload: after the layer's forward (stream wait), recorded on the copy stream,
+            # waited on by the compute stream before the device storages are dropped
+            assert ("record", f"offload{i}", "copy") in entries
+            assert at(("record", f"offload{i}", "copy")) < at(
+                ("wait_event", "compute", f"offload{i}")
+            )
+            # load: recorded on the copy stream, waited on by the compute stream
+            assert at(("record", f"load{i}", "copy")) < at(("wait_event", "compute", f"load{i}"))
+        for i in range(2):  # in forward, layer i's copies are waited for at layer i+1's end
+            assert ("wait_event", "compute", f"offload{i}") in forward
+            assert at(("wait_event", "compute", f"offload{i}")) < at(
+                ("record", f"offload{i + 1}", "copy")
+            )
+        # backward order 2, 1, 0: layer i's load is launched as layer i+1's backward starts
+        # (after the compute stream's wait for layer i+1's load), so it overlaps that backward
+        for i in (1, 0):
+            assert (
+                at(("wait_event", "compute", f"load{i + 1}"))
+                < at(("record", f"load{i}", "copy"))
+                < at(("wait_event", "compute", f"load{i}"))
+            )
+        if step == 1:  # reused host buffers: the copy stream waits for their last load
+            waits = [e for e in forward if e[:2] == ("wait_event", "copy")]
+            assert waits, forward
+            assert all(e[2].startswith("load") for e in waits)

@@ -8,6 +8,14 @@ freed once autograd held the only other reference). In backward, the first unpac
 makes sure its loads are done and launches the loads of the group that runs backward next, so the
 copies overlap the current layer's backward.
 
+The host never waits for a copy: every ordering is an event recorded on the copy stream and
+waited on by the compute stream (or a stream wait), so the host can run layers ahead of the
+device in forward and backward. A group's device storages are dropped once the compute stream
+waits for its offload event (later allocations on the compute stream come after the copy); the
+compute stream waits for a group's load event before its backward reads the loaded tensors; a
+host buffer goes back to the pool with its load event, and the stream that reuses it waits for
+that event first.
+
 On a device without separate host memory (CPU), swap is a documented pass-through in memory
 terms: the same hooks, pool, copies and ordering run, the bytes just move between two buffers of
 the same memory, so nothing is saved; streams and events are the device layer's CPU no-ops.
@@ -73,32 +81,39 @@ class HostBufferPool:
         if pin and not available:
             raise ValueError("HostBufferPool(pin=True) needs an accelerator with pinned memory")
         self.pin = available if pin is None else pin
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: dict[int, list[tuple[torch.Tensor, hp_device.Event | None]]] = {}
         self.allocations = 0
         """Number of buffers created (not reused) so far."""
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int, *, stream: hp_device.Stream | None = None) -> torch.Tensor:
         """Return a ``uint8`` host buffer of ``nbytes`` bytes, reusing a released one if any.
 
         Args:
             nbytes: The size.
+            stream: The stream that will write the buffer: it waits for the event the buffer
+                was released with (the copy that last read it), without a host wait.
 
         Returns:
             The buffer.
         """
         free = self._free.get(nbytes)
         if free:
-            return free.pop()
+            buffer, event = free.pop()
+            if event is not None and stream is not None:
+                stream.wait_event(event)
+            return buffer
         self.allocations += 1
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffer: torch.Tensor, *, event: hp_device.Event | None = None) -> None:
         """Give a buffer back for reuse.
 
         Args:
             buffer: A buffer from :meth:`~hp_trainer.HostBufferPool.acquire`.
+            event: Completes when the last copy reading the buffer is done (None: nothing
+                pending).
         """
-        self._free.setdefault(buffer.numel(), []).append(buffer)
+        self._free.setdefault(buffer.numel(), []).append((buffer, event))
 
     @property
     def free_bytes(self) -> int:
@@ -183,23 +198,29 @@ class SwapGroup:
             return
         mgr = self.manager
         mgr.log.append(("offload", self.index))
-        mgr.copy_stream.wait_stream(hp_device.current_stream(mgr.device_type))
-        with hp_device.stream(mgr.copy_stream):
+        copy = mgr.copy_stream
+        copy.wait_stream(mgr.compute_stream())  # the layer's forward wrote the activations
+        with hp_device.stream(copy):
             for slot in self._slots.values():
                 src = slot.device_storage
                 assert src is not None
-                host = mgr.pool.acquire(src.nbytes())
+                host = mgr.pool.acquire(src.nbytes(), stream=copy)
                 host.untyped_storage().copy_(src, non_blocking=mgr.pool.pin)
                 slot.host = host
-        self._offload_event = mgr.copy_stream.record_event()
+        self._offload_event = copy.record_event(mgr.new_event(f"offload{self.index}"))
         self.state = "offloading"
 
     def wait_offload(self) -> None:
-        """Wait for the copies, then drop the device storages (freed unless used elsewhere)."""
+        """Order the compute stream after the copies, then drop the device storages.
+
+        No host wait: the storages were allocated on the compute stream, which now waits for
+        the offload event, so the caching allocator reuses their memory only after the copies
+        (freed unless used elsewhere).
+        """
         if self.state != "offloading":
             return
         assert self._offload_event is not None
-        self._offload_event.synchronize()
+        self._offload_event.wait(self.manager.compute_stream())
         for slot in self._slots.values():
             slot.device_storage = None
         self.state = "host"
@@ -212,30 +233,35 @@ class SwapGroup:
             return
         mgr = self.manager
         mgr.log.append(("load", self.index))
-        mgr.copy_stream.wait_stream(hp_device.current_stream(mgr.device_type))
-        with hp_device.stream(mgr.copy_stream):
+        copy = mgr.copy_stream
+        # after the compute work queued so far: the loaded blocks the copy stream allocates
+        # may reuse memory that work still reads
+        copy.wait_stream(mgr.compute_stream())
+        with hp_device.stream(copy):
             for slot in self._slots.values():
                 host = slot.host
                 assert host is not None
                 dev = torch.empty(host.numel(), dtype=torch.uint8, device=mgr.device_type)
                 dev.copy_(host, non_blocking=mgr.pool.pin)
                 slot.loaded = dev.untyped_storage()
-        self._load_event = mgr.copy_stream.record_event()
+        self._load_event = copy.record_event(mgr.new_event(f"load{self.index}"))
         self.state = "loading"
 
     def wait_load(self) -> None:
-        """Make the compute stream wait for the loads and give the host buffers back."""
+        """Make the compute stream wait for the loads and give the host buffers back.
+
+        No host wait: each buffer returns to the pool with the load event, which the stream
+        that writes it next waits for (:meth:`HostBufferPool.acquire`).
+        """
         if self.state in ("offloading", "host"):
             self.launch_load()
         if self.state != "loading":
             return
         assert self._load_event is not None
-        self._load_event.wait(hp_device.current_stream(self.manager.device_type))
-        # the pool may hand a buffer out again only after the copy that reads it is done
-        self._load_event.synchronize()
+        self._load_event.wait(self.manager.compute_stream())
         for slot in self._slots.values():
             assert slot.host is not None
-            self.manager.pool.release(slot.host)
+            self.manager.pool.release(slot.host, event=self._load_event)
             slot.host = None
         self.state = "device"
 
@@ -302,16 +328,31 @@ class SwapManager:
     Args:
         device_type: Device whose tensors are swapped; ``None`` asks ``hp_dtensor.device``.
         pool: Host buffer pool (a new one by default).
+        stream_log: Use the device layer's recording double instead of real streams (tests):
+            the compute and copy streams are ``RecordingStream("compute")`` /
+            ``RecordingStream("copy")`` and each group's events are named ``offload<i>`` /
+            ``load<i>`` in this log. None: the device's current stream and a new side stream.
 
     See Also:
         HyperParallel's ``SwapManager``; :pt:`torch.autograd.graph.save_on_cpu` (PyTorch's
         synchronous, unpooled, unprefetched counterpart).
     """
 
-    def __init__(self, device_type: str | None = None, *, pool: HostBufferPool | None = None):
+    def __init__(
+        self,
+        device_type: str | None = None,
+        *,
+        pool: HostBufferPool | None = None,
+        stream_log: hp_device.StreamLog | None = None,
+    ):
         self.device_type = device_type or hp_device.get_device_type()
         self.pool = pool if pool is not None else HostBufferPool()
+        self._stream_log = stream_log
+        self._compute: hp_device.Stream | None = None
         self._copy_stream: hp_device.Stream | None = None
+        if stream_log is not None:
+            self._compute = hp_device.RecordingStream("compute", stream_log)
+            self._copy_stream = hp_device.RecordingStream("copy", stream_log)
         self.groups: list[SwapGroup] = []
         self.log: list[tuple[str, int]] = []
         """The ``(event, group index)`` pairs in order; events are ``pack``, ``offload``, ``load``,
@@ -327,6 +368,29 @@ class SwapManager:
         if self._copy_stream is None:
             self._copy_stream = hp_device.Stream(self.device_type)
         return self._copy_stream
+
+    def compute_stream(self) -> hp_device.Stream:
+        """The stream forward and backward run on (the device's current stream).
+
+        Returns:
+            The stream.
+        """
+        if self._compute is not None:
+            return self._compute
+        return hp_device.current_stream(self.device_type)
+
+    def new_event(self, name: str) -> hp_device.Event:
+        """A new event (named ``name`` in the recording double's log).
+
+        Args:
+            name: The event's name, e.g. ``"offload3"``.
+
+        Returns:
+            The event.
+        """
+        if self._stream_log is not None:
+            return hp_device.RecordingEvent(name, self._stream_log)
+        return hp_device.Event(self.device_type)
 
     def new_group(self) -> SwapGroup:
         """Start the group of the next layer call (groups of a finished step are dropped).
