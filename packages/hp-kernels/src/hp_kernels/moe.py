@@ -4,11 +4,13 @@
 token order, so each expert's tokens are contiguous (ready for a grouped GEMM or an all-to-all
 split by ``tokens_per_expert``). :func:`unpermute_tokens` scatters them back and combines the
 ``k`` expert outputs of every token, optionally weighted by the router probabilities. Both are
-``torch.library`` custom ops with autograd.
+``torch.library`` custom ops with autograd, and neither synchronizes the host with the device
+(no ``.item()``, ``bincount`` or range check reading indices on the host).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -27,8 +29,7 @@ def _permute_tokens_op(
     flat = expert_indices.reshape(-1)
     sorted_indices = torch.sort(flat, stable=True).indices
     permuted = tokens.index_select(0, torch.div(sorted_indices, topk, rounding_mode="floor"))
-    counts = torch.bincount(flat, minlength=num_experts)
-    return permuted, sorted_indices, counts
+    return permuted, sorted_indices, expert_counts(flat, num_experts)
 
 
 @_permute_tokens_op.register_fake
@@ -63,12 +64,14 @@ _permute_tokens_op.register_autograd(_permute_backward, setup_context=_permute_s
 def checked_expert_indices(
     tokens: torch.Tensor, expert_indices: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
-    """``expert_indices`` as ``[T, k]`` int64 after checking dtype, shape and range.
+    """``expert_indices`` as ``[T, k]`` int64 after checking dtype and shape (host metadata).
+
+    The range of the values is checked by :func:`expert_counts` inside the permutation, without
+    a host sync.
 
     Raises:
         TypeError: The indices are not integers.
-        ValueError: ``tokens`` has no token dim, the indices are not ``[T]`` / ``[T, k]``, or an
-            index lies outside ``[0, num_experts)``.
+        ValueError: ``tokens`` has no token dim, or the indices are not ``[T]`` / ``[T, k]``.
     """
     if expert_indices.dtype.is_floating_point or expert_indices.dtype.is_complex:
         raise TypeError(f"expert_indices must be an integer tensor, got {expert_indices.dtype}")
@@ -80,11 +83,38 @@ def checked_expert_indices(
             f"expert_indices must be [T] or [T, k] with T = {tokens.shape[0]}, "
             f"got shape {tuple(expert_indices.shape)}"
         )
-    if not torch.compiler.is_compiling() and idx.numel() and idx.device.type != META_DEVICE_TYPE:
-        lo, hi = int(idx.min()), int(idx.max())
+    return idx.to(torch.int64)
+
+
+def expert_counts(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[num_experts]`` int64 count of each expert index in ``flat_indices`` (no host sync).
+
+    A scatter-add of ones, not ``torch.bincount`` (which reads the largest index on the host to
+    size its output on an accelerator). The scatter also checks the range of every index: out of
+    ``[0, num_experts)`` it raises on the CPU and fails a device-side assertion on accelerators,
+    so the permutations need no separate range check (whose ``min``/``max`` would be two more
+    host syncs per call). Integer sums: exact and deterministic on every device.
+    """
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_indices.device)
+    return counts.scatter_add_(0, flat_indices, torch.ones_like(flat_indices, dtype=torch.int64))
+
+
+def raise_if_out_of_range(expert_indices: torch.Tensor, num_experts: int) -> None:
+    """Raise the ``ValueError`` naming the range of ``expert_indices`` when some index is outside
+    ``[0, num_experts)``; used on the error path only (it reads the indices on the host)."""
+    if expert_indices.numel() and expert_indices.device.type != META_DEVICE_TYPE:
+        lo, hi = int(expert_indices.min()), int(expert_indices.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    return idx.to(torch.int64)
+
+
+def run_checked(op_call: Callable[[], Any], expert_indices: torch.Tensor, num_experts: int) -> Any:
+    """Run a permutation; when it fails, name out-of-range expert indices as a ``ValueError``."""
+    try:
+        return op_call()
+    except RuntimeError:
+        raise_if_out_of_range(expert_indices, num_experts)
+        raise
 
 
 def permute_tokens(
@@ -109,8 +139,9 @@ def permute_tokens(
         counts rows per expert. Differentiable in ``tokens``.
 
     Raises:
-        ValueError: If shapes disagree, ``num_experts`` is not positive, or an index is out of
-            range (checked eagerly, outside compiled graphs).
+        ValueError: If shapes disagree, ``num_experts`` is not positive, or (on the CPU) an index
+            is out of range. No host sync checks the range: on an accelerator an out-of-range
+            index fails a device-side assertion of the counting scatter.
         TypeError: If ``expert_indices`` is not an integer tensor.
 
     Example:
@@ -127,11 +158,12 @@ def permute_tokens(
     """
     if num_experts < 1:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
-    args = (tokens, checked_expert_indices(tokens, expert_indices, num_experts), num_experts)
+    idx = checked_expert_indices(tokens, expert_indices, num_experts)
+    args = (tokens, idx, num_experts)
     if needs_autograd(tokens):
-        result = _permute_tokens_op(*args)
+        result = run_checked(lambda: _permute_tokens_op(*args), idx, num_experts)
     else:
-        result = call(_permute_tokens_op, [tokens], *args)
+        result = run_checked(lambda: call(_permute_tokens_op, [tokens], *args), idx, num_experts)
     return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], result)
 
 

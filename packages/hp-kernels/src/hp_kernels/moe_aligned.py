@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 
 from hp_kernels._library import call, define_op, needs_autograd
-from hp_kernels.moe import checked_expert_indices, combine_choices
+from hp_kernels.moe import checked_expert_indices, combine_choices, expert_counts, run_checked
 
 __all__ = ["permute_tokens_aligned", "unpermute_tokens_aligned"]
 
@@ -51,7 +51,7 @@ def aligned_layout(
     """
     flat = expert_indices.reshape(-1)
     sorted_indices = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     padded = torch.div(counts + (alignment - 1), alignment, rounding_mode="floor") * alignment
     shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
     experts = flat.index_select(0, sorted_indices)
@@ -160,8 +160,9 @@ def permute_tokens_aligned(
         ``tokens``.
 
     Raises:
-        ValueError: If shapes disagree, ``num_experts`` or ``alignment`` is not positive, or an
-            index is out of range (checked eagerly, outside compiled graphs).
+        ValueError: If shapes disagree, ``num_experts`` or ``alignment`` is not positive, or (on
+            the CPU) an index is out of range (no host sync checks it: on an accelerator an
+            out-of-range index fails a device-side assertion).
         TypeError: If ``expert_indices`` is not an integer tensor.
 
     Example:
@@ -183,9 +184,9 @@ def permute_tokens_aligned(
     idx = checked_expert_indices(tokens, expert_indices, num_experts)
     args = (tokens, idx, num_experts, alignment)
     if needs_autograd(tokens):
-        result = _permute_aligned_op(*args)
+        result = run_checked(lambda: _permute_aligned_op(*args), idx, num_experts)
     else:
-        result = call(_permute_aligned_op, [tokens], *args)
+        result = run_checked(lambda: call(_permute_aligned_op, [tokens], *args), idx, num_experts)
     return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], result)
 
 

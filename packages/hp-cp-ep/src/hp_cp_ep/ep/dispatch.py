@@ -6,6 +6,9 @@ global expert. Dispatch:
 
 1. exchange the per-expert token counts (a small ``all_to_all_single`` of ``E`` integers), so
    every rank knows how many rows it sends to and receives from every peer (the split sizes);
+   these are read on the host once (the layer's only host sync: the receive buffer's size and
+   the collective's split sizes must be known there), which also gives the rows per local
+   expert for free;
 2. ``all_to_all_single`` the token rows with those splits (issued asynchronously, so the caller
    can compute something else, e.g. the shared experts, before waiting);
 3. regroup the received rows from (source rank, local expert) order to (local expert, source
@@ -126,10 +129,10 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 def _agree(ok: bool, group: dist.ProcessGroup, device: torch.device) -> list[bool]:
     """Every rank's ``ok`` flag, gathered on every rank (so all ranks raise together)."""
-    flags = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    flags = torch.full((1,), 1 if ok else 0, dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, flags, group=group)
-    return [bool(f.item()) for f in gathered]
+    return [bool(f) for f in torch.cat(gathered).tolist()]  # one host read
 
 
 def all_to_all_tokens(
@@ -212,6 +215,9 @@ class DispatchedTokens:
 
     Attributes:
         num_tokens_per_expert: ``[E_local]`` int64 rows per local expert (known at issue time).
+        sizes: The same counts as Python ints when the dispatch read them on the host anyway
+            (under expert parallelism, or with ``drop_tail``), else ``None``: a per-expert loop
+            can split the rows without another host sync.
 
     See Also:
         :pt:`torch.distributed.Work`: the handle of the asynchronous all-to-all waited on here.
@@ -222,9 +228,12 @@ class DispatchedTokens:
         tokens: torch.Tensor,
         num_tokens_per_expert: torch.Tensor,
         state: _DispatchState | None,
+        *,
+        sizes: list[int] | None = None,
     ) -> None:
         self._tokens = tokens
         self.num_tokens_per_expert = num_tokens_per_expert
+        self.sizes = sizes
         self._state = state
 
     def wait(self) -> torch.Tensor:
@@ -277,8 +286,8 @@ class TokenDispatcher:
         mine = torch.tensor([self.num_local_experts, hidden], dtype=torch.int64, device=device)
         everyone = [torch.zeros_like(mine) for _ in range(self.ep_size)]
         dist.all_gather(everyone, mine, group=self.ep_group)
-        if any(not torch.equal(other, mine) for other in everyone):
-            table = [tuple(int(v) for v in t.tolist()) for t in everyone]
+        table = [tuple(row) for row in torch.stack(everyone).tolist()]  # one host read
+        if any(row != table[0] for row in table):
             raise ValueError(
                 "expert-parallel ranks disagree on (local experts, hidden size): "
                 f"{table} per rank; every rank must build the same MoE"
@@ -286,17 +295,32 @@ class TokenDispatcher:
         self._checked_peers = True
 
     def dispatch(
-        self, tokens: torch.Tensor, num_tokens_per_expert: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        *,
+        drop_tail: bool = False,
     ) -> DispatchedTokens:
         """Send ``tokens`` (grouped by global expert) to their experts' ranks.
 
-        The split sizes are exchanged synchronously (a host sync: the receive buffer size must
-        be known); the token all-to-all is issued asynchronously. Call
-        :meth:`DispatchedTokens.wait` before reading the rows.
+        The split sizes are exchanged and read on the host once (the one host sync of the
+        dispatch: the receive buffer size must be known); the token all-to-all is issued
+        asynchronously. Call :meth:`DispatchedTokens.wait` before reading the rows. Without an
+        expert-parallel group the dispatch is the identity and reads nothing on the host (unless
+        ``drop_tail``).
 
         Args:
             tokens: ``[N, dim]`` rows grouped by global expert.
             num_tokens_per_expert: ``[E]`` rows per global expert (``E = ep * E_local``).
+            drop_tail: Extension: ``tokens`` may hold more rows than ``num_tokens_per_expert``
+                counts (capacity-dropped rows, sorted last); the extra rows are not sent. Without
+                expert parallelism this reads the counts on the host (one sync) to know how many
+                rows are kept.
+
+        Raises:
+            ValueError: ``num_tokens_per_expert`` has the wrong length, or (under expert
+                parallelism) counts a different number of rows than ``tokens`` holds (more
+                than it holds with ``drop_tail``).
         """
         expected = self.num_local_experts * self.ep_size
         if num_tokens_per_expert.numel() != expected:
@@ -307,19 +331,34 @@ class TokenDispatcher:
         if self.tp_group is not None:
             tokens = _CopyToTensorParallel.apply(tokens, self.tp_group)  # type: ignore[no-untyped-call]
         if self.ep_group is None:
-            return DispatchedTokens(tokens, num_tokens_per_expert, None)
+            if not drop_tail:
+                return DispatchedTokens(tokens, num_tokens_per_expert, None)
+            sizes = [int(n) for n in num_tokens_per_expert.tolist()]  # the one host sync
+            return DispatchedTokens(tokens[: sum(sizes)], num_tokens_per_expert, None, sizes=sizes)
         if not self._checked_peers:
             self._check_peers(tokens.shape[-1], tokens.device)
-        counts = num_tokens_per_expert.to(torch.int64).view(self.ep_size, self.num_local_experts)
+        ep, local = self.ep_size, self.num_local_experts
+        counts = num_tokens_per_expert.to(torch.int64).view(ep, local)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts.contiguous(), group=self.ep_group)
-        input_splits = counts.sum(1).tolist()
-        output_splits = received.sum(1).tolist()
+        # The one host sync: rows sent to each peer, and rows received per (peer, local expert).
+        host = torch.cat([counts.sum(1), received.reshape(-1)]).tolist()
+        input_splits = [int(n) for n in host[:ep]]
+        from_peer = [host[ep + p * local : ep + (p + 1) * local] for p in range(ep)]
+        output_splits = [int(sum(row)) for row in from_peer]
+        sizes = [int(sum(row[j] for row in from_peer)) for j in range(local)]
+        sent = sum(input_splits)
+        if sent != tokens.shape[0] and (not drop_tail or sent > tokens.shape[0]):
+            raise ValueError(
+                f"num_tokens_per_expert counts {sent} rows but tokens has {tokens.shape[0]}"
+                + ("" if drop_tail else " (pass drop_tail=True to leave trailing rows unsent)")
+            )
+        tokens = tokens[:sent]
         pending = _PendingWork()
         out = _AllToAllTokens.apply(tokens, output_splits, input_splits, self.ep_group, pending)  # type: ignore[no-untyped-call]
-        regroup = _regroup_index(received) if self.num_local_experts > 1 else None
+        regroup = _regroup_index(received, sum(output_splits)) if local > 1 else None
         state = _DispatchState(input_splits, output_splits, regroup, pending)
-        return DispatchedTokens(out, received.sum(0), state)
+        return DispatchedTokens(out, received.sum(0), state, sizes=sizes)
 
     def combine(self, expert_out: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         """Return the experts' outputs to the ranks (and row order) their tokens came from."""
@@ -341,19 +380,20 @@ class TokenDispatcher:
         return out
 
 
-def _regroup_index(received: torch.Tensor) -> torch.Tensor:
+def _regroup_index(received: torch.Tensor, total: int) -> torch.Tensor:
     """Row order taking (source rank, local expert) blocks to (local expert, source rank).
 
     ``received[s, j]`` rows arrived from source ``s`` for local expert ``j``, in ``s``-major
-    order; the result lists, for each ``j`` then ``s``, the rows of block ``(s, j)``.
+    order; the result lists, for each ``j`` then ``s``, the rows of block ``(s, j)``. ``total``
+    (``received.sum()``, known on the host from the split sizes) sizes the expansions, so no
+    host sync is needed.
     """
     sizes = received.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes  # start of block (s, j), s-major
     blocks = torch.arange(sizes.numel(), device=sizes.device)
     order = blocks.view(received.shape).t().reshape(-1)  # j-major blocks
-    lengths = sizes[order]
-    block_start = torch.repeat_interleave(starts[order], lengths)
-    within = torch.arange(int(lengths.sum()), device=sizes.device) - torch.repeat_interleave(
-        torch.cumsum(lengths, 0) - lengths, lengths
-    )
-    return block_start + within
+    lengths = sizes.index_select(0, order)
+    # within-block offset of each output row: its position minus the start of its (j, s) block
+    shift = starts.index_select(0, order) - (torch.cumsum(lengths, 0) - lengths)
+    positions = torch.arange(total, device=sizes.device)
+    return positions + torch.repeat_interleave(shift, lengths, output_size=total)

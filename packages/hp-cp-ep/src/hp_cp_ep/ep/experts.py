@@ -9,8 +9,10 @@ When ``torch._grouped_mm`` applies (checked per call, see :func:`grouped_mm_supp
 fp32 and bf16, on accelerators in bf16 (CUDA needs compute capability 9.0 or newer: pass
 ``use_grouped_mm=False`` on older GPUs), and only when every row stride is a multiple of 16
 bytes (``dim`` and ``hidden`` times the element size); under ``torch.compile`` in bf16 only.
-Otherwise the per-expert loop runs: same result, more kernel launches. Experts that receive no
-rows contribute nothing and get zero gradients either way.
+Otherwise the per-expert loop runs: same result, more kernel launches, and one host sync to
+split the rows (none when the dispatch already read the counts on the host, as it does under
+expert parallelism). Experts that receive no rows contribute nothing and get zero gradients
+either way.
 """
 
 from __future__ import annotations
@@ -89,8 +91,10 @@ def _looped_swiglu(
     w2: torch.Tensor,
     w3: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
+    sizes: list[int] | None = None,
 ) -> torch.Tensor:
-    sizes = [int(n) for n in num_tokens_per_expert.tolist()]
+    if sizes is None:  # a host sync: the split needs the counts on the host
+        sizes = [int(n) for n in num_tokens_per_expert.tolist()]
     outputs = []
     for expert, rows in enumerate(torch.split(x, sizes, dim=0)):
         if rows.shape[0] == 0:
@@ -155,8 +159,22 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
-    def compute(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """Run the rank-local experts on rows grouped by local expert (no communication)."""
+    def compute(
+        self,
+        x: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        *,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Run the rank-local experts on rows grouped by local expert (no communication).
+
+        Args:
+            x: Rows grouped by local expert.
+            num_tokens_per_expert: ``[E_local]`` rows per local expert.
+            sizes: The same counts as Python ints when already known on the host
+                (:attr:`DispatchedTokens.sizes <hp_cp_ep.ep.dispatch.DispatchedTokens>`): the
+                per-expert loop then splits the rows without a host sync.
+        """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if num_tokens_per_expert.numel() != w1.shape[0]:
             raise ValueError(
@@ -166,7 +184,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):
             return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
-        return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
+        return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert, sizes)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Experts' outputs for ``x`` (``[N, dim]`` grouped by global expert), same row order.
@@ -176,5 +194,7 @@ class GroupedExperts(nn.Module):
             num_tokens_per_expert: ``[E]`` rows per expert (summing to ``N``).
         """
         dispatched = self.token_dispatcher.dispatch(x, num_tokens_per_expert)
-        out = self.compute(dispatched.wait(), dispatched.num_tokens_per_expert)
+        out = self.compute(
+            dispatched.wait(), dispatched.num_tokens_per_expert, sizes=dispatched.sizes
+        )
         return self.token_dispatcher.combine(out, dispatched)

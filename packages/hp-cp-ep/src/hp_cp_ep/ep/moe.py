@@ -30,7 +30,7 @@ from torch import nn
 
 from hp_cp_ep._torch_compat import in_backward
 from hp_cp_ep.ep.experts import GroupedExperts
-from hp_cp_ep.ep.router import TokenChoiceTopKRouter, load_balancing_loss
+from hp_cp_ep.ep.router import TokenChoiceTopKRouter, count_choices, load_balancing_loss
 from hp_cp_ep.ep.stats import ExpertLoad
 from hp_kernels import permute_tokens, unpermute_tokens
 
@@ -234,9 +234,13 @@ class MoE(nn.Module):
         capacity = math.ceil(
             self.moe_args.capacity_factor * num_tokens * self.top_k / self.num_experts
         )
+        # The rank of each choice within its expert, in (token, choice) order, from one stable
+        # sort: O(T k log(T k)) integer work, no [T k, E] one-hot, no host sync.
         flat = selected.reshape(-1)
-        one_hot = F.one_hot(flat, self.num_experts)
-        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # rank of the choice in its expert
+        ordered = torch.sort(flat, stable=True)
+        first = torch.searchsorted(ordered.values, ordered.values)  # start of each expert's run
+        rank_sorted = torch.arange(flat.numel(), device=flat.device) - first
+        position = torch.empty_like(rank_sorted).scatter_(0, ordered.indices, rank_sorted)
         return (position < capacity).view_as(selected)
 
     def _aux_loss_share(self, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -247,8 +251,8 @@ class MoE(nn.Module):
         :func:`~hp_cp_ep.ep.router.load_balancing_loss` of all the tokens.
         """
         num_tokens, top_k = selected.shape
-        stats = torch.bincount(selected.reshape(-1), minlength=self.num_experts).float()
-        stats = torch.cat([stats, stats.new_tensor([num_tokens])])
+        stats = count_choices(selected, self.num_experts).float()
+        stats = torch.cat([stats, stats.new_full((1,), float(num_tokens))])
         dist.all_reduce(stats, group=self.aux_loss_group)
         # no host sync: with no token anywhere the counts, hence the loss, are zero
         counts, total = stats[:-1].to(scores.dtype), stats[-1:].to(scores.dtype).clamp_min(1)
@@ -275,14 +279,18 @@ class MoE(nn.Module):
         weights = routing.top_scores.to(tokens.dtype)
         if self.moe_args.score_before_experts:
             rows = rows * weights.reshape(-1)[sorted_indices].unsqueeze(-1)
-        kept = rows.shape[0] if num_bins == self.num_experts else int(counts[:-1].sum())
         expert_counts = counts[: self.num_experts]
 
         dispatcher = self.experts.token_dispatcher
-        dispatched = dispatcher.dispatch(rows[:kept], expert_counts)
+        # Dropped rows sort last and are not sent; the dispatch reads the counts on the host
+        # once (the split sizes under EP, the kept rows otherwise), the layer's only host sync.
+        dispatched = dispatcher.dispatch(rows, expert_counts, drop_tail=num_bins > self.num_experts)
         shared = self.shared_experts(tokens) if self.shared_experts is not None else None
-        expert_out = self.experts.compute(dispatched.wait(), dispatched.num_tokens_per_expert)
+        expert_out = self.experts.compute(
+            dispatched.wait(), dispatched.num_tokens_per_expert, sizes=dispatched.sizes
+        )
         routed = dispatcher.combine(expert_out, dispatched)
+        kept = routed.shape[0]
         if kept < rows.shape[0]:
             routed = torch.cat([routed, routed.new_zeros((rows.shape[0] - kept, shape[-1]))])
 

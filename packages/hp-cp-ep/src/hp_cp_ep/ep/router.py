@@ -28,6 +28,17 @@ __all__ = ["Router", "Routing", "TokenChoiceTopKRouter", "load_balancing_loss"]
 ScoreFunc = Literal["softmax", "sigmoid"]
 
 
+def count_choices(selected_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` int64 number of choices per expert, without a host sync.
+
+    A scatter-add of ones rather than ``torch.bincount``, which reads the largest index on the
+    host to size its output on an accelerator. Integer sums: exact and deterministic.
+    """
+    flat = selected_experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
 class Routing(NamedTuple):
     """The routing of a batch of ``T`` tokens over ``E`` experts, top ``k`` per token.
 
@@ -70,7 +81,7 @@ def load_balancing_loss(
     num_tokens, top_k = selected_experts.shape
     if num_tokens == 0:
         return scores.sum() * 0.0
-    counts = torch.bincount(selected_experts.reshape(-1), minlength=num_experts).to(scores.dtype)
+    counts = count_choices(selected_experts, num_experts).to(scores.dtype)
     fraction = counts * (num_experts / (top_k * num_tokens))
     probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return (fraction * probs.mean(dim=0)).sum()
@@ -198,7 +209,7 @@ class TokenChoiceTopKRouter(nn.Module):
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * self.route_scale
-        counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts)
+        counts = count_choices(selected, self.num_experts)
         return Routing(scores, top_scores, selected, counts)
 
     def forward(

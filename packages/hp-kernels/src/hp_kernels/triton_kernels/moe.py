@@ -4,7 +4,7 @@
 
 - ``permute_tokens``: the row gather that groups every (token, choice) copy by expert. The
   stable sort of the expert indices and the per-expert counts stay torch ops (``torch.sort``,
-  ``torch.bincount``); the kernel moves the rows, one program per (row, column block).
+  a scatter-add: no host sync); the kernel moves the rows, one program per (row, column block).
 - ``unpermute_tokens``: the weighted combine back to token order. Each program owns output
   rows and reads their ``k`` expert rows through the inverse permutation, so the sum runs in
   choice order with no atomics (deterministic, like the reference).
@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from hp_kernels._library import REFERENCE_KERNELS
+from hp_kernels.moe import expert_counts
 from hp_kernels.triton_kernels._common import block_configs, cast, supported, to_f32
 
 __all__: list[str] = []
@@ -49,7 +50,7 @@ def permute_tokens(
     topk = expert_indices.shape[1]
     flat = expert_indices.reshape(-1)
     sorted_indices = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     src = tokens.contiguous()
     width = math.prod(tokens.shape[1:])
     permuted = tokens.new_empty((flat.numel(), *tokens.shape[1:]))
