@@ -356,8 +356,6 @@ class ContextParallelAttention:
         rank calls in the same order, so every rank hits or misses the cache together).
         """
         self._check(query, key, value, document_ids)
-        if document_ids is not None:  # masks are built next to the scores, ids gathered there
-            document_ids = document_ids.to(query.device)
         if self.degree == 1 and document_ids is None:
             return single_device_sdpa(
                 query, key, value, is_causal=is_causal, scale=scale,
@@ -367,6 +365,8 @@ class ContextParallelAttention:
         plan_key = (is_causal, query.shape[2])
         plan = None if plans is None else plans.get(plan_key)
         if plan is None:
+            if document_ids is not None:  # masks are built next to the scores: ids go there
+                document_ids = document_ids.to(query.device)
             plan = self._plan(query.shape[2], is_causal, document_ids, query.device)
             if plans is not None:
                 plans[plan_key] = plan
