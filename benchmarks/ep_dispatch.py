@@ -11,6 +11,10 @@ PyTorch has no expert parallelism, so the baselines are the two obvious alternat
   theoretical minimum (the rows routed to experts on other ranks, out and back).
 - **grouped experts**: ``GroupedExperts`` forward+backward with ``torch._grouped_mm`` against
   the per-expert loop, on each rank's local experts with the rows dispatch delivers.
+- **noise**: the dispatcher timed against itself (the same statistic; reads 1.00 on a quiet
+  machine), so the spread of the other ratios on a loaded machine is visible.
+- **host syncs**: the operations that would stop the host on an accelerator, per MoE layer
+  forward and backward (steady state, counted by :func:`hp_dtensor.testing.count_host_syncs`).
 
 Both alternatives are built in the same processes (gloo, one intra-op thread per rank) and
 stepped alternately after a discarded warm-up; each rank takes the median, the slowest rank
@@ -42,6 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hp_cp_ep import ExpertParallel, GroupedExperts, MoE, MoEArgs, TokenDispatcher
+from hp_dtensor.testing import count_host_syncs
 from hp_kernels import permute_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
@@ -147,9 +152,30 @@ def _experts_fns(local_rows: torch.Tensor, local_counts: torch.Tensor, local: in
     return {"grouped_mm": lambda: run(grouped), "loop": lambda: run(looped)}
 
 
+def _moe_syncs(ep: int, rank: int) -> dict[str, int]:
+    """Host syncs of one MoE layer forward and backward (after a warm-up step), dropless and
+    with a capacity factor of 1."""
+    counts: dict[str, int] = {}
+    for name, capacity in (("", None), ("capacity_", 1.0)):
+        torch.manual_seed(0)
+        moe = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, capacity_factor=capacity), DIM, HIDDEN)
+        if ep > 1:
+            parallelize_module(moe.experts, init_device_mesh("cpu", (ep,)), ExpertParallel())
+        x = torch.randn(TOKENS // 4, DIM, generator=torch.Generator().manual_seed(7 + rank))
+        moe(x).sum().backward()
+        with count_host_syncs() as forward:
+            out = moe(x)
+        loss = out.sum()
+        with count_host_syncs() as backward:
+            loss.backward()
+        counts[f"{name}forward"] = forward.total
+        counts[f"{name}backward"] = backward.total
+    return counts
+
+
 def measure(ep: int, rank: int, steps: int, warmup: int) -> dict[str, Any]:
     routed = _Routed(rank)
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"syncs": _moe_syncs(ep, rank)}
     if ep > 1:
         mesh = init_device_mesh("cpu", (ep,))
         experts = GroupedExperts(DIM, HIDDEN, EXPERTS)
@@ -160,6 +186,8 @@ def measure(ep: int, rank: int, steps: int, warmup: int) -> dict[str, Any]:
             "allgather": lambda: _allgather_step(routed, ep, rank),
         }
         result["dispatch"] = _ratio(fns, "a2a", "allgather", steps, warmup)
+        fns["a2a_again"] = fns["a2a"]
+        result["noise"] = _ratio(fns, "a2a", "a2a_again", steps, warmup)
         result["bytes"] = _bytes_per_step(routed, ep, rank)
         dispatched = dispatcher.dispatch(routed.rows, routed.counts)
         local_rows, local_counts = dispatched.wait(), dispatched.num_tokens_per_expert
@@ -196,11 +224,14 @@ def _table(results: dict[str, Any], steps: int, warmup: int) -> str:
         f"alternating steps per order after {warmup} warm-up, torch {torch.__version__}, "
         f"{os.cpu_count()} CPU cores. Ratio = ours / baseline (below 1: ours faster), geometric "
         "mean of both orders, slowest rank's median. Bytes: sent per rank per step (largest "
-        "rank); minimum = rows routed to other ranks' experts, out and back.",
+        "rank); minimum = rows routed to other ranks' experts, out and back. Noise: the "
+        "dispatcher against itself. Host syncs: per MoE layer forward / backward, dropless and "
+        "with capacity factor 1 (count_host_syncs; budget 1 / 0 under EP).",
         "",
-        "| ep | a2a / all-gather (time) | a2a ms | all-gather ms | a2a MB | all-gather MB "
-        "| minimum MB | grouped_mm / loop (fwd+bwd) | grouped ms | loop ms | local rows |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ep | a2a / all-gather (time) | noise (a2a / a2a) | a2a ms | all-gather ms | a2a MB "
+        "| all-gather MB | minimum MB | grouped_mm / loop (fwd+bwd) | grouped ms | loop ms "
+        "| local rows | syncs fwd / bwd | capacity syncs fwd / bwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ep, res in results["ep"].items():
         ex = res["experts"]
@@ -208,14 +239,17 @@ def _table(results: dict[str, Any], steps: int, warmup: int) -> str:
             d, b = res["dispatch"], res["bytes"]
             mb = {key: value / 2**20 for key, value in b.items()}
             comm = (
-                f"{d['ratio']:.3f} | {d['ours_ms']:.2f} | {d['base_ms']:.2f} | "
-                f"{mb['a2a']:.2f} | {mb['allgather']:.2f} | {mb['minimum']:.2f}"
+                f"{d['ratio']:.3f} | {res['noise']['ratio']:.3f} | {d['ours_ms']:.2f} | "
+                f"{d['base_ms']:.2f} | {mb['a2a']:.2f} | {mb['allgather']:.2f} | "
+                f"{mb['minimum']:.2f}"
             )
         else:
-            comm = "- | - | - | 0 | 0 | 0"
+            comm = "- | - | - | - | 0 | 0 | 0"
+        sy = res["syncs"]
         lines.append(
             f"| {ep} | {comm} | {ex['ratio']:.3f} | {ex['ours_ms']:.2f} | {ex['base_ms']:.2f} | "
-            f"{res['local_rows']} |"
+            f"{res['local_rows']} | {sy['forward']} / {sy['backward']} | "
+            f"{sy['capacity_forward']} / {sy['capacity_backward']} |"
         )
     return "\n".join(lines) + "\n"
 
