@@ -100,8 +100,12 @@ def test_table_must_cover_every_forward() -> None:
         }
         with pytest.raises(ValueError, match="invalid pipeline schedule"):
             hp_pp.PipelineScheduleRuntime([_stage(0, 2)], 1, actions=stuck)
-        with pytest.raises(ValueError, match="names stage 1, but this rank holds stages"):
+        # A compute-only table needs every row: transfers are placed from the whole table.
+        with pytest.raises(ValueError, match="compute-only table needs every rank's row"):
             hp_pp.PipelineScheduleRuntime([_stage(0, 2)], 1, actions={0: table[1]})
+        written = [hp_pp.Action.parse(a) for a in ("1RECV_F0", "1F0", "1B0", "1SEND_B0")]
+        with pytest.raises(ValueError, match="names stage 1, but this rank holds stages"):
+            hp_pp.PipelineScheduleRuntime([_stage(0, 2)], 1, actions={0: written})
         with pytest.raises(ValueError, match="no row for pipeline rank 0"):
             hp_pp.PipelineScheduleRuntime([_stage(0, 2)], 1, actions={1: table[1]})
 

@@ -140,24 +140,27 @@ def test_table_with_transfers_from_csv_equals_compute_only_table(name: str) -> N
 def test_receive_of_next_microbatch_is_in_flight_during_compute() -> None:
     _, events = _run("1F1B", 4, steps=2)
     _, deferred = _run("1F1B", 4, steps=2, lookahead=0)
-    if dist.get_rank() == 1:
-        ev = events[1]  # second step: the stage description is known, receives post ahead
-        # 1F1B on the last stage: F0 B0 F1 B1 ...; micro-batch 1's activations are in flight
-        # while micro-batch 0's backward computes.
-        assert (
-            ev.index(("post_recv_f", 1, 1))
-            < ev.index(("B", 1, 0))
-            < ev.index(("wait_recv_f", 1, 1))
-        )
-        dv = deferred[1]
-        assert dv.index(("B", 1, 0)) < dv.index(("post_recv_f", 1, 1))
-    else:
+    if dist.get_rank() == 0:
         ev = events[1]
-        # gradients of micro-batch 0 are awaited only after micro-batch 1's forward was issued
+        # The gradients of micro-batch 0 are received while micro-batch 1's forward computes:
+        # the receive is posted (with the send of micro-batch 0's activations) before it.
         assert (
             ev.index(("post_recv_b", 0, 0))
             < ev.index(("F", 0, 1))
             < ev.index(("wait_recv_b", 0, 0))
+        )
+        # lookahead=0 posts each receive only when its compute needs it.
+        dv = deferred[1]
+        assert dv.index(("F", 0, 1)) < dv.index(("post_recv_b", 0, 0))
+    else:
+        ev = events[1]
+        # The last stage sends micro-batch 0's gradients and receives micro-batch 1's
+        # activations in one batch (torch's 1F1B pairs them the same way).
+        assert (
+            ev.index(("B", 1, 0))
+            < ev.index(("send_b", 1, 0))
+            < ev.index(("post_recv_f", 1, 1))
+            < ev.index(("wait_recv_f", 1, 1))
         )
 
 
@@ -333,14 +336,20 @@ def test_a_failing_rank_makes_the_other_fail_naming_it() -> None:
 @distributed(world_size=3)
 def test_a_later_step_posts_one_isend_and_one_irecv_per_transfer_and_nothing_else() -> None:
     """1F1B over 3 ranks: after the first step (stage descriptions), a step is exactly its data
-    transfers, each a plain isend/irecv: no batch_isend_irecv, barrier or other collective."""
+    transfers, posted in batches (batch_isend_irecv, no tags): no lone isend/irecv, barrier or
+    other collective."""
     calls: list[str] = []
+    ops: list[str] = []
     names = ["isend", "irecv", "batch_isend_irecv", "barrier", "all_reduce", "all_gather_object"]
     originals = {name: getattr(dist, name) for name in names}
 
     def counting(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             calls.append(name)
+            if name == "batch_isend_irecv":
+                for op in args[0]:
+                    ops.append(op.op.__name__)
+                    assert op.tag == 0
             return originals[name](*args, **kwargs)
 
         return call
@@ -355,15 +364,20 @@ def test_a_later_step_posts_one_isend_and_one_irecv_per_transfer_and_nothing_els
             setattr(dist, name, counting(name))
         for step in range(2):
             calls.clear()
+            ops.clear()
             x, y = _data(step)
             sched.step(*((x,) if rank == 0 else ()), target=y if rank == 2 else None)
-            per_step.append(sorted(calls))
+            per_step.append((sorted(set(calls)), sorted(ops), calls.count("batch_isend_irecv")))
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    # Activations go to the next stage and gradients come back: one transfer each per
-    # micro-batch and boundary.
+    # Activations go to the next stage and gradients come back: one operation each per
+    # micro-batch and boundary, all inside batches.
     boundaries = (rank > 0) + (rank < 2)
-    assert per_step[1] == ["irecv"] * (n_mb * boundaries) + ["isend"] * (n_mb * boundaries)
-    # The first step also carries the stage descriptions (length + bytes).
-    assert per_step[0].count("isend") == n_mb * boundaries + 2 * (rank < 2)
+    kinds, step_ops, batches = per_step[1]
+    assert kinds == ["batch_isend_irecv"]
+    assert step_ops == ["irecv"] * (n_mb * boundaries) + ["isend"] * (n_mb * boundaries)
+    assert batches <= 2 * n_mb * boundaries
+    # The first step also carries each stage's output description (one tensor).
+    assert per_step[0][1].count("isend") == n_mb * boundaries + (rank < 2)
+    assert per_step[0][1].count("irecv") == n_mb * boundaries + (rank > 0)

@@ -34,6 +34,7 @@ _W = ActionType.BACKWARD_WEIGHT
 _PRE_F = ActionType.PREPROCESS_F
 _PRE_B = ActionType.PREPROCESS_B
 _GRAD_INPUT_KINDS = (_B, _I)
+_PER_STAGE = (ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD)
 
 
 def leaf_actions(action: Action) -> tuple[Action, ...]:
@@ -111,14 +112,16 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
     MPipe's transposed preprocess forwards (``0PRE_F<mb>`` off stage 0's rank) get a
     ``0SEND_PRE<mb>`` after them and a ``0RECV_PRE<mb>`` on stage 0's rank.
 
-    The compute order of every rank is kept. An idle slot (``None``) takes one lock-step round
-    (it delays the rank, like in the picture) and is then dropped. The result runs without
-    deadlock when sends do not block and a receive (or the compute that consumes it) waits for
-    its matching send.
+    The compute order of every rank is kept; ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` stay where
+    they are. An idle slot (``None``) takes one lock-step round (it delays the rank, like in the
+    picture) and is then dropped. The result runs under NCCL's point-to-point rules when the
+    transfers that follow each other are posted as one batch, as the executor does (see
+    :mod:`hp_pp.transport`; :func:`hp_pp.validate_schedule` checks it).
 
     Args:
-        table: ``{rank: [Action | None]}`` with compute actions only (``F``, ``B``, ``I``, ``W``,
-            ``OVERLAP_F_B``, MPipe's ``PRE_F`` / ``PRE_B``) and ranks ``0 .. len(table) - 1``.
+        table: ``{rank: [Action | None]}`` with compute actions (``F``, ``B``, ``I``, ``W``,
+            ``OVERLAP_F_B``, MPipe's ``PRE_F`` / ``PRE_B``) and per-stage actions, no
+            transfers, and ranks ``0 .. len(table) - 1``.
         num_stages: Total number of stages.
         style: ``"loop"`` or ``"v"``: the stage-to-rank placement
             (:func:`hp_pp.stage_to_rank`).
@@ -137,6 +140,21 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
     def rank_of(stage: int) -> int:
         return stage_to_rank(stage, pp_size, style)
 
+    return lower_with_placement(
+        table, num_stages=num_stages, rank_of=rank_of, placement_name=f"the {style!r} placement"
+    )
+
+
+def lower_with_placement(
+    table: ScheduleTable,
+    *,
+    num_stages: int,
+    rank_of: Callable[[int], int],
+    placement_name: str = "the placement",
+) -> ScheduleTable:
+    """:func:`add_communication` with any stage-to-rank function (the validator uses the
+    placement it finds in the table)."""
+    pp_size = len(table)
     pending: dict[int, list[Action | None]] = {}
     preprocess_rank: dict[int, int] = {}
     for rank, actions in table.items():
@@ -144,6 +162,8 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
         for position, action in enumerate(actions):
             if action is None:
                 continue
+            if action.type in _PER_STAGE:
+                continue  # kept in place (FSDP's UNSHARD / RESHARD / REDUCE_GRAD)
             if not (
                 action.type.is_compute
                 or action.type.is_preprocess
@@ -164,7 +184,7 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
                 elif rank_of(leaf.stage_index) != rank:
                     raise ValueError(
                         f"rank {rank}: {leaf} belongs to rank {rank_of(leaf.stage_index)} under "
-                        f"the {style!r} placement of {num_stages} stages on {pp_size} ranks"
+                        f"{placement_name} of {num_stages} stages on {pp_size} ranks"
                     )
 
     state = _Lowering(num_stages, rank_of, preprocess_rank)
@@ -177,6 +197,11 @@ def add_communication(table: ScheduleTable, *, num_stages: int, style: str) -> S
                 continue
             action = pending[rank][cursor[rank]]
             if action is None:
+                cursor[rank] += 1
+                progressed = True
+                continue
+            if action.type in _PER_STAGE:
+                lowered[rank].append(action)
                 cursor[rank] += 1
                 progressed = True
                 continue

@@ -4,27 +4,28 @@ The executor never knows which schedule it runs; it interprets actions:
 
 - ``F``: forward of one micro-batch (the loss too, on the last stage); ``B``: full backward;
   ``I``: backward for the inputs; ``W``: backward for the weights; ``OVERLAP_F_B``: its
-  sub-actions, with the receives of all of them posted before the first one computes.
-- ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: point-to-point transfers, non-blocking; a
-  compute action waits for the receives it needs.
+  sub-actions.
+- ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``: point-to-point transfers. Transfer actions that
+  follow each other with no compute in between are posted as **one batch**
+  (``dist.batch_isend_irecv``) in the order written, without tags; a compute action waits for
+  the batch holding its receives. This is what NCCL needs (see :mod:`hp_pp.p2p_model`): both
+  ranks of a pair post their messages in the same order, and a rank that waits never holds back
+  a send its peer needs. The schedule classes give the executor their table lowered with
+  :func:`~hp_pp.add_communication` (sends right after the compute that produces them, each
+  receive posted as soon as its peer sends it), which the validator checks under NCCL's rules
+  before anything runs.
 - ``PRE_F``/``PRE_B``/``SEND_PRE``/``RECV_PRE``: MPipe's transposed preprocess (see
   :class:`TransposedPreprocess`).
 - ``UNSHARD``/``RESHARD``: an FSDP stage module's ``unshard()``/``reshard()``;
   ``REDUCE_GRAD``: a marker (the reduction itself runs in the stage's last backward, see
   :mod:`hp_pp._fsdp_protocol`).
 
-A table with transfer actions is run as written (a compute action whose receive was not posted
-raises). A compute-only table (what the generators produce) gets its transfers implicitly:
-activations and gradients are sent as soon as they are computed, and the receives of the next
-compute actions are posted ahead (``lookahead``), so the transfer of one micro-batch is in
-flight while another micro-batch computes (HyperParallel's compute/communication overlap). Only
-the very first receive of a stage on the first step blocks where it is posted (it reads the
-description of what the previous stage sends). Stages on the same rank hand tensors over
-without communication.
+Stages on the same rank hand tensors over without communication.
 
 The executor records the order in which it posts, waits and computes in :attr:`events`
-(``("post_recv_f", stage, mb)``, ``("wait_recv_f", ...)``, ``("F", ...)``, ...), so tests can
-observe issue/wait order.
+(``("post_recv_f", stage, mb)``, ``("wait_recv_f", ...)``, ``("F", ...)``, ...), and every
+point-to-point operation it posts, with its batch, peer, shape, dtype and identity, in
+:attr:`trace` (a program that :func:`hp_pp.p2p_model.replay` checks under NCCL's rules).
 
 See Also:
     :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
@@ -38,10 +39,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 from torch import nn
 
 from hp_pp.actions import Action, ActionType
-from hp_pp.stage import PipelineStage
+from hp_pp.p2p_model import P2POp, Post, Wait
+from hp_pp.stage import PipelineStage, _Part
+from hp_pp.transport import Exchange, Message, plan_rank
 
 __all__ = ["PipelineExecutor", "TransposedPreprocess"]
 
@@ -65,6 +69,14 @@ def _flat(actions: Sequence[Action]) -> Iterator[Action]:
             yield from a.sub_actions
         else:
             yield a
+
+
+def _produced_remote(
+    action: Action, placement: dict[int, int], num_stages: int, rank: int
+) -> Message | None:
+    from hp_pp.transport import produced
+
+    return produced(rank, action, placement, num_stages)
 
 
 class _Shipped(nn.Module):
@@ -120,15 +132,28 @@ class TransposedPreprocess:
         self._leaves: dict[int, torch.Tensor] = {}
 
     def broadcast_parameters(self, group: dist.ProcessGroup | None) -> None:
-        """Copy the block's parameters and buffers from stage 0's rank to every copy."""
+        """Copy the block's parameters and buffers from stage 0's rank to every copy: one
+        broadcast of one flat bucket per dtype (one collective per step for a block of one
+        dtype), on the block's device."""
         src = (
             self.owner_group_rank
             if group is None
             else dist.get_global_rank(group, self.owner_group_rank)
         )
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(tensor.data, src, group=group)
+            for dtype in sorted(by_dtype, key=str):
+                group_tensors = by_dtype[dtype]
+                flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+                dist.broadcast(flat, src, group=group)
+                offset = 0
+                for t in group_tensors:
+                    n = t.numel()
+                    t.data.copy_(flat[offset : offset + n].view_as(t))
+                    offset += n
 
     def clear(self) -> None:
         self._outputs.clear()
@@ -146,19 +171,22 @@ class TransposedPreprocess:
         self._outputs[mb] = out
         return out
 
-    def ship(self, stage: PipelineStage, mb: int) -> None:
-        """``SEND_PRE``: send micro-batch ``mb``'s output to stage 0's rank."""
-        stage.send_preprocess_output(mb, self._outputs.pop(mb), 0)
+    def take_output(self, mb: int) -> torch.Tensor:
+        """``SEND_PRE``: micro-batch ``mb``'s output, to be shipped to stage 0's rank."""
+        return self._outputs.pop(mb)
 
-    def receive(self, stage: PipelineStage, mb: int) -> None:
-        """``RECV_PRE`` (stage 0's rank): receive micro-batch ``mb``'s output."""
-        if mb not in self._outputs:
-            self._outputs[mb] = stage.recv_preprocess_output(mb, self.runner_of[mb])
+    def put_received(self, mb: int, output: torch.Tensor) -> None:
+        """``RECV_PRE`` (stage 0's rank): micro-batch ``mb``'s output has arrived."""
+        self._outputs[mb] = output
 
     @contextlib.contextmanager
     def shipped(self, stage: PipelineStage, mb: int) -> Iterator[None]:
         """During stage 0's forward of ``mb``: the block returns the shipped output."""
-        self.receive(stage, mb)
+        if mb not in self._outputs:
+            raise RuntimeError(
+                f"MPipe: stage 0's forward of micro-batch {mb} before its preprocess output "
+                "arrived (the table has no 0RECV_PRE before it)"
+            )
         leaf = self._outputs.pop(mb).detach().requires_grad_(self.trainable)
         self._leaves[mb] = leaf
         parent_name, _, child = self.fqn.rpartition(".")
@@ -179,17 +207,30 @@ class TransposedPreprocess:
         torch.autograd.backward(out, leaf.grad)
 
 
+class _Batch:
+    """One posted batch: its works, its parts (kept alive until waited) and its number."""
+
+    def __init__(self, number: int, works: list[Any], parts: list[_Part]) -> None:
+        self.number = number
+        self.works = works
+        self.parts = parts
+        self.done = False
+
+
 class PipelineExecutor:
     """Runs one rank's action list.
 
     Args:
         stages: The stages this rank holds.
-        actions: This rank's actions in order (``None`` entries are idle slots).
-        lookahead: For compute-only tables: how many compute actions ahead to post receives.
+        actions: This rank's actions in order (``None`` entries are idle slots). Transfers
+            between ranks must be written out (``SEND_*``/``RECV_*``, as
+            :func:`~hp_pp.add_communication` adds them); the schedule classes do this.
+        lookahead: Kept for compatibility; receives are posted where the table puts them.
         preprocess: MPipe's transposed preprocess block, when the table has ``PRE_*`` actions.
 
     Raises:
-        ValueError: an action names a stage this rank does not hold.
+        ValueError: an action names a stage this rank does not hold, or a compute-only row
+            needs transfers with other ranks.
 
     See Also:
         :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
@@ -219,16 +260,52 @@ class PipelineExecutor:
                     f"action {a} names stage {a.stage_index}, but this rank holds stages "
                     f"{sorted(self.stages)}"
                 )
-        self.explicit_comm = any(a.type.is_communication for a in self.actions)
         self.lookahead = lookahead
         self.events: list[tuple[str, int, int]] = []
+        #: The point-to-point program of the last step: what :func:`hp_pp.p2p_model.replay`
+        #: checks under NCCL's rules.
+        self.trace: list[Post | Wait] = []
         self._compute = [a for a in _flat(self.actions) if a.type.is_compute]
         # The last weight-gradient action of each stage: FSDP reduces there.
         self._last_weight_action: dict[int, int] = {}
         for pos, a in enumerate(self._compute):
             if a.type in (_B, _W):
                 self._last_weight_action[a.stage_index] = pos
-        self._tie_shapes: dict[str, tuple[tuple[int, ...], str]] | None = None
+        any_stage = next(iter(self.stages.values()))
+        self._group_rank = any_stage.group_rank
+        placement = dict(any_stage.stage_to_group_rank)
+        row: list[Action | None] = list(self.actions)
+        self._plan = plan_rank(
+            {self._group_rank: row},
+            self._group_rank,
+            num_stages=any_stage.num_stages,
+            placement=placement,
+            preprocess_rank=None if preprocess is None else dict(preprocess.runner_of),
+        )
+        explicit = any(a.type.is_communication for a in self.actions)
+        if not explicit:
+            for needs in self._plan.needs.values():
+                if needs:
+                    raise ValueError(
+                        f"rank {self._group_rank}'s actions need transfers from other ranks "
+                        f"({needs[0]}) but have no SEND/RECV actions: lower the whole table "
+                        "with hp_pp.add_communication first (the schedule classes do)"
+                    )
+            for a in _flat(self.actions):
+                msg = _produced_remote(a, placement, any_stage.num_stages, self._group_rank)
+                if msg is not None:
+                    raise ValueError(
+                        f"rank {self._group_rank}'s action {a} produces {msg} for rank "
+                        f"{msg.dst} but the row has no SEND/RECV actions: lower the whole "
+                        "table with hp_pp.add_communication first (the schedule classes do)"
+                    )
+        self._batches: list[_Batch] = []
+        self._pending_recv: dict[tuple[str, int, int], list[_Batch]] = {}
+
+    @property
+    def compute_actions(self) -> list[Action]:
+        """This rank's compute actions (``F``, ``B``, ``I``, ``W``) in the order they run."""
+        return list(self._compute)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -244,6 +321,9 @@ class PipelineExecutor:
     ) -> dict[int, torch.Tensor]:
         """Run the actions once (one step); returns the last stage's losses by micro-batch."""
         self.events.clear()
+        self.trace = []
+        self._batches = []
+        self._pending_recv = {}
         self._args = arg_chunks
         self._kwargs = kwarg_chunks
         self._targets = target_chunks
@@ -257,74 +337,187 @@ class PipelineExecutor:
             stage.clear_runtime_states()
             if backward and stage.fsdp is not None:
                 stage.fsdp.set_last_backward(False)
-        actions = self.actions if backward else self._forward_only(self.actions)
-        compute = self._compute if backward else [a for a in self._compute if a.type is _F]
+        steps = self._plan.steps if backward else self._forward_only(self._plan.steps)
         pos = 0
-        for action in actions:
-            if action.type.is_compute or action.type is ActionType.OVERLAP_F_B:
-                subs = action.sub_actions or (action,)
-                if not self.explicit_comm:
-                    # Receives of this action's compute, then of the next few (posted ahead so
-                    # they are in flight while this action computes).
-                    for sub in subs:
-                        self._post_recv(sub, block=True)
-                    for ahead in compute[pos + len(subs) : pos + len(subs) + self.lookahead]:
-                        self._post_recv(ahead, block=False)
-                for sub in subs:
+        for step in steps:
+            if isinstance(step, Exchange):
+                self._exchange(step)
+            elif step.type is ActionType.OVERLAP_F_B:
+                # DualPipeV's overlapped pair: its sub-actions, in order.
+                assert step.sub_actions is not None
+                for sub in step.sub_actions:
                     self._run_compute(sub, pos)
                     pos += 1
-                for stage in self.stages.values():
-                    stage.reap_sends()
+                self._reap()
+            elif step.type.is_compute:
+                self._run_compute(step, pos)
+                pos += 1
+                self._reap()
             else:
-                self._run_other(action)
-        for stage in self.stages.values():
-            stage.wait_sends()
+                self._run_other(step)
+        for batch in self._batches:
+            self._wait_batch(batch, "the step's last transfers")
+        self._batches = []
         return self._losses
 
     @staticmethod
-    def _forward_only(actions: list[Action]) -> list[Action]:
+    def _forward_only(steps: list[Exchange | Action]) -> list[Exchange | Action]:
         keep = {
             _F,
-            ActionType.SEND_F,
-            ActionType.RECV_F,
             ActionType.UNSHARD,
             ActionType.RESHARD,
             ActionType.PREPROCESS_F,
-            ActionType.SEND_PRE,
-            ActionType.RECV_PRE,
         }
-        out: list[Action] = []
-        for a in actions:
-            if a.sub_actions is not None:
-                out += [s for s in a.sub_actions if s.type is _F]
-            elif a.type in keep:
-                out.append(a)
+        out: list[Exchange | Action] = []
+        for step in steps:
+            if isinstance(step, Exchange):
+                only = Exchange(
+                    sends=[m for m in step.sends if m.what != "B"],
+                    recvs=[m for m in step.recvs if m.what != "B"],
+                )
+                if only:
+                    out.append(only)
+            elif step.sub_actions is not None:
+                out += [s for s in step.sub_actions if s.type is _F]
+            elif step.type in keep:
+                out.append(step)
         return out
 
     # -- transfers --------------------------------------------------------------------------
 
-    def _post_recv(self, action: Action, *, block: bool) -> None:
-        stage = self.stages[action.stage_index]
-        mb = action.microbatch_index
-        assert mb is not None
-        if action.type is _F:
-            if stage.is_first or stage.is_local(stage.stage_index - 1):
-                return
-            if stage.has_posted_recv_activations(mb):
-                return
-            if not block and not stage.knows_input_meta:
-                return
-            self.events.append(("post_recv_f", stage.stage_index, mb))
-            stage.post_recv_activations(mb)
-        elif action.type in (_B, _I):
-            if stage.is_last or stage.is_local(stage.stage_index + 1):
-                return
-            if stage.has_posted_recv_grads(mb) or stage._state(mb).output_grads is not None:
-                return
-            if stage._state(mb).outputs is None:
-                return  # its forward has not run yet; posted when it comes closer
-            self.events.append(("post_recv_b", stage.stage_index, mb))
-            stage.post_recv_grads(mb)
+    def _exchange(self, exchange: Exchange) -> None:
+        """Post the sends and receives of ``exchange`` as one batch (more than one only when
+        a receive's buffers depend on what arrives first: the first step's description)."""
+        parts: list[_Part] = []
+        for msg in exchange.sends:
+            parts += self._send_parts(msg)
+        owners: list[tuple[str, int, int]] = []
+        for msg in exchange.recvs:
+            key = (msg.what, msg.to_stage, msg.mb)
+            owners.append(key)
+            for round_parts, wait in self._recv_rounds(msg):
+                parts += round_parts
+                if wait:
+                    batch = self._post(parts)
+                    self._wait_batch(batch, f"stage {msg.to_stage}: receiving {msg}")
+                    parts = []
+        self._post(parts)
+
+    def _send_parts(self, msg: Message) -> list[_Part]:
+        if msg.what == "PRE":
+            pre = self.preprocess
+            assert pre is not None
+            self.events.append(("send_pre", 0, msg.mb))
+            return next(iter(self.stages.values())).preprocess_send_parts(
+                msg.mb, pre.take_output(msg.mb)
+            )
+        stage = self.stages[msg.stage]
+        if msg.what == "F":
+            self.events.append(("send_f", msg.stage, msg.mb))
+            return stage.activation_send_parts(msg.mb)
+        self.events.append(("send_b", msg.stage, msg.mb))
+        return stage.grad_send_parts(msg.mb)
+
+    def _recv_rounds(self, msg: Message) -> Iterator[tuple[list[_Part], bool]]:
+        if msg.what == "PRE":
+            stage = self.stages[0]
+            self.events.append(("post_recv_pre", 0, msg.mb))
+            yield from stage.preprocess_recv_parts(msg.mb, msg.src)
+        elif msg.what == "F":
+            stage = self.stages[msg.to_stage]
+            self.events.append(("post_recv_f", msg.to_stage, msg.mb))
+            yield from stage.activation_recv_parts(msg.mb)
+        else:
+            stage = self.stages[msg.to_stage]
+            if not stage.has_forward(msg.mb):
+                raise ValueError(
+                    f"stage {msg.to_stage}: {msg.to_stage}RECV_B{msg.mb} comes before the "
+                    f"forward {msg.to_stage}F{msg.mb} (gradient buffers take the shapes of its "
+                    "outputs)"
+                )
+            self.events.append(("post_recv_b", msg.to_stage, msg.mb))
+            yield stage.grad_recv_parts(msg.mb), False
+
+    def _post(self, parts: list[_Part]) -> _Batch | None:
+        if not parts:
+            return None
+        number = len(self.trace)
+        ops = []
+        for part in parts:
+            op = dist.P2POp(
+                _c10d.isend if part.kind == "send" else _c10d.irecv,
+                part.tensor,
+                part.peer,
+                self._group,
+            )
+            ops.append(op)
+        works = dist.batch_isend_irecv(ops)
+        batch = _Batch(number, list(works), parts)
+        for part in parts:
+            part.batch = batch
+        self.trace.append(
+            Post(
+                number,
+                tuple(
+                    P2POp(
+                        part.kind,
+                        part.peer,
+                        part.ident,
+                        tuple(part.tensor.shape),
+                        str(part.tensor.dtype),
+                    )
+                    for part in parts
+                ),
+            )
+        )
+        self._batches.append(batch)
+        return batch
+
+    @property
+    def _group(self) -> dist.ProcessGroup | None:
+        return next(iter(self.stages.values())).group
+
+    def _wait_batch(self, batch: _Batch | None, what: str) -> None:
+        """Wait for every operation of ``batch`` (on NCCL a batch completes as a whole); a
+        peer that died or raised makes this rank fail within the stage's timeout, naming the
+        transfer and the peer."""
+        if batch is None or batch.done:
+            return
+        self.trace.append(Wait(batch.number))
+        stage = next(iter(self.stages.values()))
+        peers = sorted({p.peer for p in batch.parts})
+        for work in batch.works:
+            try:
+                if stage.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(stage.timeout)
+            except RuntimeError as err:
+                ops = ", ".join(
+                    f"{p.kind} {p.ident[2]}(stage {p.ident[0]}, mb {p.ident[1]}, {p.ident[3]}) "
+                    f"with rank {p.peer}"
+                    for p in batch.parts
+                )
+                peer_text = " and ".join(f"rank {p}" for p in peers)
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}, {what} with {peer_text} did not complete (its "
+                    f"batch: {ops}) ({err})"
+                ) from err
+        batch.done = True
+
+    def _wait_recv(self, what: str, stage: PipelineStage, mb: int) -> None:
+        kind = {"F": "activations", "B": "gradients", "PRE": "preprocess output"}[what]
+        label = f"stage {stage.stage_index}: receiving micro-batch {mb}'s {kind}"
+        for part in stage.received_parts(what, mb):
+            self._wait_batch(part.batch, label)
+
+    def _reap(self) -> None:
+        """Forget waited or completed batches, so their tensors can be freed before the step
+        ends (NCCL reports completion as it happens; gloo only once waited)."""
+        if self._batches:
+            self._batches = [
+                b for b in self._batches if not (b.done or all(w.is_completed() for w in b.works))
+            ]
 
     def _run_preprocess(self, action: Action) -> None:
         pre = self.preprocess
@@ -332,16 +525,9 @@ class PipelineExecutor:
         assert pre is not None
         assert mb is not None
         kind = action.type
-        any_stage = next(iter(self.stages.values()))
         self.events.append((kind.value, action.stage_index, mb))
         if kind is ActionType.PREPROCESS_F:
             pre.forward(mb, self._args[mb], self._kwargs[mb])
-            if not self.explicit_comm and 0 not in self.stages:
-                pre.ship(any_stage, mb)
-        elif kind is ActionType.SEND_PRE:
-            pre.ship(any_stage, mb)
-        elif kind is ActionType.RECV_PRE:
-            pre.receive(self.stages[0], mb)
         elif self._backward:  # PRE_B
             pre.backward(mb, self._args[mb], self._kwargs[mb])
 
@@ -350,25 +536,8 @@ class PipelineExecutor:
             self._run_preprocess(action)
             return
         stage = self.stages[action.stage_index]
-        mb = action.microbatch_index
         kind = action.type
-        if kind is ActionType.SEND_F:
-            assert mb is not None
-            self.events.append(("send_f", stage.stage_index, mb))
-            stage.send_activations(mb)
-        elif kind is ActionType.SEND_B:
-            assert mb is not None
-            self.events.append(("send_b", stage.stage_index, mb))
-            stage.send_grads(mb)
-        elif kind is ActionType.RECV_F:
-            assert mb is not None
-            self.events.append(("post_recv_f", stage.stage_index, mb))
-            stage.post_recv_activations(mb)
-        elif kind is ActionType.RECV_B:
-            assert mb is not None
-            self.events.append(("post_recv_b", stage.stage_index, mb))
-            stage.post_recv_grads(mb)
-        elif kind is ActionType.UNSHARD:
+        if kind is ActionType.UNSHARD:
             if stage.fsdp is not None:
                 stage.fsdp.unshard()
         elif kind is ActionType.RESHARD:
@@ -394,11 +563,15 @@ class PipelineExecutor:
                         f"{s}RECV_F{mb} before it in the table"
                     )
                 self.events.append(("wait_recv_f", s, mb))
-                stage.wait_recv_activations(mb)
+                self._wait_recv("F", stage, mb)
+                stage.take_received_activations(mb)
             self.events.append(("F", s, mb))
             args = self._args[mb] if stage.is_first else ()
             pre = self.preprocess
             if stage.is_first and pre is not None and mb in pre.runner_of:
+                if stage.received_parts("PRE", mb):
+                    self._wait_recv("PRE", stage, mb)
+                    pre.put_received(mb, stage.take_received_preprocess(mb))
                 with pre.shipped(stage, mb):
                     output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
             else:
@@ -407,34 +580,27 @@ class PipelineExecutor:
                 self._maybe_loss(stage, mb, output)
             elif stage.is_local(s + 1):
                 self.stages[s + 1].set_local_inputs(mb, stage.outputs_of(mb))
-            elif not self.explicit_comm:
-                self.events.append(("send_f", s, mb))
-                stage.send_activations(mb)
             return
         if not self._backward:
             return
         if action.type in (_B, _I):
             if not stage.is_last and not stage.is_local(s + 1):
-                if not stage.has_posted_recv_grads(mb):
-                    if stage._state(mb).output_grads is None:
-                        raise ValueError(
-                            f"action {action}: stage {s} backward of micro-batch {mb} has no "
-                            f"{s}RECV_B{mb} before it in the table"
-                        )
-                else:
+                if stage.has_posted_recv_grads(mb):
                     self.events.append(("wait_recv_b", s, mb))
-                    stage.wait_recv_grads(mb)
+                    self._wait_recv("B", stage, mb)
+                    stage.take_received_grads(mb)
+                elif not stage.has_output_grads(mb):
+                    raise ValueError(
+                        f"action {action}: stage {s} backward of micro-batch {mb} has no "
+                        f"{s}RECV_B{mb} before it in the table"
+                    )
             if stage.fsdp is not None:
                 stage.fsdp.set_last_backward(self._last_weight_action.get(s) == pos)
             self.events.append((action.type.value, s, mb))
             stage.backward_one_chunk(mb, full_backward=action.type is _B)
-            if not stage.is_first:
-                if stage.is_local(s - 1):
-                    self.stages[s - 1].set_local_output_grads(mb, stage.input_grads_of(mb))
-                    stage.drop_input_grads(mb)
-                elif not self.explicit_comm:
-                    self.events.append(("send_b", s, mb))
-                    stage.send_grads(mb)
+            if not stage.is_first and stage.is_local(s - 1):
+                self.stages[s - 1].set_local_output_grads(mb, stage.input_grads_of(mb))
+                stage.drop_input_grads(mb)
             return
         if action.type is _W:
             if stage.fsdp is not None:
@@ -454,37 +620,3 @@ class PipelineExecutor:
         self._losses[mb] = loss.detach()
         if self._backward:
             stage.set_loss(mb, loss)
-
-    # -- after the step ---------------------------------------------------------------------
-
-    def sum_tied_grads(self, group: dist.ProcessGroup | None) -> None:
-        """Sum the gradients of parameters tied across stages (see :class:`PipelineStage`)."""
-        local: dict[str, list[torch.Tensor]] = {}
-        for stage in self.stages.values():
-            params = dict(stage.submod.named_parameters())
-            for fqn, tie in stage.tied_parameters.items():
-                local.setdefault(tie, []).append(params[fqn])
-        if self._tie_shapes is None:
-            mine = {tie: (tuple(ps[0].shape), str(ps[0].dtype)) for tie, ps in local.items()}
-            gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, mine, group=group)
-            shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-            for entry in gathered:
-                shapes.update(entry)
-            self._tie_shapes = shapes
-        for tie in sorted(self._tie_shapes):
-            shape, dtype = self._tie_shapes[tie]
-            total = torch.zeros(
-                shape,
-                dtype=getattr(torch, dtype.removeprefix("torch.")),
-                device=next(iter(self.stages.values())).device,
-            )
-            for param in local.get(tie, []):
-                if param.grad is not None:
-                    total += param.grad
-            dist.all_reduce(total, group=group)
-            for stage in self.stages.values():
-                params = dict(stage.submod.named_parameters())
-                for fqn, t in stage.tied_parameters.items():
-                    if t == tie:
-                        params[fqn].grad = total.clone()

@@ -25,15 +25,17 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hp_pp import generators
+from hp_pp._ties import TiedGradients
 from hp_pp.actions import Action, ActionType
+from hp_pp.comm_lowering import add_communication
 from hp_pp.csv_io import read_csv
 from hp_pp.executor import PipelineExecutor, TransposedPreprocess
 from hp_pp.microbatch import merge_chunks, split_args_kwargs_into_chunks
 from hp_pp.stage import PipelineStage
+from hp_pp.transport import defer_receives
 from hp_pp.validate import check_schedule
 
 __all__ = [
@@ -68,8 +70,11 @@ class PipelineScheduleRuntime:
         style: Keyword-only. Stage placement, ``"loop"`` (stage ``s`` on rank
             ``s % pp_size``) or ``"v"`` (stages ``r`` and ``2 * pp_size - 1 - r`` on rank
             ``r``).
-        lookahead: Keyword-only. For compute-only tables: how many compute actions ahead the
-            receives are posted (``0``: post each receive when it is needed).
+        lookahead: Keyword-only. For compute-only tables: ``1`` (default) posts each receive
+            as soon as its peer sends it, in a batch with this rank's transfers of that moment
+            (what NCCL needs); ``0`` posts each receive just before the compute that needs it
+            (less buffer memory), which NCCL's rules allow for few schedules: the table is
+            refused when it would deadlock (see :mod:`hp_pp.transport`).
 
     Raises:
         ValueError: no stages, stages of different pipelines, ``n_microbatches`` < 1, stages
@@ -122,6 +127,7 @@ class PipelineScheduleRuntime:
         self._style = style
         self._bind_stages(style)
         self._executor: PipelineExecutor | None = None
+        self._tied: TiedGradients | None = None
         # MPipe's preprocess block (set by ScheduleMPipe before its table is loaded).
         self._preprocess_module: nn.Module | None = None
         self._preprocess_fqn = ""
@@ -174,21 +180,45 @@ class PipelineScheduleRuntime:
             self._bind_stages(style)
         if self._rank not in actions:
             raise ValueError(f"the action table has no row for pipeline rank {self._rank}")
-        if len(actions) == self._pp_size:
-            # The whole table: deadlocks, unmatched transfers and missing work are found here,
-            # before any communication (every rank checks the same table).
-            check_schedule(
-                actions,
-                num_stages=self._num_stages,
-                n_microbatches=self._n_microbatches,
-                style=self._style,
+        explicit = any(
+            a is not None and a.type.is_communication for row in actions.values() for a in row
+        )
+        whole = len(actions) == self._pp_size
+        if not explicit and not whole:
+            raise ValueError(
+                f"a compute-only table needs every rank's row to place its transfers; got rows "
+                f"for ranks {sorted(actions)} of {self._pp_size} (or write the transfers out)"
             )
-        row = actions[self._rank]
+        checks = {
+            "num_stages": self._num_stages,
+            "n_microbatches": self._n_microbatches,
+            "style": self._style,
+        }
+        if whole:
+            # The whole table: deadlocks (under NCCL's point-to-point rules), unmatched
+            # transfers and missing work are found here, before any communication (every rank
+            # checks the same table).
+            check_schedule(actions, **checks)  # type: ignore[arg-type]
+        runs = actions
+        if not explicit:
+            runs = add_communication(actions, num_stages=self._num_stages, style=self._style)
+            if self._lookahead == 0:
+                runs = defer_receives(runs)
+                try:
+                    check_schedule(runs, **checks)  # type: ignore[arg-type]
+                except ValueError as err:
+                    raise ValueError(
+                        "lookahead=0 (defer_pp_recv=True): posting each receive only when it is "
+                        f"needed deadlocks this schedule under NCCL's rules: {err}"
+                    ) from None
+        row = runs[self._rank]
         executor = PipelineExecutor(
             self._stages, row, lookahead=self._lookahead, preprocess=self._preprocess_for(actions)
         )
         forwards = {
-            (a.stage_index, a.microbatch_index) for a in executor._compute if a.type.value == "F"
+            (a.stage_index, a.microbatch_index)
+            for a in executor.compute_actions
+            if a.type is ActionType.FORWARD
         }
         want = {(s.stage_index, m) for s in self._stages for m in range(self._n_microbatches)}
         if forwards != want:
@@ -198,6 +228,8 @@ class PipelineScheduleRuntime:
                 f"{self._n_microbatches})"
             )
         self.pipeline_order: dict[int, list[Action | None]] = dict(actions)
+        #: The table as it runs, transfers included (``pipeline_order_with_comms`` in torch).
+        self.pipeline_order_with_comms: dict[int, list[Action | None]] = dict(runs)
         self._executor = executor
 
     def _preprocess_for(
@@ -224,6 +256,11 @@ class PipelineScheduleRuntime:
     def load_csv(self, path_or_file: str | Path | IO[str], *, style: str | None = None) -> None:
         """Read the schedule from a CSV file in the compact notation (``read_schedule_csv``)."""
         self.load_actions(read_csv(path_or_file), style=style)
+
+    @property
+    def tied_gradients(self) -> TiedGradients | None:
+        """The tie groups found at the first step (``None`` before it)."""
+        return self._tied
 
     @property
     def executor(self) -> PipelineExecutor:
@@ -316,6 +353,13 @@ class PipelineScheduleRuntime:
                     "model inputs to step() on it too"
                 )
             pre.broadcast_parameters(self._group)
+        if self._tied is None:
+            # Set-up, once: which ranks hold each tied parameter (device tensors only).
+            self._tied = TiedGradients(self._stages, self._group)
+        last_stage = self._stages[-1]
+        if last_stage.is_last:
+            # torch's rule: the last stage keeps its outputs only when they are returned.
+            last_stage.save_forward_output = return_outputs
         mb_losses = executor.run(
             arg_chunks,
             kwarg_chunks,
@@ -325,8 +369,7 @@ class PipelineScheduleRuntime:
             loss_kwargs=loss_kwargs,
         )
         if backward:
-            if self._ties_anywhere():
-                executor.sum_tied_grads(self._group)
+            self._tied.reduce()
             if self.scale_grads:
                 for stage in self._stages:
                     stage.scale_grads(n)
@@ -335,20 +378,10 @@ class PipelineScheduleRuntime:
             losses.extend(mb_losses[m] for m in range(n))
         if self._holds_last and return_outputs:
             last = self._stages[-1]
-            return merge_chunks(
-                [_detached(last.output_chunks[m]) for m in range(n)], self._output_merge_spec
-            )
+            chunks = [_detached(last.output_chunks[m]) for m in range(n)]
+            last.output_chunks.clear()
+            return merge_chunks(chunks, self._output_merge_spec)
         return None
-
-    def _ties_anywhere(self) -> bool:
-        """Whether any rank of the pipeline declared tied parameters (asked once, all ranks)."""
-        if not hasattr(self, "_any_ties"):
-            flag = torch.tensor(
-                [int(any(s.tied_parameters for s in self._stages))], dtype=torch.int64
-            )
-            dist.all_reduce(flag, group=self._group)
-            self._any_ties = bool(flag.item())
-        return self._any_ties
 
 
 def _detached(output: Any) -> Any:

@@ -1,26 +1,29 @@
-"""One pipeline stage: a submodule, its per-micro-batch state, and its point-to-point transfers.
+"""One pipeline stage: a submodule, its per-micro-batch state, and what it sends and receives.
 
 A stage runs its submodule on one micro-batch at a time and keeps what backward needs (inputs
 and outputs per micro-batch). Between stages on different ranks, activations and gradients move
-with ``dist.isend``/``dist.irecv`` (gloo, nccl, hccl); every batch of transfers goes one way, so
-they are posted one by one: ``batch_isend_irecv``'s coalescing context only adds a backend
-look-up per call (as in torch's schedules, which skip it for one-way batches).
+as point-to-point messages that the executor posts in batches (``dist.batch_isend_irecv``, one
+batch per step of the transport plan, see :mod:`hp_pp.transport`). The stage says what a message
+is made of (:class:`_Part`: the tensor, the peer and the message's identity); it never posts on
+its own. No tags are used: messages between two ranks match in posting order, as on NCCL.
 
-What moves between two stages is described once, on the first step: the sending stage sends a small
-description of its outputs (shape, dtype, ``requires_grad``, DTensor placements, which outputs are
-not tensors); the receiving stage allocates its buffers from it and checks it against ``input_args``
-when those were declared. Later steps reuse the description; a stage whose outputs change shape
-raises ``ValueError`` before sending. Descriptions and non-tensor outputs travel as ``torch.save``
-bytes read back with ``weights_only=True`` (plain Python values only).
+What moves between two stages is described once, on the first step: the sending stage's first
+message carries a description of its outputs (shape, dtype, ``requires_grad``, DTensor
+placements, which outputs are not tensors) as a fixed-size byte tensor *on the stage's device*
+(JSON, never pickled); the receiving stage allocates its buffers from it and checks it against
+``input_args`` when those were declared. Later steps reuse it; a stage whose outputs change shape
+raises ``ValueError`` before sending. Non-tensor outputs (Python values) travel per micro-batch
+as a length and a byte tensor on the device, read back with ``weights_only=True`` (plain Python
+values only). Nothing the stage hands to a collective or point-to-point call lives on the CPU
+unless the stage's device is the CPU.
 
-Every transfer has its own tag (stage, micro-batch, direction), so on gloo a receive matches its
-send whatever order the two ranks post them in.
+The last stage keeps each micro-batch's output only when the step was asked to return it
+(``return_outputs=True``, torch's rule): otherwise it keeps nothing beyond the loss.
 
 Tied parameters (an embedding on the first stage and the output head on the last sharing one
-weight): give each stage ``tied_parameters={"<fqn in this submodule>": "<tie name>"}``; after
-the backward of a step, the gradients of all parameters with one tie name are summed across the
-pipeline group (one all-reduce per tie name over the group; ranks without it add zeros), so
-each copy receives the gradient of the shared weight.
+weight): give each stage ``tied_parameters={"<fqn in this submodule>": "<tie name>"}``; the
+schedule finds the ranks holding each tie once, at set-up, and after the backward of a step sums
+the gradients of a tie over a group of just those ranks (nothing when they are all on one rank).
 
 See Also:
     :pt:`torch.distributed.pipelining.PipelineStage`
@@ -30,7 +33,8 @@ from __future__ import annotations
 
 import datetime
 import io
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,19 +49,33 @@ from hp_pp._fsdp_protocol import FSDPControl
 
 __all__ = ["PipelineStage"]
 
-# Parts of one transfer, folded into its tag.
-_PART_DATA, _PART_OBJ_LEN, _PART_OBJ, _PART_META_LEN, _PART_META = range(5)
-_KIND_ACT, _KIND_GRAD, _KIND_PRE = 0, 1, 2
+#: Bytes of the description message (JSON, space-padded): enough for dozens of outputs.
+_META_BYTES = 8192
 
 
-def _to_bytes(obj: Any) -> torch.Tensor:
+def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
 
 
 def _from_bytes(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+
+
+def _meta_to_tensor(plain: Any, device: torch.device, what: str) -> torch.Tensor:
+    raw = json.dumps(plain).encode()
+    if len(raw) > _META_BYTES:
+        raise ValueError(
+            f"{what}: the description of the outputs takes {len(raw)} bytes, more than the "
+            f"{_META_BYTES} a stage description may hold (too many outputs for one stage)"
+        )
+    padded = raw + b" " * (_META_BYTES - len(raw))
+    return torch.frombuffer(bytearray(padded), dtype=torch.uint8).to(device)
+
+
+def _meta_from_tensor(data: torch.Tensor) -> Any:
+    return json.loads(bytes(data.cpu().numpy().tobytes()).decode())
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
@@ -169,14 +187,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _PendingRecv:
-    """Posted receives of one micro-batch: wait on them, then read the values."""
+class _Part:
+    """One tensor of one message: posted by the executor in a batch.
 
-    works: list[Any]
-    buffers: list[torch.Tensor]
+    ``ident`` is ``(sending stage, micro-batch, "F" | "B" | "PRE", part)``, the part being
+    ``"meta"``, ``"data<i>"``, ``"obj_len"`` or ``"obj"``; ``peer`` is a global rank. The
+    executor sets ``batch`` when it posts the part.
+    """
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    ident: tuple[int, int, str, str]
+    batch: Any = None
+
+
+@dataclass
+class _PendingRecv:
+    """Receives of one message: the parts posted so far and the buffers to read."""
+
+    parts: list[_Part] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
     object_len: torch.Tensor | None = None
-    object_tag: int = 0
-    peer: int = 0
+    object_payload: torch.Tensor | None = None
 
 
 @dataclass
@@ -288,8 +321,14 @@ class PipelineStage:
         self._mb: dict[int, _MicrobatchState] = {}
         self._recv_fwd: dict[int, _PendingRecv] = {}
         self._recv_bwd: dict[int, _PendingRecv] = {}
-        self._sends: list[tuple[Any, list[torch.Tensor], int]] = []
+        self._recv_pre: dict[int, _PendingRecv] = {}
+        # MPipe: the description of the preprocess output, per sending group rank.
+        self._pre_meta: dict[int, tuple[tuple[int, ...], str]] = {}
+        self._pre_meta_sent = False
         self.output_chunks: dict[int, Any] = {}
+        #: Whether the last stage keeps each micro-batch's output for the step to return
+        #: (set by the schedule from ``return_outputs``).
+        self.save_forward_output = True
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -321,9 +360,6 @@ class PipelineStage:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def _tag(self, kind: int, sender_stage: int, mb: int, part: int) -> int:
-        return (((mb * self.num_stages + sender_stage) * 3 + kind) * 5 + part) + 1
-
     def is_local(self, stage_index: int) -> bool:
         """Whether ``stage_index`` runs on this rank."""
         return self.stage_to_group_rank[stage_index] == self.group_rank
@@ -331,162 +367,137 @@ class PipelineStage:
     # -- step bookkeeping -------------------------------------------------------------------
 
     def clear_runtime_states(self) -> None:
-        """Drop the per-micro-batch state of the last step (sends must have completed)."""
+        """Drop the per-micro-batch state of the last step (its transfers must have completed)."""
         self._mb.clear()
         self._recv_fwd.clear()
         self._recv_bwd.clear()
+        self._recv_pre.clear()
         self.output_chunks.clear()
 
     def _state(self, mb: int) -> _MicrobatchState:
         return self._mb.setdefault(mb, _MicrobatchState())
 
-    def wait_sends(self) -> None:
-        """Wait until every send this stage issued has completed."""
-        sends, self._sends = self._sends, []
-        for work, _keepalive, peer in sends:
-            self._wait(work, "a send", peer)
+    def has_forward(self, mb: int) -> bool:
+        """Whether micro-batch ``mb``'s forward ran this step and its outputs are kept."""
+        state = self._mb.get(mb)
+        return state is not None and state.outputs is not None
 
-    def reap_sends(self) -> None:
-        """Forget completed sends, so their tensors can be freed before the step ends.
+    def has_output_grads(self, mb: int) -> bool:
+        """Whether micro-batch ``mb``'s output gradients are here (received or handed over)."""
+        state = self._mb.get(mb)
+        return state is not None and state.output_grads is not None
 
-        nccl/hccl report completion as it happens; gloo only once a send was waited for (its
-        sends are waited at the end of the step: waiting earlier could block on a receiver that
-        has not posted its receive yet).
-        """
-        if self._sends:
-            self._sends = [entry for entry in self._sends if not entry[0].is_completed()]
-
-    def _wait(self, work: Any, what: str, peer: int) -> None:
-        try:
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(self.timeout)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"rank {dist.get_rank()}, stage {self.stage_index}: {what} with rank {peer} did "
-                f"not complete ({err})"
-            ) from err
-
-    # -- low-level messages -----------------------------------------------------------------
-
-    def _isend(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
-        if not tensors:
-            return
-        for t in tensors:
-            work = dist.isend(t, peer, self.group, tag)
-            assert work is not None  # this rank is in the group
-            self._sends.append((work, tensors, peer))
-
-    def _irecv(self, buffers: list[torch.Tensor], peer: int, tag: int) -> list[Any]:
-        works = []
-        for b in buffers:
-            work = dist.irecv(b, peer, self.group, tag)
-            assert work is not None  # this rank is in the group
-            works.append(work)
-        return works
-
-    def _send_object(self, obj: Any, peer: int, tag_len: int, tag_obj: int) -> None:
-        payload = _to_bytes(obj)
-        self._isend([torch.tensor([payload.numel()], dtype=torch.int64)], peer, tag_len)
-        self._isend([payload], peer, tag_obj)
-
-    def _recv_blocking(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        self._wait(dist.irecv(tensor, peer, self.group, tag), what, peer)
-
-    def _recv_object_blocking(self, peer: int, tag_len: int, tag_obj: int, what: str) -> Any:
-        length = torch.zeros(1, dtype=torch.int64)
-        self._recv_blocking(length, peer, tag_len, what)
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self._recv_blocking(payload, peer, tag_obj, what)
-        return _from_bytes(payload)
+    def group_peer(self, group_rank: int) -> int:
+        """The global rank of pipeline-group rank ``group_rank``."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
 
     # -- MPipe's transposed preprocess -------------------------------------------------------
 
-    def send_preprocess_output(self, mb: int, output: torch.Tensor, to_stage: int) -> None:
-        """Ship a preprocess output of micro-batch ``mb`` to the rank of ``to_stage``."""
-        self._send_object(
-            output.detach(),
-            self._peer(to_stage),
-            self._tag(_KIND_PRE, to_stage, mb, _PART_OBJ_LEN),
-            self._tag(_KIND_PRE, to_stage, mb, _PART_OBJ),
-        )
+    def preprocess_send_parts(self, mb: int, output: torch.Tensor) -> list[_Part]:
+        """The parts that ship micro-batch ``mb``'s preprocess output to stage 0's rank (the
+        first one also carries its shape and dtype)."""
+        peer = self._peer(0)
+        tensor = output.detach().contiguous()
+        parts: list[_Part] = []
+        if not self._pre_meta_sent:
+            self._pre_meta_sent = True
+            plain = [list(tensor.shape), str(tensor.dtype)]
+            meta = _meta_to_tensor(plain, self.device, "MPipe's preprocess output")
+            parts.append(_Part("send", meta, peer, (0, mb, "PRE", "meta")))
+        parts.append(_Part("send", tensor, peer, (0, mb, "PRE", "data0")))
+        return parts
 
-    def recv_preprocess_output(self, mb: int, from_group_rank: int) -> torch.Tensor:
-        """Receive the preprocess output of micro-batch ``mb`` computed by another rank."""
-        peer = (
-            from_group_rank
-            if self.group is None
-            else dist.get_global_rank(self.group, from_group_rank)
-        )
-        value = self._recv_object_blocking(
-            peer,
-            self._tag(_KIND_PRE, self.stage_index, mb, _PART_OBJ_LEN),
-            self._tag(_KIND_PRE, self.stage_index, mb, _PART_OBJ),
-            f"receiving micro-batch {mb}'s preprocess output",
-        )
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"micro-batch {mb}'s preprocess output is not a tensor: {value!r}")
-        return value.to(self.device)
+    def preprocess_recv_parts(
+        self, mb: int, from_group_rank: int
+    ) -> Iterator[tuple[list[_Part], bool]]:
+        """The receives of micro-batch ``mb``'s preprocess output (stage 0), in rounds: the
+        executor posts each round's parts and waits for them before the next when asked."""
+        peer = self.group_peer(from_group_rank)
+        pending = self._recv_pre.setdefault(mb, _PendingRecv())
+        if from_group_rank not in self._pre_meta:
+            meta = torch.empty(_META_BYTES, dtype=torch.uint8, device=self.device)
+            part = _Part("recv", meta, peer, (0, mb, "PRE", "meta"))
+            pending.parts.append(part)
+            yield [part], True
+            shape, dtype = _meta_from_tensor(meta)
+            self._pre_meta[from_group_rank] = (tuple(shape), str(dtype))
+        shape, dtype = self._pre_meta[from_group_rank]
+        buf = torch.empty(shape, dtype=_dtype_from_name(dtype), device=self.device)
+        part = _Part("recv", buf, peer, (0, mb, "PRE", "data0"))
+        pending.parts.append(part)
+        pending.buffers.append(buf)
+        yield [part], False
+
+    def take_received_preprocess(self, mb: int) -> torch.Tensor:
+        """Micro-batch ``mb``'s preprocess output, once its receives completed."""
+        return self._recv_pre.pop(mb).buffers[0]
 
     # -- forward ----------------------------------------------------------------------------
 
     @property
     def knows_input_meta(self) -> bool:
-        """Whether this stage's input description has arrived (receives post without blocking)."""
+        """Whether this stage's input description has arrived."""
         return self._input_meta is not None
 
-    def post_recv_activations(self, mb: int) -> None:
-        """Post the receives of micro-batch ``mb``'s inputs from the previous stage.
+    def activation_recv_parts(self, mb: int) -> Iterator[tuple[list[_Part], bool]]:
+        """The receives of micro-batch ``mb``'s inputs from the previous stage, in rounds.
 
-        On the first step this first waits for the previous stage's output description.
+        Each round is ``(parts, wait)``: the executor posts ``parts`` (with the rest of its
+        batch) and, when ``wait``, waits for that batch before asking for the next round (the
+        buffers of what follows depend on what arrived: the description on the first step,
+        the size of non-tensor values).
         """
-        if mb in self._recv_fwd or self.is_first:
-            return
         src_stage = self.stage_index - 1
         peer = self._peer(src_stage)
+        pending = self._recv_fwd.setdefault(mb, _PendingRecv())
         if self._input_meta is None:
-            plain = self._recv_object_blocking(
-                peer,
-                self._tag(_KIND_ACT, src_stage, 0, _PART_META_LEN),
-                self._tag(_KIND_ACT, src_stage, 0, _PART_META),
-                f"receiving the description of stage {src_stage}'s outputs",
-            )
-            metas = [_ValueMeta.from_plain(p) for p in plain]
+            meta = torch.empty(_META_BYTES, dtype=torch.uint8, device=self.device)
+            part = _Part("recv", meta, peer, (src_stage, mb, "F", "meta"))
+            pending.parts.append(part)
+            yield [part], True
+            metas = [_ValueMeta.from_plain(p) for p in _meta_from_tensor(meta)]
             self._check_declared(metas, self._declared_inputs, "inputs")
             self._input_meta = metas
-        buffers = [
-            torch.empty(m.shape, dtype=_dtype_from_name(m.dtype), device=self.device)
-            for m in self._input_meta
-            if m.kind != "object"
-        ]
-        tag = self._tag(_KIND_ACT, src_stage, mb, _PART_DATA)
-        pending = _PendingRecv(self._irecv(buffers, peer, tag), buffers, peer=peer)
-        if any(m.kind == "object" for m in self._input_meta):
-            pending.object_len = torch.zeros(1, dtype=torch.int64)
-            pending.works += self._irecv(
-                [pending.object_len], peer, self._tag(_KIND_ACT, src_stage, mb, _PART_OBJ_LEN)
+        parts: list[_Part] = []
+        for i, m in enumerate(m for m in self._input_meta if m.kind != "object"):
+            buf = torch.empty(m.shape, dtype=_dtype_from_name(m.dtype), device=self.device)
+            pending.buffers.append(buf)
+            parts.append(_Part("recv", buf, peer, (src_stage, mb, "F", f"data{i}")))
+        has_objects = any(m.kind == "object" for m in self._input_meta)
+        if has_objects:
+            pending.object_len = torch.zeros(1, dtype=torch.int64, device=self.device)
+            parts.append(_Part("recv", pending.object_len, peer, (src_stage, mb, "F", "obj_len")))
+        pending.parts += parts
+        yield parts, has_objects
+        if has_objects:
+            assert pending.object_len is not None
+            payload = torch.empty(
+                int(pending.object_len.item()), dtype=torch.uint8, device=self.device
             )
-            pending.object_tag = self._tag(_KIND_ACT, src_stage, mb, _PART_OBJ)
-        self._recv_fwd[mb] = pending
+            pending.object_payload = payload
+            part = _Part("recv", payload, peer, (src_stage, mb, "F", "obj"))
+            pending.parts.append(part)
+            yield [part], False
+
+    def received_parts(self, what: str, mb: int) -> list[_Part]:
+        """The posted receives of message ``what`` (``"F"``, ``"B"``, ``"PRE"``) of ``mb``."""
+        table = {"F": self._recv_fwd, "B": self._recv_bwd, "PRE": self._recv_pre}[what]
+        pending = table.get(mb)
+        return [] if pending is None else list(pending.parts)
 
     def has_posted_recv_activations(self, mb: int) -> bool:
         """Whether the receives of micro-batch ``mb``'s inputs are posted."""
         return mb in self._recv_fwd
 
-    def wait_recv_activations(self, mb: int) -> None:
-        """Wait for micro-batch ``mb``'s inputs and make them this stage's inputs."""
+    def take_received_activations(self, mb: int) -> None:
+        """Make micro-batch ``mb``'s received inputs this stage's inputs (after the wait)."""
         pending = self._recv_fwd.pop(mb)
-        for work in pending.works:
-            self._wait(work, f"receiving micro-batch {mb}'s activations", pending.peer)
         assert self._input_meta is not None
         objects: list[Any] = []
-        if pending.object_len is not None:
-            payload = torch.empty(int(pending.object_len.item()), dtype=torch.uint8)
-            self._recv_blocking(
-                payload, pending.peer, pending.object_tag, f"receiving micro-batch {mb}'s values"
-            )
-            objects = list(_from_bytes(payload))
+        if pending.object_payload is not None:
+            objects = list(_from_bytes(pending.object_payload))
         tensors = iter(pending.buffers)
         objs = iter(objects)
         values: list[Any] = []
@@ -565,7 +576,7 @@ class PipelineStage:
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
         ]
         state.outputs = flat
-        if self.is_last:
+        if self.is_last and self.save_forward_output:
             # Merged for the user after the step; detached so the graph does not outlive backward.
             self.output_chunks[mb] = _detach_output(output)
         return output
@@ -577,21 +588,22 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.stage_index} has no forward of micro-batch {mb}")
         return outputs
 
-    def send_activations(self, mb: int) -> None:
-        """Send micro-batch ``mb``'s outputs to the next stage (non-blocking)."""
+    def activation_send_parts(self, mb: int) -> list[_Part]:
+        """The parts that send micro-batch ``mb``'s outputs to the next stage (the first
+        message also carries their description)."""
         outputs = self.outputs_of(mb)
         metas = [_ValueMeta.of(o) for o in outputs]
         dst_stage = self.stage_index + 1
         peer = self._peer(dst_stage)
+        ident = (self.stage_index, mb, "F")
+        parts: list[_Part] = []
         if self._output_meta is None:
             self._check_declared(metas, self._declared_outputs, "outputs")
             self._output_meta = metas
-            self._send_object(
-                [m.to_plain() for m in metas],
-                peer,
-                self._tag(_KIND_ACT, self.stage_index, 0, _PART_META_LEN),
-                self._tag(_KIND_ACT, self.stage_index, 0, _PART_META),
+            meta = _meta_to_tensor(
+                [m.to_plain() for m in metas], self.device, f"stage {self.stage_index}"
             )
+            parts.append(_Part("send", meta, peer, (*ident, "meta")))
         elif metas != self._output_meta and not self._same_without_autograd(metas):
             raise ValueError(
                 f"stage {self.stage_index}, micro-batch {mb}: outputs are "
@@ -600,15 +612,16 @@ class PipelineStage:
                 "steps)"
             )
         tensors = [_local(o) for o in outputs if isinstance(o, torch.Tensor)]
-        self._isend(tensors, peer, self._tag(_KIND_ACT, self.stage_index, mb, _PART_DATA))
+        parts += [
+            _Part("send", t, peer, (*ident, f"data{i}")) for i, t in enumerate(tensors)
+        ]
         objects = [o for o in outputs if not isinstance(o, torch.Tensor)]
         if objects:
-            self._send_object(
-                objects,
-                peer,
-                self._tag(_KIND_ACT, self.stage_index, mb, _PART_OBJ_LEN),
-                self._tag(_KIND_ACT, self.stage_index, mb, _PART_OBJ),
-            )
+            payload = _to_bytes(objects, self.device)
+            length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+            parts.append(_Part("send", length, peer, (*ident, "obj_len")))
+            parts.append(_Part("send", payload, peer, (*ident, "obj")))
+        return parts
 
     def _same_without_autograd(self, metas: list[_ValueMeta]) -> bool:
         """Whether a forward-only run under ``torch.no_grad`` (``eval``) sends what the step's
@@ -766,8 +779,9 @@ class PipelineStage:
             next(it) if isinstance(o, torch.Tensor) and o.requires_grad else None for o in outputs
         ]
 
-    def send_grads(self, mb: int) -> None:
-        """Send micro-batch ``mb``'s input gradients to the previous stage (non-blocking)."""
+    def grad_send_parts(self, mb: int) -> list[_Part]:
+        """The parts that send micro-batch ``mb``'s input gradients to the previous stage
+        (the gradients are dropped here once handed on)."""
         assert self._input_meta is not None
         grads = iter(self.input_grads_of(mb))
         tensors: list[torch.Tensor] = []
@@ -783,41 +797,43 @@ class PipelineStage:
                 placements = [_placement_from_spec(p) for p in meta.placements]
                 grad = grad.redistribute(placements=placements).to_local()
             tensors.append(grad.contiguous())
-        self._isend(
-            tensors,
-            self._peer(self.stage_index - 1),
-            self._tag(_KIND_GRAD, self.stage_index, mb, _PART_DATA),
-        )
+        peer = self._peer(self.stage_index - 1)
         self.drop_input_grads(mb)
+        return [
+            _Part("send", t, peer, (self.stage_index, mb, "B", f"data{i}"))
+            for i, t in enumerate(tensors)
+        ]
 
     def drop_input_grads(self, mb: int) -> None:
         """Forget micro-batch ``mb``'s input gradients once they were handed on."""
         self._state(mb).input_grads = None
 
-    def post_recv_grads(self, mb: int) -> None:
-        """Post the receives of micro-batch ``mb``'s output gradients from the next stage."""
-        if mb in self._recv_bwd or self.is_last:
-            return
+    def grad_recv_parts(self, mb: int) -> list[_Part]:
+        """The receives of micro-batch ``mb``'s output gradients from the next stage (their
+        buffers take the shapes of this stage's outputs of ``mb``)."""
         outputs = self.outputs_of(mb)
-        buffers = [
-            torch.empty(_local(o).shape, dtype=o.dtype, device=self.device)
-            for o in outputs
-            if isinstance(o, torch.Tensor) and o.requires_grad
-        ]
         src_stage = self.stage_index + 1
         peer = self._peer(src_stage)
-        tag = self._tag(_KIND_GRAD, src_stage, mb, _PART_DATA)
-        self._recv_bwd[mb] = _PendingRecv(self._irecv(buffers, peer, tag), buffers, peer=peer)
+        pending = self._recv_bwd.setdefault(mb, _PendingRecv())
+        for o in outputs:
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                pending.buffers.append(
+                    torch.empty(_local(o).shape, dtype=o.dtype, device=self.device)
+                )
+        pending.parts = [
+            _Part("recv", b, peer, (src_stage, mb, "B", f"data{i}"))
+            for i, b in enumerate(pending.buffers)
+        ]
+        return list(pending.parts)
 
     def has_posted_recv_grads(self, mb: int) -> bool:
         """Whether the receives of micro-batch ``mb``'s output gradients are posted."""
         return mb in self._recv_bwd
 
-    def wait_recv_grads(self, mb: int) -> None:
-        """Wait for micro-batch ``mb``'s output gradients."""
+    def take_received_grads(self, mb: int) -> None:
+        """Make the received gradients micro-batch ``mb``'s output gradients (after the
+        wait)."""
         pending = self._recv_bwd.pop(mb)
-        for work in pending.works:
-            self._wait(work, f"receiving micro-batch {mb}'s gradients", pending.peer)
         buffers = iter(pending.buffers)
         grads: list[torch.Tensor | None] = []
         for out in self.outputs_of(mb):

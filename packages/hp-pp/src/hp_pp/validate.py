@@ -1,9 +1,15 @@
 """The offline validator: run every rank's actions in a simulation and report what breaks.
 
-No processes are started. Sends never block; a receive waits until its peer has posted the
-matching send, and messages between two ranks match in the order they were posted (as they do
-with gloo and NCCL point-to-point). A compute-only table (no ``SEND``/``RECV``) is checked as
-if each cross-rank input were delivered as soon as its producer ran.
+No processes are started. Two checks run. First the table's own logic: a receive waits until
+its peer has posted the matching send, messages between two ranks match in the order they were
+posted, and a compute-only table (no ``SEND``/``RECV``) is checked as if each cross-rank input
+were delivered as soon as its producer ran. Then, when that passes, what the executor would
+really post for the table (a compute-only table lowered as the schedules lower it, transfers
+that follow each other posted as one batch, see :mod:`hp_pp.transport`) is replayed under
+NCCL's point-to-point rules (:mod:`hp_pp.p2p_model`): a send blocks until its receive is
+posted, one FIFO channel per direction of a rank pair, tags ignored. Problems found there name
+the rank, the pair and the operations, e.g. ``NCCL deadlock: rank 0, pair (0, 1), waits on recv
+B(stage 3, mb 1, data), posted behind its own send B(stage 2, mb 0, data) with rank 1, ...``.
 
 The report lists every problem with the rank and the action: a deadlock (each waiting rank
 and what it waits for), unmatched or mismatched transfers, a backward before its forward, a
@@ -23,8 +29,10 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from hp_pp.actions import Action, ActionType, ScheduleTable
-from hp_pp.comm_lowering import leaf_actions
+from hp_pp.comm_lowering import leaf_actions, lower_with_placement
 from hp_pp.generators.mapping import stage_to_rank
+from hp_pp.p2p_model import replay
+from hp_pp.transport import plan_programs
 
 __all__ = ["ValidationReport", "check_schedule", "validate_schedule"]
 
@@ -140,15 +148,38 @@ def validate_schedule(
     run = _Run(table, n_stages, placement)
     run.execute()
     problems += run.problems
+    deadlocked = run.deadlocked
+    if not run.deadlocked and not problems:
+        nccl = _nccl_problems(table, n_stages, placement)
+        problems += nccl
+        deadlocked = any(p.startswith("NCCL deadlock") for p in nccl)
     return ValidationReport(
         pp_size=len(table),
         num_stages=n_stages,
         n_microbatches=n_mbs,
         stage_to_rank=placement,
         problems=tuple(problems),
-        deadlocked=run.deadlocked,
+        deadlocked=deadlocked,
         peak_in_flight=run.peak_in_flight,
     )
+
+
+def _nccl_problems(table: ScheduleTable, n_stages: int, placement: dict[int, int]) -> list[str]:
+    """Replay what the executor would post for ``table`` under NCCL's rules
+    (:mod:`hp_pp.p2p_model`); a compute-only table is lowered first, as the schedules do."""
+    explicit = any(
+        a is not None and a.type.is_communication for row in table.values() for a in row
+    )
+    runs = table
+    if not explicit:
+        if sorted(table) != list(range(len(table))) or set(placement) != set(range(n_stages)):
+            return []
+        try:
+            runs = lower_with_placement(table, num_stages=n_stages, rank_of=placement.__getitem__)
+        except ValueError as err:
+            return [str(err)]
+    report = replay(plan_programs(runs, num_stages=n_stages))
+    return list(report.problems)
 
 
 def _check_shape(table: ScheduleTable) -> None:
