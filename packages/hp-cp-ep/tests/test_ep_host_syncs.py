@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
-from hp_cp_ep import ExpertParallel, MoE, MoEArgs
+from hp_cp_ep import ExpertParallel, MoE, MoEArgs, update_expert_bias
 from hp_dtensor.testing import HostSyncCounter, count_host_syncs, distributed, rank_seed
 
 DIM, HIDDEN, TOKENS = 16, 32, 12
@@ -120,3 +120,22 @@ def test_expert_parallel_budget_ep3() -> None:
     for forward, _, by_op in _ep_budgets(6).values():
         assert forward == 1
         assert by_op == {"tolist": 1}
+
+
+def test_expert_bias_update_reads_the_host_once_for_all_layers() -> None:
+    layers = torch.nn.ModuleList([_moe(4) for _ in range(3)])
+    torch.manual_seed(rank_seed(5))
+    x = torch.randn(TOKENS, DIM)
+    for layer in layers:
+        x = layer(x)
+    expected = {f"{i}": layer.tokens_per_expert.clone() for i, layer in enumerate(layers)}
+    with count_host_syncs() as syncs:
+        loads = update_expert_bias(layers)
+    syncs.assert_at_most(1, what="update_expert_bias over 3 MoE layers")
+    for name, load in loads.items():
+        counts = expected[name]
+        assert torch.equal(load.tokens_per_expert, counts)
+        assert load.tokens_per_expert.device.type == "cpu"
+        assert (load.min, load.max) == (float(counts.min()), float(counts.max()))
+        assert load.mean == float(counts.mean())
+        assert load.imbalance == float(counts.max()) / float(counts.mean())

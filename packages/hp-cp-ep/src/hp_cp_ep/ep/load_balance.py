@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hp_cp_ep.ep.moe import MoE
-from hp_cp_ep.ep.stats import ExpertLoad, expert_load
+from hp_cp_ep.ep.stats import ExpertLoad
+from hp_dtensor.device import DEVICE_TYPE_CPU
 
 __all__ = ["moe_layers", "register_expert_bias_update", "update_expert_bias"]
 
@@ -44,7 +45,9 @@ def update_expert_bias(
     stacked and all-reduced (sum) in one collective over ``process_group``: pass the group of
     ranks that see *different* tokens and hold replicas of the router (data parallel, including
     the ranks expert parallelism borrows; not the tensor-parallel ranks, which see the same
-    tokens). ``None`` uses the default group when one is initialized, else no reduction.
+    tokens). ``None`` uses the default group when one is initialized, else no reduction. The
+    summaries of all layers are read on the host at once: one host sync per call, whatever the
+    number of layers.
 
     Args:
         model: A model containing :class:`~hp_cp_ep.MoE` layers.
@@ -66,13 +69,27 @@ def update_expert_bias(
         dist.all_reduce(counts, group=process_group)
     loads: dict[str, ExpertLoad] = {}
     with torch.no_grad():
-        for (name, layer), layer_counts in zip(layers.items(), counts, strict=True):
+        for layer, layer_counts in zip(layers.values(), counts, strict=True):
             if layer.expert_bias is not None and layer.load_balance_coeff is not None:
                 delta = layer.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
                 layer.expert_bias.add_(delta - delta.mean())
             layer.tokens_per_expert.zero_()
-            loads[name] = expert_load(layer_counts)
-            layer.last_load = loads[name]
+        # The summaries of every layer in one host read per step (not one copy per layer): the
+        # counts go to the host asynchronously, the read of min / max / mean completes them.
+        counts = counts.detach().to(torch.float32)
+        host_counts = counts.to(DEVICE_TYPE_CPU, non_blocking=True)
+        summary = torch.stack([counts.amin(1), counts.amax(1), counts.mean(1)], 1).tolist()
+    for (name, layer), host_row, (low, high, mean) in zip(
+        layers.items(), host_counts, summary, strict=True
+    ):
+        loads[name] = ExpertLoad(
+            tokens_per_expert=host_row,
+            min=low,
+            max=high,
+            mean=mean,
+            imbalance=high / mean if mean > 0 else 0.0,
+        )
+        layer.last_load = loads[name]
     return loads
 
 
