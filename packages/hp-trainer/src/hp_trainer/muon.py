@@ -29,7 +29,7 @@ recipe) are stepped with AdamW's update rule and AdamW's state layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t) if isinstance(t, DTensor) else t
 
 
+def _grad_like(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` laid out like ``p`` (a gradient left ``Partial`` is reduced here)."""
+    grad = p.grad
+    assert grad is not None
+    if isinstance(p, DTensor) and isinstance(grad, DTensor) and grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
 def _as_stack(t: torch.Tensor) -> torch.Tensor:
     """A 2-D tensor as a stack of one matrix; 3-D tensors are stacks already."""
     return t.unsqueeze(0) if t.ndim == 2 else t
@@ -141,6 +150,10 @@ class _MeshPlan:
     scatter_recv_counts: list[int]
     needs_gather: bool
     needs_scatter: bool
+    # this rank's (rank, row0, col0, rows, cols, local expert) of each unit it holds a part of
+    local_piece: dict[int, tuple[int, int, int, int, int, int]]
+    # owned unit -> (offset in the gather's receive buffer, row0, col0, rows, cols)
+    incoming: dict[int, list[tuple[int, int, int, int, int]]]
 
 
 def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -299,6 +312,19 @@ def _build_plan(
                 scatter_recv_counts[owner] += nr * nc
         if owner == rank:
             owned.append(i)
+    local_piece = {i: h for i, unit in enumerate(units) for h in unit.holders if h[0] == rank}
+    incoming: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    at = 0
+    for src in range(size):
+        for i, r0, c0, nr, nc in gather_recv[src]:
+            incoming.setdefault(i, []).append((at, r0, c0, nr, nc))
+            at += nr * nc
+
+    def whole_here(i: int) -> bool:
+        piece = local_piece.get(i)
+        return piece is not None and piece[3:5] == (units[i].rows, units[i].cols)
+
+    owned.sort(key=lambda i: not whole_here(i))  # no wait for the gather: first
     return _MeshPlan(
         group=group,
         size=size,
@@ -316,6 +342,8 @@ def _build_plan(
         scatter_recv_counts=scatter_recv_counts,
         needs_gather=needs_gather,
         needs_scatter=needs_scatter,
+        local_piece=local_piece,
+        incoming=incoming,
     )
 
 
@@ -324,19 +352,32 @@ def _exchange(
     send: torch.Tensor,
     send_counts: list[int],
     recv_counts: list[int],
-) -> torch.Tensor:
-    """One ``all_to_all_single`` over the plan's group (counts in elements)."""
+) -> tuple[torch.Tensor, dist.Work]:
+    """One ``all_to_all_single`` over the plan's group (counts in elements), issued async."""
     recv = send.new_empty(sum(recv_counts))
-    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=plan.group)
-    return recv
+    work = dist.all_to_all_single(
+        recv, send, recv_counts, send_counts, group=plan.group, async_op=True
+    )
+    assert work is not None
+    return recv, work
 
 
-def _offsets(counts: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for n in counts:
-        out.append(total)
-        total += n
-    return out
+def _cat(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+
+
+@dataclass
+class _MeshStep:
+    """One step's tensors of one mesh plan, between the phases of :meth:`Muon.step`."""
+
+    plan: _MeshPlan
+    groups: list[dict[str, Any]]
+    params: list[torch.Tensor]
+    updates: list[torch.Tensor]  # local updates as (stack, rows, cols)
+    sent: torch.Tensor | None = None  # kept alive until the collective completes
+    received: torch.Tensor | None = None
+    work: dist.Work | None = None
+    orthos: list[torch.Tensor] = field(default_factory=list)
 
 
 class Muon(torch.optim.Optimizer):
@@ -465,9 +506,6 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._muon_step()
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                self._adamw_group(group)
         return loss
 
     def work_division(self) -> dict[str, int]:
@@ -529,6 +567,7 @@ class Muon(torch.optim.Optimizer):
         return plans
 
     def _muon_step(self) -> None:
+        """Muon on every ``use_muon`` group, AdamW on the others while the gathers fly."""
         entries: list[tuple[int, int]] = []
         params: list[torch.Tensor] = []
         for g, group in enumerate(self.param_groups):
@@ -538,20 +577,20 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     entries.append((g, i))
                     params.append(p)
-        if not entries:
-            self._last_plans = []
-            return
-        plans = self._plans_for(entries, params)
+        plans = self._plans_for(entries, params) if entries else []
         self._last_plans = plans
-        for plan in plans:
-            self._step_mesh(plan)
+        steps = [self._start(plan) for plan in plans]  # momentum; gathers issued
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_group(group)
+        for mesh_step in steps:  # Newton-Schulz on the owned matrices; scatters issued
+            self._orthogonalize_owned(mesh_step)
+        for mesh_step in steps:  # results in place; the step on the local shards
+            self._finish(mesh_step)
 
     def _local_update(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
         """Momentum (and Nesterov) on the local shard; returns the local update."""
-        grad = p.grad
-        assert grad is not None
-        if isinstance(p, DTensor) and isinstance(grad, DTensor) and grad.placements != p.placements:
-            grad = grad.redistribute(p.device_mesh, p.placements)
+        grad = _grad_like(p)
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
@@ -561,83 +600,89 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(g, 1 - mu)
         return g.lerp(buf, mu) if group["nesterov"] else buf
 
-    def _step_mesh(self, plan: _MeshPlan) -> None:
+    def _start(self, plan: _MeshPlan) -> _MeshStep:
+        """Momentum on the local shards, then the gather to the owners (issued, not awaited)."""
         groups = [self.param_groups[g] for g, _ in plan.entries]
         params = [self.param_groups[g]["params"][i] for g, i in plan.entries]
         updates = [
             _as_stack(self._local_update(group, p)) for group, p in zip(groups, params, strict=True)
         ]
-        device = updates[0].device
-
-        # 1. every shard of the update to the owner of its matrix
-        received: torch.Tensor | None = None
+        mesh_step = _MeshStep(plan, groups, params, updates)
         if plan.needs_gather:
             slabs = [
                 updates[k][el].reshape(-1).to(self.gather_dtype)
                 for dst in range(plan.size)
                 for k, el in plan.gather_send[dst]
             ]
-            send = (
-                torch.cat(slabs)
-                if slabs
-                else torch.empty(0, dtype=self.gather_dtype, device=device)
+            send = _cat(slabs, self.gather_dtype, updates[0].device)
+            mesh_step.sent = send
+            mesh_step.received, mesh_step.work = _exchange(
+                plan, send, plan.gather_send_counts, plan.gather_recv_counts
             )
-            received = _exchange(plan, send, plan.gather_send_counts, plan.gather_recv_counts)
+        return mesh_step
 
-        # 2. Newton-Schulz on the owned matrices, assembled from the received pieces
-        incoming: dict[int, list[tuple[int, int, int, int, int]]] = {}
-        if received is not None:
-            offsets = _offsets(plan.gather_recv_counts)
-            for src in range(plan.size):
-                at = offsets[src]
-                for i, r0, c0, nr, nc in plan.gather_recv[src]:
-                    incoming.setdefault(i, []).append((at, r0, c0, nr, nc))
-                    at += nr * nc
+    def _orthogonalize_owned(self, mesh_step: _MeshStep) -> None:
+        """Newton-Schulz on the owned matrices (those held whole here first), scatter issued."""
+        plan, updates = mesh_step.plan, mesh_step.updates
+        device = updates[0].device
         results: dict[int, torch.Tensor] = {}
         for i in plan.owned:
             unit = plan.units[i]
-            group = groups[unit.entry]
-            mine = [h for h in unit.holders if h[0] == plan.rank]
-            if mine and mine[0][3] == unit.rows and mine[0][4] == unit.cols:
-                full = updates[unit.entry][mine[0][5]]  # held whole here: no copy
+            group = mesh_step.groups[unit.entry]
+            local = plan.local_piece.get(i)
+            if local is not None and local[3] == unit.rows and local[4] == unit.cols:
+                full = updates[unit.entry][local[5]]  # held whole here: no copy, no wait
             else:
+                if mesh_step.work is not None:
+                    mesh_step.work.wait()
+                    mesh_step.work = None
                 full = torch.empty(unit.rows, unit.cols, dtype=self.gather_dtype, device=device)
-                if mine:
-                    _, r0, c0, nr, nc, el = mine[0]
+                if local is not None:
+                    _, r0, c0, nr, nc, el = local
                     full[r0 : r0 + nr, c0 : c0 + nc] = updates[unit.entry][el]
-                assert received is not None
-                for at, r0, c0, nr, nc in incoming.get(i, []):
+                received = mesh_step.received
+                for at, r0, c0, nr, nc in plan.incoming.get(i, ()):
+                    assert received is not None
                     full[r0 : r0 + nr, c0 : c0 + nc] = received[at : at + nr * nc].view(nr, nc)
             results[i] = _orthogonalize(
                 full, group["ns_coefficients"], group["ns_steps"], group["eps"]
             )
-
-        # 3. every rank's part of each result back (replicas included)
+        if mesh_step.work is not None:  # nothing needed it: still completed before the next step
+            mesh_step.work.wait()
+            mesh_step.work = None
+        mesh_step.received = None
         orthos = [torch.empty(u.shape, dtype=torch.bfloat16, device=device) for u in updates]
-        for i in plan.owned:
-            unit = plan.units[i]
-            for q, r0, c0, nr, nc, el in unit.holders:
-                if q == plan.rank:
-                    orthos[unit.entry][el] = results[i][r0 : r0 + nr, c0 : c0 + nc]
+        for i, piece in plan.local_piece.items():
+            if i in results:  # a part of an owned matrix that stays here
+                _, r0, c0, nr, nc, el = piece
+                orthos[plan.units[i].entry][el] = results[i][r0 : r0 + nr, c0 : c0 + nc]
+        mesh_step.orthos = orthos
         if plan.needs_scatter:
             pieces = [
                 results[i][r0 : r0 + nr, c0 : c0 + nc].reshape(-1)
                 for dst in range(plan.size)
                 for i, r0, c0, nr, nc in plan.scatter_send[dst]
             ]
-            send = (
-                torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.bfloat16, device=device)
+            send = _cat(pieces, torch.bfloat16, device)
+            mesh_step.sent = send
+            mesh_step.received, mesh_step.work = _exchange(
+                plan, send, plan.scatter_send_counts, plan.scatter_recv_counts
             )
-            back = _exchange(plan, send, plan.scatter_send_counts, plan.scatter_recv_counts)
+
+    def _finish(self, mesh_step: _MeshStep) -> None:
+        """The results of the other owners in place; decoupled weight decay and the step."""
+        plan, orthos = mesh_step.plan, mesh_step.orthos
+        if mesh_step.work is not None:
+            mesh_step.work.wait()
+            back = mesh_step.received
+            assert back is not None
             at = 0
             for src in range(plan.size):
                 for k, el in plan.scatter_recv[src]:
                     slab = orthos[k][el]
                     slab.copy_(back[at : at + slab.numel()].view(slab.shape))
                     at += slab.numel()
-
-        # 4. decoupled weight decay and the shape-adjusted step, on the local shards
-        for group, p, ortho in zip(groups, params, orthos, strict=True):
+        for group, p, ortho in zip(mesh_step.groups, mesh_step.params, orthos, strict=True):
             lr = float(group["lr"])
             rows, cols = p.shape[-2], p.shape[-1]
             p_local = _local(p)
@@ -656,10 +701,11 @@ class Muon(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
+            # element-wise: the local shards give the same numbers without DTensor dispatch
+            params.append(_local(p))
+            grads.append(_local(_grad_like(p)))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             steps.append(state["step"])
         if not params:
             return
