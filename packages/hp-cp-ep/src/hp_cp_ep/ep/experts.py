@@ -172,7 +172,7 @@ class GroupedExperts(nn.Module):
             x: Rows grouped by local expert.
             num_tokens_per_expert: ``[E_local]`` rows per local expert.
             sizes: The same counts as Python ints when already known on the host
-                (:attr:`DispatchedTokens.sizes <hp_cp_ep.ep.dispatch.DispatchedTokens>`): the
+                (``sizes`` of :class:`hp_cp_ep.DispatchedTokens`): the
                 per-expert loop then splits the rows without a host sync.
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)

@@ -160,16 +160,20 @@ def _site_of(frame: FrameType | None) -> str:
 class HostSyncCounter:
     """The host synchronizations seen in one :func:`count_host_syncs` region.
 
-    Counts are live (readable inside the region) and safe to read from any thread.
+    Counts are live (readable inside the region) and safe to read from any thread. Each event
+    is ``(op, site)``: ``op`` is an ATen op name (``"aten._local_scalar_dense"``,
+    ``"aten.nonzero"``, ``"aten.masked_select"``, ``"aten.unique"``,
+    ``"aten.repeat_interleave"``, ``"aten.index[bool]"``, ``"aten.index_put[bool]"``,
+    ``"aten.equal"``, ``"aten.bincount"``) or one of ``"copy_d2h"``, ``"tolist"``,
+    ``"tensor_from_python"``; ``site`` is ``"path/to/file.py:LINE"`` of the innermost frame
+    outside torch and this module (relative to the working directory when under it).
 
-    Attributes:
-        events: ``(op, site)`` of each synchronization, in the order seen. ``op`` is an ATen
-            op name (``"aten._local_scalar_dense"``, ``"aten.nonzero"``, ``"aten.masked_select"``,
-            ``"aten.unique"``, ``"aten.repeat_interleave"``, ``"aten.index[bool]"``,
-            ``"aten.index_put[bool]"``, ``"aten.equal"``, ``"aten.bincount"``) or one of
-            ``"copy_d2h"``, ``"tolist"``, ``"tensor_from_python"``; ``site`` is
-            ``"path/to/file.py:LINE"`` of the innermost frame outside torch and this module
-            (relative to the working directory when under it).
+    Args:
+        device_tensors: See :func:`count_host_syncs`.
+        host_tensors: See :func:`count_host_syncs`.
+
+    Raises:
+        TypeError: See :func:`count_host_syncs`.
 
     See Also:
         :pt:`torch.cuda.set_sync_debug_mode`: the runtime check on a real GPU.
