@@ -137,7 +137,7 @@ def test_interrupted_first_save_is_rejected_not_missing(tmp_path: Path) -> None:
     assert not staging_dir(path).exists()
 
 
-def test_overwrite_replaces_whole_checkpoint_and_refuses_foreign_dirs(tmp_path: Path) -> None:
+def test_overwrite_replaces_whole_checkpoint_and_keeps_foreign_files(tmp_path: Path) -> None:
     path = tmp_path / "c"
     hp_dcp.save(_plain_state(0), checkpoint_id=path, no_dist=True)
     hp_dcp.save(_plain_state(1), checkpoint_id=path, no_dist=True)
@@ -155,9 +155,14 @@ def test_overwrite_replaces_whole_checkpoint_and_refuses_foreign_dirs(tmp_path: 
     foreign = tmp_path / "home"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="refuses to replace"):
-        hp_dcp.save(_plain_state(0), checkpoint_id=foreign, no_dist=True)
+    hp_dcp.save(_plain_state(0), checkpoint_id=foreign, no_dist=True)  # written alongside
     assert (foreign / "notes.txt").read_text() == "keep me"
+    got = _empty_like(_plain_state(0))
+    hp_dcp.load(got, checkpoint_id=foreign, no_dist=True)
+    assert torch.equal(got["a"], _plain_state(0)["a"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        hp_dcp.save(_plain_state(0), checkpoint_id=tmp_path / "file", no_dist=True)
 
 
 @pytest.mark.parametrize("which", ["data", "metadata"])

@@ -24,6 +24,7 @@ __all__ = [
     "CHECKSUMS_MARKER",
     "CHECKSUM_FILE",
     "INCOMPLETE_MARKER",
+    "PREVIOUS_KEY",
     "check_checkpoint_dir",
     "crc_mismatch",
     "read_checksums",
@@ -39,6 +40,9 @@ INCOMPLETE_MARKER = ".hp_dcp_incomplete"
 
 CHECKSUMS_MARKER = "hp_dcp.checksums"
 """Entry of ``StorageMeta.modules`` in ``.metadata``: the checkpoint was saved with checksums."""
+
+PREVIOUS_KEY = "previous"
+"""Sidecar key describing the checkpoint an in-place commit is replacing (see ``_in_place``)."""
 
 _METADATA_FILE = ".metadata"
 # Upper bounds for the small files read whole (a DCP .metadata of a million items is ~200 MB).
@@ -148,7 +152,20 @@ def read_checksums(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise CheckpointCorruptionError(
             f"checksum mismatch in {sidecar}: the checksum file itself changed after the save"
         )
-    return data
+    previous = data.pop(PREVIOUS_KEY, None)
+    if previous is None:
+        return data
+    # Written only while a save commits into a directory holding other files (hp_dcp._in_place):
+    # until the new .metadata lands, the previous checkpoint's one is there and must verify.
+    md_blob = read_member(root, _METADATA_FILE, str(root / _METADATA_FILE), _MAX_METADATA_BYTES)
+    md_crc = crc32(md_blob)
+    if data["files"].get(_METADATA_FILE, {}).get("crc32") == md_crc:
+        return data
+    if previous["metadata_crc32"] != md_crc:
+        return data  # neither: the .metadata check of the caller reports the mismatch
+    if previous["files"] is None:
+        return None  # the previous checkpoint had no checksums (written by PyTorch)
+    return {**data, "files": previous["files"], "layouts": previous.get("layouts", {})}
 
 
 def sidecar_text(data: dict[str, Any]) -> bytes:

@@ -190,7 +190,11 @@ def publish(staging: Path, target: Path, sync: bool) -> None:
 
 
 def recover_leftovers(
-    target: Path, staging: Path, saved_at: Callable[[Path], int | None], sync: bool
+    target: Path,
+    staging: Path,
+    saved_at: Callable[[Path], int | None],
+    sync: bool,
+    publish_fn: Callable[[Path, Path, bool], None] = publish,
 ) -> None:
     """Inspect what an interrupted save left next to ``target`` (called under the lock).
 
@@ -198,6 +202,7 @@ def recover_leftovers(
     incomplete one. A complete staging directory newer than ``target`` (or with no target) is
     published; an older one is the previous checkpoint of an interrupted exchange and is
     removed, as is an incomplete one. A retired directory is put back if ``target`` is missing.
+    ``publish_fn`` publishes (the writer's: in place when ``target`` holds other files).
     """
     retired = retired_dir(target)
     if retired.is_dir() and not target.exists() and saved_at(retired) is not None:
@@ -223,7 +228,7 @@ def recover_leftovers(
             staging,
             target,
         )
-        publish(staging, target, sync)
+        publish_fn(staging, target, sync)
     else:
         _log.warning(
             "hp-dcp: removing %s, a previous checkpoint left by an interrupted replacement",

@@ -186,4 +186,16 @@ def validate_sidecar(data: object, source: str, expected_format: str) -> dict[st
         _check_file_entry(name, entry, source)
     if not isinstance(data.get("layouts", {}), dict):
         raise _fail(source, "has layouts that are not a dict")
+    previous = data.get("previous")
+    if previous is not None:
+        if not isinstance(previous, dict) or not _is_count(previous.get("metadata_crc32")):
+            raise _fail(source, "describes a previous checkpoint without a metadata checksum")
+        old_files = previous.get("files")
+        if old_files is not None:
+            if not isinstance(old_files, dict) or not old_files:
+                raise _fail(source, "describes a previous checkpoint that lists no files")
+            for name, entry in old_files.items():
+                _check_file_entry(name, entry, source)
+        if not isinstance(previous.get("layouts", {}), dict):
+            raise _fail(source, "has previous layouts that are not a dict")
     return data

@@ -44,9 +44,10 @@ from hp_dcp._checkpoint_dir import (
     staging_dir,
 )
 from hp_dcp._checksum import crc32
-from hp_dcp._commit import SaveLock, publish, recover_leftovers
+from hp_dcp._commit import SaveLock, recover_leftovers
 from hp_dcp._extensions import WriteTransforms
 from hp_dcp._files import fsync_dir, write_synced
+from hp_dcp._in_place import foreign_entries, publish_checkpoint
 from hp_dcp._integrity import saved_at
 from hp_dcp._tensor_blob import can_encode, encode_tensor
 from hp_dcp._torch_compat import StorageInfo as _StorageInfo
@@ -144,9 +145,13 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
       torch's zip CRC), anything else through ``torch.save``;
     * the DTensor layout of every tensor in the sidecar (``hp-dcp inspect`` shows it).
 
-    An existing checkpoint at ``path`` is replaced as a whole directory (``overwrite=True``);
-    a non-empty directory that is not a DCP checkpoint is never replaced. All ranks must see
-    the same file system (as for loading any multi-rank DCP checkpoint).
+    An existing checkpoint at ``path`` is replaced as a whole directory (``overwrite=True``).
+    A directory that also holds other files (``model.pt`` next to a ``torch_save_to_dcp``
+    output, logs, notes) gets the checkpoint written alongside them, as PyTorch writes it: the
+    data files first, under names no entry there has, ``.metadata`` last, and the previous
+    checkpoint in it stays loadable until that last rename; files that are not a checkpoint's
+    are never touched or removed. All ranks must see the same file system (as for loading any
+    multi-rank DCP checkpoint).
 
     Args:
         path: the checkpoint directory.
@@ -298,8 +303,8 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         with a log line.
 
         Raises:
-            FileExistsError: ``path`` exists and ``overwrite=False``, or ``path`` is a non-empty
-                directory that is not a DCP checkpoint.
+            FileExistsError: ``path`` holds a checkpoint and ``overwrite=False``, or ``path`` is
+                not a directory.
             ConcurrentSaveError: another save into ``path`` holds the lock.
 
         See Also:
@@ -311,8 +316,11 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         self._lock = lock
         try:
             staging = staging_dir(self.path)
-            recover_leftovers(self.path, staging, saved_at, self.sync_files)
+            recover_leftovers(
+                self.path, staging, saved_at, self.sync_files, publish_fn=publish_checkpoint
+            )
             self._check_target()
+            tag = self._file_tag()
             staging.mkdir(parents=True)
             write_synced(
                 staging / INCOMPLETE_MARKER,
@@ -325,7 +333,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
             self.abort()
             raise
         return [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{tag}"))
             if plan.storage_data is None
             else plan
             for i, plan in enumerate(plans)
@@ -333,18 +341,23 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
 
     def _check_target(self) -> None:
         p = self.path
-        if not p.exists():
+        if not p.exists() and not p.is_symlink():
             return
-        if not self.overwrite:
-            raise FileExistsError(f"a checkpoint already exists at {p} and overwrite=False")
         if not p.is_dir():
             raise FileExistsError(f"{p} exists and is not a directory; refusing to replace it")
-        is_checkpoint = (p / _METADATA_FILE).exists() or (p / CHECKSUM_FILE).exists()
-        if not is_checkpoint and any(p.iterdir()):
-            raise FileExistsError(
-                f"{p} is a non-empty directory without a DCP .metadata file; hp-dcp replaces a "
-                "checkpoint directory as a whole and refuses to replace anything else"
-            )
+        has_checkpoint = (p / _METADATA_FILE).exists() or (p / CHECKSUM_FILE).exists()
+        if has_checkpoint and not self.overwrite:
+            raise FileExistsError(f"a checkpoint already exists at {p} and overwrite=False")
+
+    def _file_tag(self) -> str:
+        """A per-save tag in the data file names when the target keeps other ``.distcp`` files
+        (a save committed in place next to them must not reuse their names)."""
+        p = self.path
+        if not p.is_dir() or not foreign_entries(p):
+            return ""  # the whole directory is replaced
+        if any(name.endswith(DEFAULT_SUFFIX) for name in os.listdir(p)):
+            return f"{self.save_id[:8]}_"
+        return ""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into the staging directory, checksumming as it goes.
@@ -503,7 +516,7 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
     def _commit(self, staging: Path) -> None:
         if self.path.exists():
             self._check_target()
-        publish(staging, self.path, self.sync_files)
+        publish_checkpoint(staging, self.path, self.sync_files)
 
     def storage_meta(self) -> StorageMeta | None:
         """Return the storage metadata recorded in ``.metadata``.
