@@ -98,9 +98,7 @@ class RankPlan:
     needs: dict[int, list[Message]]  # id(action) -> messages it consumes
 
 
-def produced(
-    rank: int, leaf: Action, placement: dict[int, int], num_stages: int
-) -> Message | None:
+def produced(rank: int, leaf: Action, placement: dict[int, int], num_stages: int) -> Message | None:
     """The message ``leaf`` (run on ``rank``) produces for another rank, if any."""
     mb = leaf.microbatch_index
     if mb is None:
@@ -146,9 +144,7 @@ def consumed(
 
 def _is_work(action: Action) -> bool:
     return (
-        action.type.is_compute
-        or action.type.is_preprocess
-        or action.type is ActionType.OVERLAP_F_B
+        action.type.is_compute or action.type.is_preprocess or action.type is ActionType.OVERLAP_F_B
     )
 
 

@@ -167,9 +167,7 @@ def validate_schedule(
 def _nccl_problems(table: ScheduleTable, n_stages: int, placement: dict[int, int]) -> list[str]:
     """Replay what the executor would post for ``table`` under NCCL's rules
     (:mod:`hp_pp.p2p_model`); a compute-only table is lowered first, as the schedules do."""
-    explicit = any(
-        a is not None and a.type.is_communication for row in table.values() for a in row
-    )
+    explicit = any(a is not None and a.type.is_communication for row in table.values() for a in row)
     runs = table
     if not explicit:
         if sorted(table) != list(range(len(table))) or set(placement) != set(range(n_stages)):

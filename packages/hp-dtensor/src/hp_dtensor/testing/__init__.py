@@ -63,14 +63,22 @@ from hp_dtensor.testing._pool import (
     PoolStats,
     in_worker,
 )
+from hp_dtensor.testing.device_groups import (
+    DeviceGroupChecker,
+    HostTensorOnDeviceGroupError,
+    check_device_groups,
+)
 from hp_dtensor.testing.host_syncs import HostSyncCounter, count_host_syncs
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "DeviceGroupChecker",
     "DistributedTestError",
     "DistributedTestTimeoutError",
     "HostSyncCounter",
+    "HostTensorOnDeviceGroupError",
     "PoolStats",
+    "check_device_groups",
     "count_host_syncs",
     "distributed",
     "fake_world",
