@@ -2,7 +2,10 @@
 
 Ranks write their items into ``.<name>.hp-dcp-partial`` next to the target, computing a CRC-32
 of every stored item as it is written; the coordinator writes ``.metadata`` and the checksum
-sidecar and publishes the directory with one rename (``hp_dcp._commit``), under the save lock.
+sidecar and publishes the directory with one rename (``hp_dcp._commit``), under the save lock,
+or, into a directory holding other files, moves the files in with ``.metadata`` last
+(``hp_dcp._in_place``). Stream extensions (``hp_dcp._extensions``) transform each item on its
+way to the file; the checksum is of the stored bytes.
 """
 
 from __future__ import annotations

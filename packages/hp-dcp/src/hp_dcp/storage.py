@@ -13,12 +13,16 @@ as is. Two files are added next to them and ignored by PyTorch:
 ``hp_dcp.checksums``), so a checkpoint whose sidecar was deleted fails to load instead of loading
 unverified. Ranks write into ``.<name>.hp-dcp-partial`` next to the target; the coordinator
 publishes it with one rename (see ``hp_dcp._commit``) only after every rank reported its files
-written and synced, under a lock file that stops a second save into the same path.
+written and synced, under a lock file that stops a second save into the same path; into a
+directory that also holds files no checkpoint owns, it moves the files in place instead,
+``.metadata`` last, never touching the others (see ``hp_dcp._in_place``). PyTorch's stream
+extensions (compression) are supported on both sides (see ``hp_dcp._extensions``).
 
 The implementation is split by concept: ``hp_dcp._checkpoint_dir`` (file names, the checksum
 sidecar, commit state), ``hp_dcp._writer`` (:class:`FileSystemWriter`), ``hp_dcp._reader``
-(:class:`FileSystemReader`), ``hp_dcp._integrity`` (:func:`verify_checkpoint`); this module is
-their public import path.
+(:class:`FileSystemReader`), ``hp_dcp._integrity`` (:func:`verify_checkpoint`),
+``hp_dcp._extensions`` (stream transforms), ``hp_dcp._in_place`` (committing next to other
+files); this module is their public import path.
 """
 
 from __future__ import annotations
