@@ -39,13 +39,14 @@ See Also:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightPass", "backward_input"]
+__all__ = ["WeightPass", "backward_input", "cut_from_graph"]
 
 
 def _children(node: Node) -> list[tuple[Node, int]]:
@@ -186,6 +187,17 @@ class WeightPass:
                     handle.remove()
             del edges, values
         self._recorded.clear()
+
+
+def cut_from_graph(tensors: Sequence[object]) -> None:
+    """Detach ``tensors`` in place once their backward ran: a reference held elsewhere (a
+    send in flight keeps the tensor it sends) must not keep the graph, and with it every
+    activation the weight pass does not free, alive. Views cannot be detached in place;
+    they keep their graph until dropped."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            with contextlib.suppress(RuntimeError):
+                t.detach_()
 
 
 def backward_input(

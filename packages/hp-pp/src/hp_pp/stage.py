@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from hp_pp._backward import WeightPass, backward_input
+from hp_pp._backward import WeightPass, backward_input, cut_from_graph
 from hp_pp._fsdp_protocol import FSDPControl
 
 __all__ = ["PipelineStage"]
@@ -711,6 +711,8 @@ class PipelineStage:
         else:
             state.input_grads = [None] * len(leaves)
         state.weight_pending = True
+        if self.fsdp is None:
+            cut_from_graph([*roots, *(state.outputs or ())])
         self._release(mb, keep_for_weight=self.fsdp is not None)
 
     def backward_weight_one_chunk(self, mb: int) -> None:
@@ -734,6 +736,8 @@ class PipelineStage:
             del weight_pass
         if self.fsdp is not None:
             self._reach_output_hooks(mb)
+            roots, _ = self._grad_outputs(mb)
+            cut_from_graph([*roots, *(state.outputs or ())])
         self._release(mb, keep_for_weight=False)
 
     def _reach_output_hooks(self, mb: int) -> None:
