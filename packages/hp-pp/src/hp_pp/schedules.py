@@ -578,7 +578,16 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
 
 
 class ScheduleDualPipeV(PipelineScheduleMulti):
-    """DualPipeV on the V mapping, with overlapped forward+backward pairs.
+    """DualPipeV on the V mapping, with forward+backward pairs (``OVERLAP_F_B``).
+
+    The two halves of a pair run one after the other: the forward of one micro-batch, then
+    the full backward of another, with nothing in between (what torch's runtime does too).
+    The pair's transfers are posted in the batches of the lowered table, so the backward's
+    receive has normally arrived before the forward computes: the halves do not overlap their
+    communication with each other's compute. DeepSeek's DualPipe overlaps one half's compute
+    with the other half's expert-parallel all-to-all inside the layers; that needs the model
+    to split its layers into compute and communication chunks, which hp-pp does not do. What
+    the schedule gains is its order (fewer bubbles, weight passes filling the drain).
 
     See Also:
         :pt:`torch.distributed.pipelining.ScheduleDualPipeV`
