@@ -11,9 +11,14 @@ implementation is taken, the run is repeated with the order swapped, and each fi
 geometric mean of the two ``ours / torch`` ratios (below 1 means ours is faster). A
 ``torch vs torch`` row shows the noise floor. Absolute times depend on the disk and page cache.
 
+With ``--zstd`` both implementations compress every item with PyTorch's ``ZStandard`` stream
+extension (``FileSystemWriter(_extensions=[ZStandard()])``, needs ``zstandard``); hp-dcp's load
+then also bounds each item's expansion by its size in the metadata. Results go to
+``dcp_zstd.{json,md}``.
+
 Usage::
 
-    python benchmarks/dcp_vs_torch.py [--mb 300] [--reps 5] [--out benchmarks/results]
+    python benchmarks/dcp_vs_torch.py [--mb 300] [--reps 5] [--zstd] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -66,12 +71,31 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def run_once(sd: dict[str, Any], root: Path, order: list[str], reps: int) -> dict[str, Any]:
+def _compressed(save: Callable[..., Any], writer: type) -> Callable[..., Any]:
+    """``save`` through ``writer(path, _extensions=[ZStandard()])``."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    def run(sd: dict[str, Any], *, checkpoint_id: Path, no_dist: bool) -> Any:
+        storage = writer(checkpoint_id, _extensions=[ZStandard()])
+        return save(sd, storage_writer=storage, no_dist=no_dist)
+
+    return run
+
+
+def run_once(
+    sd: dict[str, Any], root: Path, order: list[str], reps: int, zstd: bool = False
+) -> dict[str, Any]:
     impls: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
         "hp": (hp_dcp.save, hp_dcp.load),
         "torch": (tdcp.save, tdcp.load),
         "torch2": (tdcp.save, tdcp.load),
     }
+    if zstd:
+        impls = {
+            "hp": (_compressed(hp_dcp.save, hp_dcp.FileSystemWriter), hp_dcp.load),
+            "torch": (_compressed(tdcp.save, tdcp.FileSystemWriter), tdcp.load),
+            "torch2": (_compressed(tdcp.save, tdcp.FileSystemWriter), tdcp.load),
+        }
     ops = ("save", "load", "save_cpu", "load_cpu")
     times: dict[str, dict[str, list[float]]] = {k: {op: [] for op in ops} for k in order}
     for rep in range(reps + 1):  # rep 0 is the warm-up
@@ -96,14 +120,15 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=300)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--zstd", action="store_true", help="compress with the ZStandard extension")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     sd = make_state(args.mb)
     nbytes = sum(v.nbytes for v in sd.values() if isinstance(v, torch.Tensor))
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        a = run_once(sd, Path(tmp), ["hp", "torch", "torch2"], args.reps)
-        b = run_once(sd, Path(tmp), ["torch2", "torch", "hp"], args.reps)
+        a = run_once(sd, Path(tmp), ["hp", "torch", "torch2"], args.reps, args.zstd)
+        b = run_once(sd, Path(tmp), ["torch2", "torch", "hp"], args.reps, args.zstd)
     rows = {}
     for op in ("save", "load", "save_cpu", "load_cpu"):
         ours = math.sqrt((a["hp"][op] / a["torch"][op]) * (b["hp"][op] / b["torch"][op]))
@@ -115,7 +140,7 @@ def main() -> None:
             "median_s_torch": round(statistics.mean([a["torch"][op], b["torch"][op]]), 4),
         }
     result = {
-        "benchmark": "dcp_vs_torch",
+        "benchmark": "dcp_vs_torch" + ("_zstd" if args.zstd else ""),
         "state_dict_mb": round(nbytes / 2**20, 1),
         "tensors": sum(isinstance(v, torch.Tensor) for v in sd.values()),
         "reps": args.reps,
@@ -125,9 +150,11 @@ def main() -> None:
         "results": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dcp.json").write_text(json.dumps(result, indent=2) + "\n")
+    stem = "dcp_zstd" if args.zstd else "dcp"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [
-        "# hp-dcp vs torch DCP (save / load, one process, fsync on)",
+        "# hp-dcp vs torch DCP (save / load, one process, fsync on"
+        + (", ZStandard stream extension on both)" if args.zstd else ")"),
         "",
         f"State dict: {result['state_dict_mb']} MB in {result['tensors']} tensors plus scalars; "
         f"median of {args.reps} runs per implementation, order swapped, geometric mean.",
@@ -144,7 +171,7 @@ def main() -> None:
             f"| {op} | {r['ratio_ours_over_torch']} | {r['ratio_torch_over_torch']} | "
             f"{r['median_s_hp']} | {r['median_s_torch']} |"
         )
-    (args.out / "dcp.md").write_text("\n".join(md) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -181,9 +181,18 @@ class ReadTransforms:
         return ordered
 
     def expand(
-        self, stored: memoryview, descriptors: Sequence[str], limit: int, where: str
+        self,
+        stored: memoryview,
+        descriptors: Sequence[str],
+        limit: int,
+        where: str,
+        *,
+        reserve: bool = False,
     ) -> bytearray:
         """Undo the transforms of one stored item, reading at most ``limit`` bytes of output.
+
+        ``reserve``: read into one buffer of ``limit`` bytes (a tensor chunk, whose allowance is
+        its size) instead of growing one piece by piece (a byte item's generous allowance).
 
         Raises:
             ValueError: see :meth:`resolve`.
@@ -193,20 +202,18 @@ class ReadTransforms:
         stream: Any = ViewReader(stored)
         for ext in self.resolve(descriptors, where):
             stream = ext.transform_from(stream)
-        out = bytearray()
         try:
-            while True:
-                piece = stream.read(min(_READ_PIECE, limit + 1 - len(out)))
-                if not piece:
-                    break
-                out += piece
-                if len(out) > limit:
-                    raise UnsafeCheckpointError(
-                        f"{where}: its {len(stored)} stored bytes expand through the stream "
-                        f"transforms {list(descriptors)} to more than {limit} bytes, the most "
-                        "its metadata allows for it (a decompression bomb or a forged stream); "
-                        "refused"
-                    )
+            if reserve and callable(getattr(stream, "readinto", None)):
+                out = _read_into(stream, limit)  # one buffer of the allowance, no regrowth
+            else:
+                out = _read_pieces(stream, limit)
+            if len(out) > limit:
+                raise UnsafeCheckpointError(
+                    f"{where}: its {len(stored)} stored bytes expand through the stream "
+                    f"transforms {list(descriptors)} to more than {limit} bytes, the most "
+                    "its metadata allows for it (a decompression bomb or a forged stream); "
+                    "refused"
+                )
         except (UnsafeCheckpointError, CheckpointCorruptionError):
             raise
         except Exception as exc:
@@ -215,6 +222,34 @@ class ReadTransforms:
                 f"{list(descriptors)} ({type(exc).__name__}: {exc!s:.120})"
             ) from exc
         return out
+
+
+def _read_into(stream: Any, limit: int) -> bytearray:
+    """Read at most ``limit + 1`` bytes into one preallocated buffer."""
+    buf = bytearray(limit + 1)
+    view = memoryview(buf)
+    n = 0
+    try:
+        while n <= limit:
+            got = stream.readinto(view[n:])
+            if not got:
+                break
+            n += got
+    finally:
+        view.release()
+    del buf[n:]
+    return buf
+
+
+def _read_pieces(stream: Any, limit: int) -> bytearray:
+    """Read at most ``limit + 1`` bytes in pieces (the allowance is too large to reserve)."""
+    out = bytearray()
+    while len(out) <= limit:
+        piece = stream.read(min(_READ_PIECE, limit + 1 - len(out)))
+        if not piece:
+            break
+        out += piece
+    return out
 
 
 def expanded_limit(

@@ -460,7 +460,9 @@ class _ReadSession:
         if descriptors:  # verified as stored; now expanded, within what the metadata allows
             where = f"item {key!r} in {path}"
             limit = expanded_limit(self._sd_md, group[0].storage_index, is_bytes, where)
-            blob = memoryview(self._transforms.expand(blob, descriptors, limit, where))
+            blob = memoryview(
+                self._transforms.expand(blob, descriptors, limit, where, reserve=not is_bytes)
+            )
         if is_bytes:
             data = bytes(blob)
             value = load_byte_item(data, key, str(path))

@@ -253,7 +253,9 @@ class _Checker:
         descriptors, index = transformed
         limit = expanded_limit(md.state_dict_metadata, index, is_bytes, where)
         try:
-            expanded = self._transforms.expand(blob, descriptors, limit, where)
+            expanded = self._transforms.expand(
+                blob, descriptors, limit, where, reserve=not is_bytes
+            )
         except ValueError as exc:  # an extension this process does not have: cannot be read
             raise UnsafeCheckpointError(str(exc)) from exc
         finally:
