@@ -4,8 +4,9 @@ On an accelerator every host sync stops the CPU until the device catches up, so 
 the dispatch all-to-all with the shared experts (and of the next layer's launch with this one)
 disappears. Budgets per MoE layer (the steady state: from the second forward on):
 
-- under expert parallelism: one sync in the forward, the split sizes of the token all-to-all
-  (TorchTitan pays the same one), none in the backward; with a capacity factor the same;
+- under expert parallelism (EP 2, EP 3, EP 2 x TP 2): one sync in the forward, the split sizes
+  of the token all-to-all (TorchTitan pays the same one), none in the backward; with a capacity
+  factor the same;
 - on one device: none in a dropless forward; one with a capacity factor (the number of kept
   rows sizes the expert input), or with the per-expert loop (``use_grouped_mm=False``, or
   dtypes ``torch._grouped_mm`` does not take), which splits the rows on the host;
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
-from hp_cp_ep import ExpertParallel, MoE, MoEArgs, update_expert_bias
+from hp_cp_ep import ExpertParallel, ExpertTensorParallel, MoE, MoEArgs, update_expert_bias
 from hp_dtensor.testing import HostSyncCounter, count_host_syncs, distributed, rank_seed
 
 DIM, HIDDEN, TOKENS = 16, 32, 12
@@ -139,3 +140,22 @@ def test_expert_bias_update_reads_the_host_once_for_all_layers() -> None:
         assert (load.min, load.max) == (float(counts.min()), float(counts.max()))
         assert load.mean == float(counts.mean())
         assert load.imbalance == float(counts.max()) / float(counts.mean())
+
+
+@distributed(world_size=4)
+def test_expert_tensor_parallel_ep2_tp2_budget() -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    for overrides in ({}, {"capacity_factor": 1.0}):
+        moe = _moe(4, **overrides)
+        torch_parallelize_module(moe.experts, mesh, ExpertTensorParallel())
+        torch.manual_seed(7 + mesh.get_local_rank("ep"))  # TP ranks share their tokens
+        x, target = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+        (moe(x) * target).sum().backward()
+        with count_host_syncs() as forward:
+            out = moe(x)
+        loss = (out * target).sum()
+        with count_host_syncs() as backward:
+            loss.backward()
+        forward.assert_at_most(1, what=f"EP 2 x TP 2 MoE forward {overrides}")
+        assert forward.by_op == {"tolist": 1}
+        backward.assert_at_most(0, what=f"EP 2 x TP 2 MoE backward {overrides}")
