@@ -160,7 +160,7 @@ def _gather_everywhere(base: type) -> type:
 
 def _muon_part(model: torch.nn.Module, tokens: torch.Tensor, steps: int) -> dict[str, Any]:
     from hp_trainer import Muon, get_hyper_optimizer
-    from hp_trainer.muon import newton_schulz_flops
+    from hp_trainer.muon import _newton_schulz_flops
 
     model(tokens).float().logsumexp(-1).mean().backward()
     muon = get_hyper_optimizer(model, lr=1e-3)
@@ -185,7 +185,7 @@ def _muon_part(model: torch.nn.Module, tokens: torch.Tensor, steps: int) -> dict
     division = muon.work_division()
     hidden = list(muon.param_groups[0]["params"])
     division["ns_flops_everywhere"] = sum(
-        newton_schulz_flops(p.shape[-2], p.shape[-1], 5) * (p.shape[0] if p.ndim == 3 else 1)
+        _newton_schulz_flops(p.shape[-2], p.shape[-1], 5) * (p.shape[0] if p.ndim == 3 else 1)
         for p in hidden
     )
     return {"runs": runs, "division": division}

@@ -72,7 +72,7 @@ def _orthogonalize(
     return x if wide else x.T
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
+def _newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
     """Matrix-multiply FLOPs of :func:`_orthogonalize` on a ``rows x cols`` matrix.
 
     Per iteration, with ``r = min(rows, cols)`` and ``c = max(rows, cols)``: the Gram matrix
@@ -527,7 +527,7 @@ class Muon(torch.optim.Optimizer):
         for plan in self._last_plans:
             steps = [self.param_groups[g]["ns_steps"] for g, _ in plan.entries]
             for unit in plan.units:
-                flops = newton_schulz_flops(unit.rows, unit.cols, steps[unit.entry])
+                flops = _newton_schulz_flops(unit.rows, unit.cols, steps[unit.entry])
                 out["matrices"] += 1
                 out["ns_flops_total"] += flops
                 if unit.owner == plan.rank:
