@@ -222,3 +222,26 @@ def test_torch_checkpoint_next_to_foreign_files_is_replaced_in_place(tmp_path: P
     assert _load(path)["step"] == 2
     assert _fingerprint(path, list(before)) == before  # model.pt kept despite the forgery
     assert torch_file not in os.listdir(path)  # the previous checkpoint's data file went
+
+
+class _LateForeignFileWriter(hp_dcp.FileSystemWriter):
+    """Another program drops a file named like this save's data file while the save runs."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        (Path(self.path) / "__0_0.distcp").write_bytes(b"someone else's")
+        super().finish(metadata, results)
+
+
+def test_a_name_taken_during_the_save_is_not_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _foreign(path, distcp=False)  # no .distcp there: the save plans torch's names
+    hp_dcp.save(_state(1), storage_writer=_LateForeignFileWriter(path), no_dist=True)
+    assert (path / "__0_0.distcp").read_bytes() == b"someone else's"
+    assert _load(path)["step"] == 1  # verified, from the renamed file
+    names = {
+        info.relative_path
+        for info in tdcp.FileSystemReader(path).read_metadata().storage_data.values()
+    }
+    assert names
+    assert "__0_0.distcp" not in names
+    assert hp_dcp.check_checkpoint(path).status == hp_dcp.CheckpointStatus.VERIFIED

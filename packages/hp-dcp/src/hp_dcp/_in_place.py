@@ -26,9 +26,13 @@ to be ours once the save is gone).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import logging
 import os
+import pickle
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -119,12 +123,57 @@ def _previous(target: Path) -> dict[str, Any] | None:
     }
 
 
+def _fresh_name(name: str, target: Path, staging: Path) -> str:
+    stem = name.removesuffix(DEFAULT_SUFFIX)
+    for n in itertools.count():
+        candidate = f"{stem}_{uuid.uuid4().hex[:8]}{DEFAULT_SUFFIX}"
+        if not os.path.lexists(target / candidate) and not os.path.lexists(staging / candidate):
+            return candidate
+        if n > 100:  # pragma: no cover - 32 random bits colliding a hundred times
+            break
+    raise FileExistsError(f"no free file name for {name} in {target}")
+
+
+def _rename_staged(
+    staging: Path, target: Path, clashes: list[str], data_files: list[str], sync: bool
+) -> list[str]:
+    """Give the staged files whose names an entry of ``target`` has fresh names, rewriting the
+    staged ``.metadata`` and sidecar to match (an interruption leaves the staging directory
+    unverifiable, so the next save removes it: the checkpoint at ``target`` is untouched)."""
+    mapping = {name: _fresh_name(name, target, staging) for name in clashes}
+    source = str(staging / _METADATA_FILE)
+    blob = read_member(staging, _METADATA_FILE, source, _MAX_METADATA_BYTES)
+    metadata = validate_metadata(load_metadata(blob, source), source)
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path=mapping[info.relative_path])
+        if info.relative_path in mapping
+        else info
+        for index, info in metadata.storage_data.items()
+    }
+    sums = read_checksums(staging)
+    if sums is None:
+        raise IncompleteCheckpointError(f"{staging} has no {CHECKSUM_FILE}: not an hp-dcp save")
+    for old, fresh in mapping.items():
+        os.rename(staging / old, staging / fresh)
+    new_blob = pickle.dumps(metadata)
+    files = {mapping.get(name, name): entry for name, entry in sums["files"].items()}
+    files[_METADATA_FILE] = {"size": len(new_blob), "crc32": crc32(new_blob)}
+    write_synced(staging / _METADATA_FILE, new_blob, sync)
+    _replace_sidecar(staging, {**sums, "files": files}, sync)
+    _log.warning(
+        "hp-dcp: %s gained entries named like this save's files since it was planned; the "
+        "files were renamed %s",
+        target,
+        mapping,
+    )
+    return sorted(mapping.get(name, name) for name in data_files)
+
+
 def publish_in_place(staging: Path, target: Path, sync: bool) -> None:
     """Commit the complete checkpoint at ``staging`` into ``target`` next to foreign files.
 
-    Raises:
-        FileExistsError: a file of the new checkpoint has the name of an entry of ``target``
-            (nothing is moved then).
+    A file of the new checkpoint whose name an entry of ``target`` has meanwhile is renamed
+    first (never overwriting that entry).
     """
     new = read_checksums(staging)
     if new is None:
@@ -135,11 +184,10 @@ def publish_in_place(staging: Path, target: Path, sync: bool) -> None:
         if name not in (_METADATA_FILE, CHECKSUM_FILE, INCOMPLETE_MARKER)
     )
     clashes = [name for name in data_files if os.path.lexists(target / name)]
-    if clashes:
-        raise FileExistsError(
-            f"saving into {target} would overwrite {clashes}, which this save did not write; "
-            f"refusing (the finished save stays at {staging})"
-        )
+    if clashes:  # (the target changed since the save was planned): never overwrite, rename
+        data_files = _rename_staged(staging, target, clashes, data_files, sync)
+        new = read_checksums(staging)
+        assert new is not None
     old_files = owned_data_files(target)
     previous = _previous(target)
     _log.info(
