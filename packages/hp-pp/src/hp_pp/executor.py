@@ -216,6 +216,13 @@ class _Batch:
         self.parts = parts
         self.done = False
 
+    def release(self) -> None:
+        """Drop the tensors and works once complete (parts point back here: no cycle left)."""
+        for part in self.parts:
+            part.batch = None
+        self.parts = []
+        self.works = []
+
 
 class PipelineExecutor:
     """Runs one rank's action list.
@@ -504,6 +511,7 @@ class PipelineExecutor:
                     f"batch: {ops}) ({err})"
                 ) from err
         batch.done = True
+        batch.release()
 
     def _wait_recv(self, what: str, stage: PipelineStage, mb: int) -> None:
         kind = {"F": "activations", "B": "gradients", "PRE": "preprocess output"}[what]
@@ -514,10 +522,14 @@ class PipelineExecutor:
     def _reap(self) -> None:
         """Forget waited or completed batches, so their tensors can be freed before the step
         ends (NCCL reports completion as it happens; gloo only once waited)."""
-        if self._batches:
-            self._batches = [
-                b for b in self._batches if not (b.done or all(w.is_completed() for w in b.works))
-            ]
+        keep = []
+        for b in self._batches:
+            if b.done or all(w.is_completed() for w in b.works):
+                b.done = True
+                b.release()
+            else:
+                keep.append(b)
+        self._batches = keep
 
     def _run_preprocess(self, action: Action) -> None:
         pre = self.preprocess
