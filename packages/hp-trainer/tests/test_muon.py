@@ -83,8 +83,17 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def _observed() -> Iterator[dict[str, Any]]:
     """Count Newton-Schulz calls and the collective entry points (and every c10d op)."""
-    seen: dict[str, Any] = {"ns": [], "all_to_all": 0}
-    ns, a2a = muon_module._orthogonalize, dist.all_to_all_single
+    seen: dict[str, Any] = {"ns": [], "all_to_all": 0, "events": []}
+    ns, a2a, adamw = muon_module._orthogonalize, dist.all_to_all_single, muon_module.adamw
+    events = seen["events"]
+
+    class Waited:
+        def __init__(self, work: Any) -> None:
+            self.work = work
+
+        def wait(self) -> Any:
+            events.append("wait")
+            return self.work.wait()
 
     def counting_ns(matrix: torch.Tensor, *args: Any) -> torch.Tensor:
         seen["ns"].append(tuple(matrix.shape))
@@ -92,9 +101,16 @@ def _observed() -> Iterator[dict[str, Any]]:
 
     def counting_a2a(*args: Any, **kwargs: Any) -> Any:
         seen["all_to_all"] += 1
-        return a2a(*args, **kwargs)
+        events.append("issue")
+        work = a2a(*args, **kwargs)
+        return Waited(work) if kwargs.get("async_op") else work
+
+    def recorded_adamw(*args: Any, **kwargs: Any) -> None:
+        events.append("adamw")
+        adamw(*args, **kwargs)
 
     muon_module._orthogonalize = counting_ns  # type: ignore[assignment]
+    muon_module.adamw = recorded_adamw
     dist.all_to_all_single = counting_a2a
     try:
         with CommDebugMode() as comm:
@@ -103,6 +119,7 @@ def _observed() -> Iterator[dict[str, Any]]:
         seen["total"] = comm.get_total_counts()
     finally:
         muon_module._orthogonalize = ns  # type: ignore[assignment]
+        muon_module.adamw = adamw
         dist.all_to_all_single = a2a
 
 
@@ -171,6 +188,7 @@ def _fsdp_parity() -> dict[str, Any]:
     return {
         "ns": [fp32["ns"], deeper["ns"]],
         "all_to_all": [fp32["all_to_all"], deeper["all_to_all"]],
+        "events": [fp32["events"], deeper["events"]],
         "comm": [fp32["comm"], deeper["comm"]],
         "division": [fp32["division"], deeper["division"]],
     }
@@ -190,6 +208,8 @@ def test_muon_fsdp_matches_single_process_and_divides_the_work(world_size: int) 
         # one all-to-all to the owners, one back: independent of the parameter count
         for r in results:
             assert r["all_to_all"][case] == 2
+            # the gather is in flight while AdamW steps the embeddings, norms and head
+            assert r["events"][case] == ["issue", "adamw", "wait", "issue", "wait"]
             assert r["comm"][case] == {"c10d.alltoall_base_": 2}, r["comm"][case]
             division = r["division"][case]
             assert division["collectives"] == 2
@@ -351,7 +371,17 @@ def test_muon_single_process_equals_torch_and_rejects_bad_arguments() -> None:
     reference = _LM()
     seen = _run_parity(copy.deepcopy(reference), reference)
     assert len(seen["ns"]) == 4
-    assert seen["total"] == 0
+    assert seen["total"] == 0  # no communication in one process
+    assert seen["events"] == ["adamw"]
+    model = copy.deepcopy(reference)
+    optim = get_hyper_optimizer(model, gather_dtype=torch.float32)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    clone = copy.deepcopy(optim)  # the plans are not copied (they may hold process groups)
+    assert clone.gather_dtype == torch.float32
+    assert clone._plans == {}
+    assert set(optim.__getstate__()) == {"defaults", "state", "param_groups", "gather_dtype"}
     with pytest.raises(ValueError, match=r"shape \(40,\) is not 2-D"):
         Muon(reference.layers[0].norm.parameters())
     with pytest.raises(ValueError, match="adjust_lr_fn"):

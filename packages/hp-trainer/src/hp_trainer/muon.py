@@ -508,6 +508,16 @@ class Muon(torch.optim.Optimizer):
         self._muon_step()
         return loss
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the plans hold process groups: rebuilt at the next step, never pickled or copied
+        return {**super().__getstate__(), "gather_dtype": self.gather_dtype}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("gather_dtype", torch.bfloat16)
+        self._plans = {}
+        self._last_plans = []
+
     def work_division(self) -> dict[str, int]:
         """This rank's share of the Muon work, from the plan of the last step.
 
