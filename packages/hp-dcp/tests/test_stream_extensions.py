@@ -396,3 +396,23 @@ def test_malformed_descriptors_in_metadata_are_corruption(tmp_path: Path) -> Non
     (path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(hp_dcp.CheckpointCorruptionError, match="stream transform descriptors"):
         hp_dcp.load(_empty(), checkpoint_id=path, no_dist=True)
+
+
+class _Unbuildable(Xor):
+    """Known to the registry, but cannot be built here (as ZStandard without zstandard)."""
+
+    @staticmethod
+    def from_descriptor(version: str) -> Xor:
+        raise ValueError("no module named 'xorlib'")
+
+
+def test_extension_that_cannot_be_built_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _save(hp_dcp.FileSystemWriter(path, _extensions=[Xor()]))
+    registry = ExtensionRegistry()
+    registry.register(_Unbuildable)
+    target = _empty()
+    reader = hp_dcp.FileSystemReader(path, _extension_registry=registry)
+    with pytest.raises(ValueError, match=r"\['test\.xor/90'\].*no module named 'xorlib'"):
+        hp_dcp.load(target, storage_reader=reader, no_dist=True)
+    assert torch.equal(target["w"], torch.zeros(20, 30))
