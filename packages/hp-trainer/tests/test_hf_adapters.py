@@ -28,11 +28,9 @@ from hp_trainer.components.hf_io.adapters import (
     half_to_interleaved_rotary,
     interleaved_to_half_rotary,
 )
-from hp_trainer.models.llama3 import Llama3StateDictAdapter
-from hp_trainer.models.qwen3 import Qwen3StateDictAdapter
 from hp_trainer.models.common.decoder import Decoder, DecoderArgs
-from hp_trainer.models.llama3 import llama3_flavors
-from hp_trainer.models.qwen3 import qwen3_flavors
+from hp_trainer.models.llama3 import Llama3StateDictAdapter, llama3_flavors
+from hp_trainer.models.qwen3 import Qwen3StateDictAdapter, qwen3_flavors
 
 if hasattr(hp_fsdp, "fully_shard"):
     fully_shard = hp_fsdp.fully_shard

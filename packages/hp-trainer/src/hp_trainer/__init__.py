@@ -9,6 +9,7 @@ See Also:
 """
 
 from hp_trainer.__about__ import __version__
+from hp_trainer.callbacks import Callback, MetricsCallback, ProfilerCallback
 from hp_trainer.components.checkpoint import (
     CheckpointManager,
     LRSchedulersState,
@@ -97,6 +98,7 @@ HyperTrainerConfig = JobConfig
 __all__ = [
     "ActivationCheckpointConfig",
     "BaseTrainer",
+    "Callback",
     "CheckpointConfig",
     "CheckpointManager",
     "CheckpointPolicy",
@@ -120,6 +122,7 @@ __all__ = [
     "LRSchedulersContainer",
     "LRSchedulersState",
     "Llama3StateDictAdapter",
+    "MetricsCallback",
     "MetricsConfig",
     "MetricsProcessor",
     "MoEDecoderArgs",
@@ -133,6 +136,7 @@ __all__ = [
     "ParallelAwareDataloader",
     "ParallelDims",
     "ParallelismConfig",
+    "ProfilerCallback",
     "ProfilingConfig",
     "Qwen3MoE",
     "Qwen3MoeStateDictAdapter",

@@ -80,8 +80,19 @@ class JobSection:
     parallel degrees, or 1 when ``dp_shard`` is -1)."""
     print_config: bool = False
     """Print the resolved configuration at start-up."""
+    callbacks: list[str] = field(default_factory=list)
+    """Callback classes the trainer builds (no argument) and calls after its own, as
+    ``module:Class`` (comma-separated on the command line); each is imported and checked when
+    the configuration is parsed (see :class:`hp_trainer.Callback`)."""
 
     def __post_init__(self) -> None:
+        from hp_trainer.callbacks import load_callback_class
+
+        for spec in self.callbacks:
+            try:
+                load_callback_class(spec)
+            except (ValueError, TypeError) as exc:
+                _fail("job", "callbacks", spec, f"an importable callback class ({exc})")
         if self.nproc_per_node < 0:
             _fail("job", "nproc_per_node", self.nproc_per_node, "an integer >= 0")
         if not self.run_name or "/" in self.run_name:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import signal
 import time
@@ -22,6 +23,12 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor import device as hp_device
 from hp_trainer._parallel_api import loss_parallel
+from hp_trainer.callbacks import (
+    CallbackList,
+    MetricsCallback,
+    ProfilerCallback,
+    load_callback_class,
+)
 from hp_trainer.components.checkpoint import CheckpointManager
 from hp_trainer.components.data.dataset import (
     ParallelAwareDataloader,
@@ -109,8 +116,310 @@ def clip_grad_norm_(
     return total
 
 
-class Trainer:
-    """Build model, parallelism, optimizer, data and metrics from a config, then train.
+class BaseTrainer:
+    """The training loop without the model: steps, checkpoints, metrics, SIGTERM, callbacks.
+
+    What a step computes is the subclass's (:meth:`train_step` over the batches of
+    :meth:`data_iterator`); the loop runs the steps, reads their loss and gradient norm on log,
+    validation and checkpoint steps only (no host sync in between), checkpoints through
+    :attr:`checkpointer`, stops cleanly on SIGTERM (a full checkpoint, ``stopped.json``), and
+    calls the hooks of :attr:`callbacks` around all of it: the built-in metrics
+    (:class:`~hp_trainer.callbacks.MetricsCallback`: console, JSONL, TensorBoard, W&B, loss plot)
+    and profiler (:class:`~hp_trainer.callbacks.ProfilerCallback`), then ``job.callbacks``.
+
+    A subclass sets, before :meth:`train`: ``rank``, ``world_size``, ``device``, ``run_folder``,
+    ``metrics`` (a :class:`~hp_trainer.components.metrics.MetricsProcessor`), ``checkpointer``
+    (a :class:`~hp_trainer.components.checkpoint.CheckpointManager` with the trainer as
+    ``train_state``) and ``lr_schedulers``, then calls :meth:`install_callbacks`.
+
+    Args:
+        job_config: The configuration.
+
+    See Also:
+        HyperParallel's ``BaseTrainer``; :titan:`torchtitan.train.Trainer` (the loop part).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    run_folder: Path
+    metrics: MetricsProcessor
+    checkpointer: CheckpointManager
+    lr_schedulers: Any
+
+    def __init__(self, job_config: JobConfig) -> None:
+        self.job_config = job_config
+        self.callbacks = CallbackList()
+        """The callbacks, called in order (built-ins first, then ``job.callbacks``)."""
+        self.step = 0
+        self.losses: list[float] = []
+        """The global mean loss of every step run, read on log steps (and at the end)."""
+        self.grad_norms: list[float] = []
+        """The gradient norm of every step run, read with the losses."""
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._stop_requested = False
+        self._last_saved_step = -1
+        self._metrics_callback: MetricsCallback | None = None
+        self._profiler_callback: ProfilerCallback | None = None
+        self.stop_status: str | None = None
+        """None when the run reached ``training.steps``; after a SIGTERM, ``"saved"`` when a
+        checkpoint of the last completed step exists (resume by running again), else
+        ``"unsaved"`` (checkpointing is off)."""
+
+    # -- what a subclass provides ------------------------------------------------------------
+
+    def train_step(self, batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns the global loss and gradient norm as device tensors.
+
+        Raises:
+            NotImplementedError: In the base class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement train_step")
+
+    def data_iterator(self) -> Iterator[Any]:
+        """The batches of one step after another (what :meth:`train_step` takes).
+
+        Raises:
+            NotImplementedError: In the base class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement data_iterator")
+
+    def should_validate(self, step: int, last: bool) -> bool:
+        """Whether to run :meth:`validate` after ``step`` (never, here)."""
+        return False
+
+    def validate(self) -> tuple[float, float]:
+        """Run validation: ``(loss, perplexity)``.
+
+        Raises:
+            NotImplementedError: In the base class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no validation")
+
+    def log_extras(self) -> dict[str, Any] | None:
+        """Further fields of a log step's record (None: none)."""
+        return None
+
+    # -- callbacks -------------------------------------------------------------------------------
+
+    def install_callbacks(self) -> None:
+        """Add the built-in callbacks, then one instance of each class of ``job.callbacks``."""
+        self._metrics_callback = MetricsCallback(self.metrics)
+        self.callbacks.append(self._metrics_callback)
+        profiling = self.job_config.profiling
+        if profiling.enable_profiling or profiling.enable_memory_snapshot:
+            self._profiler_callback = ProfilerCallback(
+                lambda: StepProfiler(profiling, self.run_folder, self.rank)
+            )
+            self.callbacks.append(self._profiler_callback)
+        for spec in self.job_config.job.callbacks:
+            self.callbacks.append(load_callback_class(spec)())
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback after the others (any object with some :class:`Callback` hooks)."""
+        self.callbacks.append(callback)
+
+    @property
+    def profiler(self) -> StepProfiler | None:
+        """The profiler of the last :meth:`train` (``[profiling]``), or None."""
+        return None if self._profiler_callback is None else self._profiler_callback.profiler
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own checkpointed state (the step counter).
+
+        Returns:
+            ``{"step": step}``.
+
+        See Also:
+            :titan:`torchtitan.train.Trainer.state_dict`.
+        """
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Args:
+            state_dict: ``{"step": step}``.
+
+        See Also:
+            :titan:`torchtitan.train.Trainer.load_state_dict`.
+        """
+        self.step = int(state_dict["step"])
+
+    def _should_stop(self) -> bool:
+        """Whether any rank received SIGTERM: one all-reduce and read, made on read steps only.
+
+        The check runs before the first step and after each step whose values were read (log
+        steps, validation and checkpoint steps), where the host waits anyway; a stop requested
+        in between takes effect at the next such step. One process needs no collective.
+        """
+        if not (dist.is_initialized() and self.world_size > 1):
+            return self._stop_requested
+        flag = torch.zeros(1, device=self.device)
+        flag += float(self._stop_requested)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _read_pending(self) -> None:
+        """Read the losses and norms of the steps since the last read (one host sync)."""
+        if not self._pending:
+            return
+        steps = [step for step, _, _ in self._pending]
+        pairs = [torch.stack([loss.float(), norm.float()]) for _, loss, norm in self._pending]
+        values = torch.stack(pairs).tolist()
+        self._pending.clear()
+        for step, (loss, norm) in zip(steps, values, strict=True):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                raise RuntimeError(
+                    f"non-finite training state at step {step}: loss {loss}, grad_norm {norm}"
+                )
+            self.losses.append(loss)
+            self.grad_norms.append(norm)
+            self.callbacks.call("on_step_values", self, step, loss, norm)
+
+    @property
+    def stop_record_path(self) -> Path:
+        """``stopped.json`` in the run folder: written by rank 0 when SIGTERM stopped the run.
+
+        It holds ``{"step", "status", "checkpoint"}`` (``status`` as :attr:`stop_status`);
+        ``hp-train`` turns it into its exit status, and a run that starts again removes it.
+        """
+        return self.run_folder / "stopped.json"
+
+    def _write_stop_record(self) -> None:
+        if self.rank != 0:
+            return
+        saved = self.stop_status == "saved" and self.step > 0
+        record = {
+            "step": self.step,
+            "status": self.stop_status,
+            "checkpoint": str(self.checkpointer.step_dir(self.step)) if saved else None,
+        }
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        self.stop_record_path.write_text(json.dumps(record) + "\n")
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._stop_requested = True
+
+    def _run_step(self, batches: Any) -> bool:
+        """One training step with its logging, validation and checkpoint.
+
+        Returns:
+            Whether the host read the step's values (a log, validation or checkpoint step):
+            the trainer checks for a stop request after such steps only.
+        """
+        cfg = self.job_config.training
+        self.step += 1
+        step = self.step
+        self.callbacks.call("on_step_begin", self, step)
+        if cfg.gc_freq > 0 and step % cfg.gc_freq == 0:
+            gc.collect(1)
+        lr = self.lr_schedulers.get_last_lr()
+        loss, norm = self.train_step(batches)
+        self._pending.append((step, loss, norm))
+        self.callbacks.call("on_step_end", self, step)
+        last = step == cfg.steps
+        validate = self.should_validate(step, last)
+        log = self.metrics.should_log(step)
+        read = log or validate or last or self.checkpointer.is_due(step, last_step=last)
+        if read:
+            self._read_pending()
+        if log:
+            record = {"loss": self.losses[-1], "grad_norm": self.grad_norms[-1], "lr": lr}
+            record.update(self.log_extras() or {})
+            self.callbacks.call("on_log", self, step, record)
+        if validate:
+            val_loss, perplexity = self.validate()
+            self.callbacks.call("on_validation_end", self, step, val_loss, perplexity)
+        if self.checkpointer.save(step, last_step=last):
+            self._last_saved_step = step
+            self.callbacks.call("on_save", self, step)
+        return read
+
+    def train(self) -> list[float]:
+        """Run up to ``training.steps`` steps, checkpointing per ``[checkpoint]``.
+
+        With checkpointing enabled the run first resumes from the latest complete checkpoint
+        (or ``load_step``, or ``initial_load_path``), saves every ``interval`` steps and at the
+        last step, and on SIGTERM saves a full checkpoint of the step just completed and stops
+        cleanly. With ``create_seed_checkpoint`` it only writes ``step-0`` and returns.
+
+        Returns:
+            The global mean loss of every step run by this call.
+
+        See Also:
+            :titan:`torchtitan.train.Trainer.train`.
+        """
+        cfg = self.job_config.training
+        if self.job_config.checkpoint.create_seed_checkpoint:
+            path = self.checkpointer.create_seed_checkpoint()
+            if self.rank == 0:
+                logger.info("seed checkpoint written to %s", path)
+            return self.losses
+        if self.checkpointer.load() and self.rank == 0:
+            for step, error in self.checkpointer.skipped:
+                logger.warning("skipped the corrupted checkpoint step-%d: %s", step, error)
+            logger.info(
+                "resumed from checkpoint step-%d in %s (training step %d)",
+                self.checkpointer.loaded_step,
+                self.checkpointer.folder,
+                self.step,
+            )
+        self.callbacks.call("on_train_begin", self)
+        if self.rank == 0:  # from an earlier, stopped part of this run
+            self.stop_record_path.unlink(missing_ok=True)
+        previous = None
+        with contextlib.suppress(ValueError):  # not the main thread: no handler
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        gc_enabled = gc.isenabled()
+        if cfg.gc_freq > 0:
+            gc.disable()
+            gc.collect(1)
+        start = time.perf_counter()
+        try:
+            batches = self.data_iterator()
+            check_stop = True  # before the first step, then after each step that was read
+            while self.step < cfg.steps:
+                if check_stop and self._should_stop():
+                    if self.rank == 0:
+                        logger.warning("SIGTERM received: stopping after step %d", self.step)
+                    saved = self._last_saved_step == self.step or self.step == 0
+                    if not saved and self.checkpointer.save(self.step, force=True):
+                        saved = True
+                        self.callbacks.call("on_save", self, self.step)
+                        if self.rank == 0:
+                            logger.info("saved %s", self.checkpointer.step_dir(self.step))
+                    self.stop_status = "saved" if saved else "unsaved"
+                    self._write_stop_record()
+                    break
+                check_stop = self._run_step(next(batches))
+            self._read_pending()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if gc_enabled:
+                gc.enable()
+            self.callbacks.call("on_train_end", self)
+        plot = None if self._metrics_callback is None else self._metrics_callback.plot
+        if self.rank == 0:
+            logger.info(
+                "trained %d steps (now at step %d) in %.1f s; outputs in %s%s",
+                len(self.losses),
+                self.step,
+                time.perf_counter() - start,
+                self.run_folder,
+                f" (loss curve: {plot.name})" if plot is not None else "",
+            )
+        return self.losses
+
+
+class LLMTrainer(BaseTrainer):
+    """The language-model trainer: tokens, loss, validation, and the PP / CP wiring.
+
+    Builds model, parallelism, optimizer, data and metrics from a config; the loop is
+    :class:`BaseTrainer`'s.
 
     Works in a process group started by a launcher (``torchrun``/``hp-train``: the group is
     created from the environment), in one that already exists (tests), or alone (world size 1,
@@ -135,7 +444,7 @@ class Trainer:
     """
 
     def __init__(self, job_config: JobConfig) -> None:
-        self.job_config = job_config
+        super().__init__(job_config)
         cfg = job_config
         par = cfg.parallelism
         # every layout that cannot work fails here, before any process group exists
@@ -316,42 +625,35 @@ class Trainer:
                     "checkpoint.create_seed_checkpoint = true must run on one process (the seed "
                     f"checkpoint loads into any layout); got world size {self.world_size}"
                 )
-        self.step = 0
-        self.losses: list[float] = []
-        self.grad_norms: list[float] = []
-        self._stop_requested = False
-        self._last_saved_step = -1
-        self.profiler: StepProfiler | None = None
-        """The profiler of the last :meth:`train` (``[profiling]``), or None."""
-        self.stop_status: str | None = None
-        """None when the run reached ``training.steps``; after a SIGTERM, ``"saved"`` when a
-        checkpoint of the last completed step exists (resume by running again), else
-        ``"unsaved"`` (checkpointing is off)."""
+        self.install_callbacks()
         self._log_startup()
 
-    # -- checkpointed state ----------------------------------------------------------------------
+    # -- the LLM parts of the loop ---------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """The trainer's own checkpointed state (the step counter).
-
-        Returns:
-            ``{"step": step}``.
-
-        See Also:
-            :titan:`torchtitan.train.Trainer.state_dict`.
-        """
-        return {"step": self.step}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
+    def should_validate(self, step: int, last: bool) -> bool:
+        """Whether ``[validation]`` is due after ``step``.
 
         Args:
-            state_dict: ``{"step": step}``.
+            step: The step just completed.
+            last: Whether it is the last step.
 
-        See Also:
-            :titan:`torchtitan.train.Trainer.load_state_dict`.
+        Returns:
+            True when validation is enabled and due.
         """
-        self.step = int(state_dict["step"])
+        return self.validator is not None and self.validator.should_validate(step, last)
+
+    def validate(self) -> tuple[float, float]:
+        """The validation loss and perplexity of the current model (collective).
+
+        Returns:
+            ``(loss, perplexity)``.
+        """
+        assert self.validator is not None
+        return self.validator.validate(self.model)
+
+    def log_extras(self) -> dict[str, Any] | None:
+        """The MoE expert load of the last step (None without MoE layers)."""
+        return self.expert_load.metrics()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -454,12 +756,6 @@ class Trainer:
         with shards as (local_inputs, local_labels):
             yield local_inputs, local_labels, None
 
-    def _should_stop(self) -> bool:
-        flag = torch.tensor([1 if self._stop_requested else 0], device=self.device)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     # -- step ----------------------------------------------------------------------------------
 
     def forward_backward_step(
@@ -509,24 +805,28 @@ class Trainer:
             loss = loss.full_tensor()
         return loss.detach()
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches, no host sync.
+
+        The token count, the loss and the gradient norm stay on the device: nothing here waits
+        for the accelerator (no ``.item()``). :meth:`train` reads the values on log steps only
+        (one read for all the steps since the last one) and checks there that they are finite.
 
         Args:
             batches: ``(inputs, labels)`` micro-batches of this rank.
 
         Returns:
-            ``(global mean loss, total gradient norm before clipping)``.
-
-        Raises:
-            RuntimeError: If the loss or the gradient norm is not finite.
+            ``(global mean loss, total gradient norm before clipping)``, 0-dim tensors on the
+            device (reading one is a host sync).
 
         See Also:
             :titan:`torchtitan.train.Trainer.train_step`.
         """
         self.optimizers.zero_grad()
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = self._all_reduce_dp(torch.tensor(float(local_tokens), device=self.device))
+        local_tokens = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum()
+        global_tokens = self._all_reduce_dp(local_tokens.to(self.device, torch.float32))
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
             inputs = inputs.to(self.device)
@@ -546,141 +846,19 @@ class Trainer:
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, pp_mesh=pp_mesh)
-        loss = float(self._all_reduce_loss(loss_sum).item())
-        norm = float(grad_norm.item())
-        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(norm))):
-            raise RuntimeError(
-                f"non-finite training state at step {self.step}: loss {loss}, grad_norm {norm}"
-            )
+        loss = self._all_reduce_loss(loss_sum)
         # a background checkpoint stager may still be copying the weights of the previous step
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.expert_load.step()
         self.lr_schedulers.step()
-        return loss, norm
+        return loss.detach(), grad_norm.detach()
 
-    def _batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def data_iterator(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The ``gradient_accumulation_steps`` micro-batches of one step after another."""
         it = iter(self.dataloader)
         while True:
             yield [next(it) for _ in range(self.gradient_accumulation_steps)]
-
-    @property
-    def stop_record_path(self) -> Path:
-        """``stopped.json`` in the run folder: written by rank 0 when SIGTERM stopped the run.
-
-        It holds ``{"step", "status", "checkpoint"}`` (``status`` as :attr:`stop_status`);
-        ``hp-train`` turns it into its exit status, and a run that starts again removes it.
-        """
-        return self.run_folder / "stopped.json"
-
-    def _write_stop_record(self) -> None:
-        if self.rank != 0:
-            return
-        saved = self.stop_status == "saved" and self.step > 0
-        record = {
-            "step": self.step,
-            "status": self.stop_status,
-            "checkpoint": str(self.checkpointer.step_dir(self.step)) if saved else None,
-        }
-        self.run_folder.mkdir(parents=True, exist_ok=True)
-        self.stop_record_path.write_text(json.dumps(record) + "\n")
-
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        self._stop_requested = True
-
-    def train(self) -> list[float]:
-        """Run up to ``training.steps`` steps, checkpointing per ``[checkpoint]``.
-
-        With checkpointing enabled the run first resumes from the latest complete checkpoint
-        (or ``load_step``, or ``initial_load_path``), saves every ``interval`` steps and at the
-        last step, and on SIGTERM saves a full checkpoint of the step just completed and stops
-        cleanly. With ``create_seed_checkpoint`` it only writes ``step-0`` and returns.
-
-        Returns:
-            The global mean loss of every step run by this call.
-
-        See Also:
-            :titan:`torchtitan.train.Trainer.train`.
-        """
-        cfg = self.job_config.training
-        if self.job_config.checkpoint.create_seed_checkpoint:
-            path = self.checkpointer.create_seed_checkpoint()
-            if self.rank == 0:
-                logger.info("seed checkpoint written to %s", path)
-            return self.losses
-        if self.checkpointer.load() and self.rank == 0:
-            for step, error in self.checkpointer.skipped:
-                logger.warning("skipped the corrupted checkpoint step-%d: %s", step, error)
-            logger.info(
-                "resumed from checkpoint step-%d in %s (training step %d)",
-                self.checkpointer.loaded_step,
-                self.checkpointer.folder,
-                self.step,
-            )
-        self.metrics.start(self.step)
-        if self.rank == 0:  # from an earlier, stopped part of this run
-            self.stop_record_path.unlink(missing_ok=True)
-        previous = None
-        with contextlib.suppress(ValueError):  # not the main thread: no handler
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        gc_enabled = gc.isenabled()
-        if cfg.gc_freq > 0:
-            gc.disable()
-            gc.collect(1)
-        start = time.perf_counter()
-        profiling = self.job_config.profiling
-        if profiling.enable_profiling or profiling.enable_memory_snapshot:
-            self.profiler = StepProfiler(profiling, self.run_folder, self.rank)
-        try:
-            batches = self._batches()
-            while self.step < cfg.steps:
-                if self._should_stop():
-                    if self.rank == 0:
-                        logger.warning("SIGTERM received: stopping after step %d", self.step)
-                    saved = self._last_saved_step == self.step or self.step == 0
-                    if not saved and self.checkpointer.save(self.step, force=True):
-                        saved = True
-                        if self.rank == 0:
-                            logger.info("saved %s", self.checkpointer.step_dir(self.step))
-                    self.stop_status = "saved" if saved else "unsaved"
-                    self._write_stop_record()
-                    break
-                self.step += 1
-                if cfg.gc_freq > 0 and self.step % cfg.gc_freq == 0:
-                    gc.collect(1)
-                lr = self.lr_schedulers.get_last_lr()
-                loss, norm = self.train_step(next(batches))
-                if self.profiler is not None:
-                    self.profiler.step()
-                self.losses.append(loss)
-                self.grad_norms.append(norm)
-                self.metrics.observe_loss(self.step, loss)
-                if self.metrics.should_log(self.step):
-                    self.metrics.log(self.step, loss, norm, lr, extra=self.expert_load.metrics())
-                last = self.step == cfg.steps
-                if self.validator is not None and self.validator.should_validate(self.step, last):
-                    val_loss, perplexity = self.validator.validate(self.model)
-                    self.metrics.log_validation(self.step, val_loss, perplexity)
-                if self.checkpointer.save(self.step, last_step=self.step == cfg.steps):
-                    self._last_saved_step = self.step
-        finally:
-            if self.profiler is not None:
-                self.profiler.close()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            if gc_enabled:
-                gc.enable()
-        plot = self.metrics.close()
-        if self.rank == 0:
-            logger.info(
-                "trained %d steps (now at step %d) in %.1f s; outputs in %s%s",
-                len(self.losses),
-                self.step,
-                time.perf_counter() - start,
-                self.run_folder,
-                f" (loss curve: {plot.name})" if plot is not None else "",
-            )
-        return self.losses
 
     def close(self) -> None:
         """Release resources; destroys the process group if this trainer created it.
@@ -697,8 +875,12 @@ class Trainer:
             self._owns_process_group = False
 
 
-BaseTrainer = Trainer
-"""HyperParallel's ``BaseTrainer`` name for :class:`Trainer`."""
+class Trainer(LLMTrainer):
+    """TorchTitan's name for the trainer users run: the :class:`LLMTrainer`.
 
-LLMTrainer = Trainer
-"""HyperParallel's ``LLMTrainer`` name for :class:`Trainer`."""
+    Args:
+        job_config: The configuration.
+
+    See Also:
+        :titan:`torchtitan.train.Trainer`: TorchTitan's trainer.
+    """

@@ -615,6 +615,18 @@ class CheckpointManager:
             return True
         return last_step or curr_step % self.interval == 0
 
+    def is_due(self, curr_step: int, last_step: bool = False) -> bool:
+        """Whether :meth:`save` would save at ``curr_step`` (without ``force``).
+
+        Args:
+            curr_step: The step just completed.
+            last_step: Whether it is the last step of the run.
+
+        Returns:
+            True on a checkpoint step when checkpointing is enabled.
+        """
+        return self._should_save(curr_step, last_step)
+
     def _full_state(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, obj in self.states.items():

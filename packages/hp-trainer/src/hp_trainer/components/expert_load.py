@@ -10,8 +10,46 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_cp_ep import ExpertLoad, expert_load, moe_layers, update_expert_bias
+from hp_dtensor import device as hp_device
 
-__all__ = ["ExpertLoadTracker", "format_expert_load"]
+__all__ = ["ExpertLoadTracker", "collective_device", "format_expert_load"]
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device whose tensors ``group``'s collectives take.
+
+    A gloo-only group takes host tensors; any other group (NCCL, HCCL, or a group with one
+    backend per device type) takes tensors on this rank's compute device, which is the host on a
+    CPU job. A CPU tensor on an NCCL group fails ("No backend type associated with device type
+    cpu"), so every collective of the tracker builds its tensors here.
+
+    Args:
+        group: The process group (None: the default group).
+
+    Returns:
+        The device.
+    """
+    if str(dist.get_backend(group)) == hp_device.BACKEND_GLOO:
+        return torch.device(hp_device.DEVICE_TYPE_CPU)
+    return hp_device.get_device()
+
+
+def _gather_names(names: list[str], group: dist.ProcessGroup, device: torch.device) -> list[Any]:
+    """Every rank's list of names (UTF-8 bytes gathered as tensors on the group's device)."""
+    data = torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8, device=device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=device), group=group)
+    longest = max(int(s.item()) for s in sizes)  # once, at set-up
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    out = []
+    for size, row in zip(sizes, gathered, strict=True):
+        text = bytes(row[: int(size.item())].tolist()).decode()
+        out.append(text.split("\n") if text else [])
+    return out
 
 
 class ExpertLoadTracker:
@@ -49,10 +87,21 @@ class ExpertLoadTracker:
         self.process_group = process_group
         self.pipeline_group = pipeline_group
         self.enabled = any(moe_layers(part) for part in self.model_parts)
+        self._stage_layers: list[list[str]] = []
+        self._experts = 0
         if pipeline_group is not None:  # some stage holds MoE layers: every stage gathers
-            flag = torch.tensor([int(self.enabled)])
+            device = collective_device(pipeline_group)
+            local = {n: m for part in self.model_parts for n, m in moe_layers(part).items()}
+            sizes = {int(m.tokens_per_expert.numel()) for m in local.values()}
+            if len(sizes) > 1:
+                raise ValueError(f"MoE layers with different expert counts {sorted(sizes)}")
+            experts = max(sizes, default=0)
+            flag = torch.tensor([experts], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pipeline_group)
-            self.enabled = bool(flag.item())
+            self._experts = int(flag.item())  # once, at set-up
+            self.enabled = self._experts > 0
+            if self.enabled:  # which layers each stage holds, in the order it sends them
+                self._stage_layers = _gather_names(list(local), pipeline_group, device)
         self.loads: dict[str, ExpertLoad] = {}
         """The global load of every MoE layer over the last step, by FQN."""
 
@@ -71,16 +120,27 @@ class ExpertLoadTracker:
         self.loads = loads
         return loads
 
-    @staticmethod
     def _gather_stages(
-        loads: dict[str, ExpertLoad], pipeline_group: dist.ProcessGroup
+        self, loads: dict[str, ExpertLoad], pipeline_group: dist.ProcessGroup
     ) -> dict[str, ExpertLoad]:
-        """The loads of every stage's layers (already global over data parallel), by FQN."""
-        mine = {name: load.tokens_per_expert.tolist() for name, load in loads.items()}
-        stages: list[Any] = [None] * dist.get_world_size(pipeline_group)
-        dist.all_gather_object(stages, mine, group=pipeline_group)
-        counts = {name: c for stage in stages for name, c in stage.items()}
-        return {name: expert_load(torch.tensor(c)) for name, c in counts.items()}
+        """The loads of every stage's layers (already global over data parallel), by FQN.
+
+        One all-gather of a ``[layers, experts]`` count tensor per stage (padded to the stage
+        with the most MoE layers), on the group's device: no object collective, no pickling.
+        """
+        device = collective_device(pipeline_group)
+        rows = max(len(names) for names in self._stage_layers)
+        mine = torch.zeros(rows, self._experts, dtype=torch.float32, device=device)
+        rank = dist.get_rank(pipeline_group)
+        for i, name in enumerate(self._stage_layers[rank]):
+            mine[i] = loads[name].tokens_per_expert.to(device)
+        stages = [torch.empty_like(mine) for _ in self._stage_layers]
+        dist.all_gather(stages, mine, group=pipeline_group)
+        return {
+            name: expert_load(counts[i])
+            for names, counts in zip(self._stage_layers, stages, strict=True)
+            for i, name in enumerate(names)
+        }
 
     def metrics(self) -> dict[str, Any] | None:
         """The last step's load as JSONL fields (None without MoE layers or before a step).
