@@ -585,14 +585,14 @@ class PrepareModuleInput(ParallelStyle):
         use_local_output: hand the module local tensors instead of DTensors.
 
     Raises:
-        TPUsageError: (a ``ValueError`` and an ``AssertionError``, PyTorch's type) when the
-            layout tuples or keyword-layout dicts disagree in length, when ``input_layouts`` is
-            given without ``desired_input_layouts``, or when ``desired_input_kwarg_layouts``
-            names a keyword input ``input_kwarg_layouts`` does not.
-        ValueError: at forward time, when the number of positional inputs differs from
-            ``input_layouts``.
-        TPInputTypeError: (a ``TypeError`` and an ``AssertionError``) at forward time, when an
-            input with a layout is not a tensor.
+        ValueError: ``hp_tp.errors.TPUsageError``, also an ``AssertionError`` (PyTorch's type),
+            when the layout tuples or keyword-layout dicts disagree in length, when
+            ``input_layouts`` is given without ``desired_input_layouts``, or when
+            ``desired_input_kwarg_layouts`` names a keyword input ``input_kwarg_layouts`` does
+            not; a plain ``ValueError`` at forward time, when the number of positional inputs
+            differs from ``input_layouts``.
+        TypeError: ``hp_tp.errors.TPInputTypeError``, also an ``AssertionError``, at forward
+            time, when an input with a layout is not a tensor.
 
     See Also:
         :pt:`torch.distributed.tensor.parallel.PrepareModuleInput`: PyTorch's input preparation.
@@ -727,9 +727,9 @@ class PrepareModuleOutput(ParallelStyle):
         use_local_output: return local tensors instead of DTensors.
 
     Raises:
-        TPUsageError: (a ``ValueError`` and an ``AssertionError``, PyTorch's type) when the
-            layout tuples disagree in length.
-        ValueError: at forward time, when the number of outputs differs from ``output_layouts``.
+        ValueError: ``hp_tp.errors.TPUsageError``, also an ``AssertionError`` (PyTorch's type),
+            when the layout tuples disagree in length; a plain ``ValueError`` at forward time,
+            when the number of outputs differs from ``output_layouts``.
 
     See Also:
         :pt:`torch.distributed.tensor.parallel.PrepareModuleOutput`: PyTorch's output preparation.
