@@ -40,7 +40,7 @@ See Also:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,48 +49,46 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 __all__ = ["WeightPass", "backward_input", "cut_from_graph"]
 
 
-def _children(node: Node) -> list[tuple[Node, int]]:
-    return [(child, nr) for child, nr in node.next_functions if child is not None]
-
-
-def _leaf_of(node: Node) -> torch.Tensor | None:
+def _leaf_of(node: Node, children: list[Node]) -> torch.Tensor | None:
     """The tensor an ``AccumulateGrad`` node accumulates into (``None`` for other nodes)."""
-    if node.next_functions:
+    if children:
         return None
     variable = getattr(node, "variable", None)
     return variable if isinstance(variable, torch.Tensor) else None
 
 
-def _post_order(starts: Sequence[Node]) -> list[Node]:
-    """Every node reachable from ``starts``, children before parents (iterative DFS)."""
+def _graph(starts: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node reachable from ``starts`` in post-order (children before parents, by an
+    iterative DFS), and each node's children (``next_functions`` is read once per node: every
+    read builds new tuples)."""
     order: list[Node] = []
-    seen: set[Node] = set()
+    kids: dict[Node, list[Node]] = {}
+
+    def visit(node: Node) -> Iterator[Node]:
+        kids[node] = [c for c, _ in node.next_functions if c is not None]
+        return iter(kids[node])
+
     for start in starts:
-        if start in seen:
+        if start in kids:
             continue
-        seen.add(start)
-        stack: list[tuple[Node, int]] = [(start, 0)]
+        stack = [(start, visit(start))]
         while stack:
-            node, i = stack.pop()
-            children = node.next_functions
-            while i < len(children):
-                child = children[i][0]
-                i += 1
-                if child is not None and child not in seen:
-                    seen.add(child)
-                    stack.append((node, i))
-                    stack.append((child, 0))
+            node, pending = stack[-1]
+            for child in pending:
+                if child not in kids:
+                    stack.append((child, visit(child)))
                     break
             else:
+                stack.pop()
                 order.append(node)
-    return order
+    return order, kids
 
 
-def _reaching(order: list[Node], targets: set[Node]) -> set[Node]:
+def _reaching(order: list[Node], kids: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
     """The nodes of ``order`` (post-order) from which a node of ``targets`` is reachable."""
     out: set[Node] = set()
     for node in order:
-        if node in targets or any(c in out for c, _ in _children(node)):
+        if node in targets or any(c in out for c in kids[node]):
             out.add(node)
     return out
 
@@ -219,20 +217,20 @@ def backward_input(
         The gradients of ``input_leaves`` (``None`` where unused), and the weight pass.
     """
     root_edges = [get_gradient_edge(r) for r in roots]
-    order = _post_order([e.node for e in root_edges])
+    order, kids = _graph([e.node for e in root_edges])
     input_ids = {id(t) for t in input_leaves}
     input_nodes: set[Node] = set()
     weight_nodes: dict[Node, torch.Tensor] = {}
     for node in order:
-        leaf = _leaf_of(node)
+        leaf = _leaf_of(node, kids[node])
         if leaf is None:
             continue
         if id(leaf) in input_ids:
             input_nodes.add(node)
         else:
             weight_nodes[node] = leaf
-    chain = _reaching(order, input_nodes)
-    to_weights = _reaching(order, set(weight_nodes))
+    chain = _reaching(order, kids, input_nodes)
+    to_weights = _reaching(order, kids, set(weight_nodes))
 
     # Starts of the weight pass, and the weight-side subgraph each one reaches.
     uf = _UnionFind()
@@ -250,7 +248,7 @@ def backward_input(
             if node in assigned:
                 continue
             assigned.add(node)
-            for child, _ in _children(node):
+            for child in kids[node]:
                 if child in to_weights and child not in chain:
                     uf.union(node, child)
                     if child not in assigned:
@@ -269,7 +267,7 @@ def backward_input(
     for node in reversed(order):  # parents first: the order a backward reaches them
         if node not in chain or node in input_nodes:
             continue
-        off_chain = [c for c, _ in _children(node) if c in to_weights and c not in chain]
+        off_chain = [c for c in kids[node] if c in to_weights and c not in chain]
         if off_chain:
             starts.append(node)
             split_nodes.append(node)
