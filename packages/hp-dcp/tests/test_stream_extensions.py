@@ -367,21 +367,21 @@ class _Payload:
 
 
 @needs_zstd
-def test_pickle_payload_inside_a_compressed_byte_item_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fqn", ["meta.step", "w"])  # a byte item, a tensor item
+def test_pickle_payload_inside_a_compressed_item_is_refused(tmp_path: Path, fqn: str) -> None:
     import zstandard
 
     path = tmp_path / "ckpt"
     path.mkdir()
     tdcp.save(_state(), storage_writer=tdcp.FileSystemWriter(path), no_dist=True)
     raw = io.BytesIO()
-    torch.save(_Payload(), raw)  # a torch.save'd byte item, as DCP stores them
-    _rewrite_item(
-        path, "meta.step", zstandard.ZstdCompressor().compress(raw.getvalue()), ["stream.zstd/1"]
-    )
+    torch.save(_Payload(), raw)  # a torch.save archive, as DCP stores every item
+    _rewrite_item(path, fqn, zstandard.ZstdCompressor().compress(raw.getvalue()), ["stream.zstd/1"])
     target = _empty()
-    with pytest.raises(hp_dcp.UnsafeCheckpointError):
+    with pytest.raises(hp_dcp.UnsafeCheckpointError, match=r"(os|posix)\.system"):
         hp_dcp.load(target, checkpoint_id=path, no_dist=True)
     assert target["meta"] == {"step": 0, "name": ""}
+    assert torch.equal(target["w"], torch.zeros(20, 30))
 
 
 def test_malformed_descriptors_in_metadata_are_corruption(tmp_path: Path) -> None:
