@@ -25,7 +25,12 @@ if TYPE_CHECKING:
     from hp_trainer.config import ParallelismConfig
     from hp_trainer.protocols.model_spec import ModelSpec
 
-__all__ = ["CP_ROTATE_METHODS", "ContextParallelStep", "supports_context_parallel"]
+__all__ = [
+    "CP_ROTATE_METHODS",
+    "ContextParallelStep",
+    "create_context_parallel_ctx",
+    "supports_context_parallel",
+]
 
 CP_ROTATE_METHODS = ("allgather", "alltoall", "ring", "ulysses", "hybrid")
 """Values of ``parallelism.context_parallel_rotate_method``: TorchTitan's ``allgather`` and
@@ -40,6 +45,60 @@ _ENGINE_MODE = {
     "ulysses": "ulysses",
     "hybrid": "hybrid",
 }
+
+
+def create_context_parallel_ctx(
+    cp_mesh: DeviceMesh,
+    cp_buffers: list[torch.Tensor],
+    cp_seq_dims: list[int],
+    cp_no_restore_buffers: set[torch.Tensor],
+    cp_rotate_method: str,
+    *,
+    load_balance: bool = True,
+) -> contextlib.AbstractContextManager[None]:
+    """TorchTitan's trainer-side context manager, on hp-cp-ep's engine.
+
+    Wrap one step's forward and backward in it: inside, the buffers (inputs, labels, positions,
+    RoPE tables) are this rank's sequence shards and SDPA is context-parallel; on exit the
+    buffers not in ``cp_no_restore_buffers`` are whole again. The rotate method applies to this
+    context only (TorchTitan sets PyTorch's process-wide one).
+
+    Args:
+        cp_mesh: The 1-D context-parallel mesh.
+        cp_buffers: Tensors to shard along the sequence.
+        cp_seq_dims: Their sequence dimensions.
+        cp_no_restore_buffers: Buffers left sharded on exit (usually inputs and labels).
+        cp_rotate_method: ``"allgather"`` or ``"alltoall"`` (TorchTitan's names; ``"alltoall"``
+            passes K/V shards around a ring), or ``"ring"`` / ``"ulysses"``.
+        load_balance: Keyword-only extension: head-tail sharding (default).
+
+    Returns:
+        The context manager (nothing to do on a mesh of size 1).
+
+    Raises:
+        ValueError: An unknown rotate method (``"hybrid"`` needs the trainer's 2-D mesh:
+            :class:`ContextParallelStep`).
+
+    Example:
+        >>> # with create_context_parallel_ctx(mesh, [x, y], [1, 1], {x, y}, "alltoall"):
+        >>> #     loss_fn(model(x), y).backward()
+
+    See Also:
+        :titan:`torchtitan.distributed.utils.create_context_parallel_ctx`: TorchTitan's helper
+        over PyTorch's
+        :pt:`context_parallel <torch.distributed.tensor.experimental.context_parallel>`.
+    """
+    methods = [m for m in CP_ROTATE_METHODS if m != "hybrid"]
+    if cp_rotate_method not in methods:
+        raise ValueError(f"cp_rotate_method must be one of {methods}; got {cp_rotate_method!r}")
+    return context_parallel(
+        cp_mesh,
+        buffers=cp_buffers,
+        buffer_seq_dims=cp_seq_dims,
+        no_restore_buffers=cp_no_restore_buffers,
+        mode=_ENGINE_MODE[cp_rotate_method],
+        load_balance=load_balance,
+    )
 
 
 def supports_context_parallel(spec: ModelSpec) -> bool:
@@ -67,7 +126,7 @@ class ContextParallelStep:
 
     See Also:
         :titan:`torchtitan.distributed.utils.create_context_parallel_ctx`: TorchTitan's helper
-        (``hp_cp_ep.create_context_parallel_ctx`` on our engine).
+        (:func:`create_context_parallel_ctx` here, on the same engine).
     """
 
     def __init__(self, cp_mesh: DeviceMesh, parallelism: ParallelismConfig) -> None:
