@@ -192,6 +192,7 @@ def test_nothing_on_matmul_linear_and_mlp_forward_backward() -> None:
         torch._assert_async(ok)
         x.to("cpu")  # a CPU tensor to its own device: no copy
         torch.as_tensor(x)  # a tensor: no Python data
+        torch.tensor(1.0, device="cpu")  # a host tensor by intent (torch.optim does this)
     assert syncs.total == 0, syncs.summary()
     assert all(p.grad is not None for p in model.parameters())
 

@@ -358,7 +358,9 @@ class HostSyncCounter:
             data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else None)
             if data is None:
                 data = kwargs.get("data", kwargs.get("obj"))
-            if not isinstance(data, torch.Tensor):
+            # ``device="cpu"`` spelled as a string asks for a host tensor on any machine (as
+            # PyTorch's optimizers do for their step increments): no host-to-device copy.
+            if not isinstance(data, torch.Tensor) and kwargs.get("device") != "cpu":
                 op = TENSOR_FROM_PYTHON
         elif func is _TOLIST:
             if self._is_device(args[0]):
@@ -418,7 +420,8 @@ def count_host_syncs(
     device-to-host copies (``.cpu()``, ``copy_``/``.to`` from an accelerator to the host, or
     into a tensor ``device_tensors`` says is on the host; a non-blocking copy into pinned memory
     is not a sync), and tensors created from Python data (``torch.tensor``, ``as_tensor``,
-    ``asarray``, ``new_tensor``: an implicit host-to-device copy). Not counted: anything else
+    ``asarray``, ``new_tensor``: an implicit host-to-device copy; not when ``device="cpu"`` is
+    spelled as a string, which asks for a host tensor on any machine). Not counted: anything else
     (a matmul, a linear layer forward and backward, collectives, ``nonzero_static``,
     ``torch._assert_async``).
 
