@@ -6,10 +6,10 @@ plans, lazy state), then one step (forward, backward, optimizer step) with
 ``torch.cuda.set_sync_debug_mode("warn")``, counting the synchronizing CUDA calls it reports
 (each warning names the Python line), and, for layouts whose budget is zero, one more step with
 ``torch.cuda.set_sync_debug_mode("error")``, which raises at the first one. The forward and
-backward of the step are also counted with :func:`hp_dtensor.testing.count_host_syncs` (device
-tensors: the GPU's), so the CPU counter the tests rely on is checked against the hardware's own
-report (the optimizer step is left to CUDA's report: PyTorch's eager optimizers keep their step
-counters on the host on purpose).
+backward and optimizer step are also counted with :func:`hp_dtensor.testing.count_host_syncs`
+(device tensors: the GPU's; the optimizer's step counters declared host tensors, as PyTorch's
+eager optimizers keep them there on purpose), so the CPU counter the tests rely on is checked
+against the hardware's own report.
 
 Layouts (world 1, and world 2 over NCCL when two GPUs are visible):
 
@@ -65,19 +65,11 @@ from _common import TiedTransformer, free_port
 
 VOCAB, DIM, HEADS, SEQ, BATCH, BLOCKS = 512, 128, 4, 64, 4, 2
 Step = Callable[[], None]
-Built = tuple[Step, Step | None, int]  # forward + backward, optimizer step (or None), budget
+Built = tuple[Step, torch.optim.Optimizer | None, int]  # forward + backward, optimizer, budget
 
 
 def _adamw(model: nn.Module, foreach: bool = True) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
-
-
-def _optimizer_step(opt: torch.optim.Optimizer) -> Step:
-    def step() -> None:
-        opt.step()
-        opt.zero_grad()
-
-    return step
 
 
 def _tokens(device: torch.device, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +93,7 @@ def _fsdp(device: torch.device, world: int, rank: int) -> Built:
         logits = model(tokens)
         F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
 
-    return step, _optimizer_step(opt), 0
+    return step, opt, 0
 
 
 class _MLP(nn.Module):
@@ -127,7 +119,7 @@ def _tp(device: torch.device, world: int, rank: int) -> Built:
     def step() -> None:
         model(x).square().mean().backward()
 
-    return step, _optimizer_step(opt), 0
+    return step, opt, 0
 
 
 def _ep(device: torch.device, world: int, rank: int) -> Built:
@@ -144,7 +136,7 @@ def _ep(device: torch.device, world: int, rank: int) -> Built:
     def step() -> None:
         moe(x).float().square().mean().backward()
 
-    return step, _optimizer_step(opt), 1 if world > 1 else 0
+    return step, opt, 1 if world > 1 else 0
 
 
 def _cp(mode: str) -> Callable[[torch.device, int, int], Built]:
@@ -189,7 +181,7 @@ def _pp(device: torch.device, world: int, rank: int) -> Built:
         else:
             schedule.step()
 
-    return step, _optimizer_step(opt), 0
+    return step, opt, 0
 
 
 LAYOUTS: dict[str, Callable[[torch.device, int, int], Built]] = {
@@ -234,24 +226,23 @@ def _raises_on_sync(step: Step) -> str | None:
 def _check(name: str, device: torch.device, world: int, rank: int, on_gpu: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"layout": name, "world": world}
     try:
-        forward_backward, optimizer_step, budget = LAYOUTS[name](device, world, rank)
+        forward_backward, opt, budget = LAYOUTS[name](device, world, rank)
 
         def step() -> None:
             forward_backward()
-            if optimizer_step is not None:
-                optimizer_step()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
 
         row["budget"] = budget
         step()  # warm-up: first-step peer checks, plans and lazy state
         is_device: Callable[[torch.Tensor], bool] | None = (
             (lambda t: t.device.type == device.type) if on_gpu else None
         )
-        # The CPU counter judges forward and backward; PyTorch's eager optimizers keep their
-        # step counters on the host on purpose (CUDA's own report below covers the whole step).
-        with count_host_syncs(device_tensors=is_device) as counted:
-            forward_backward()
-        if optimizer_step is not None:
-            optimizer_step()
+        # PyTorch's eager optimizers keep their step counters on the host on purpose.
+        steps = [s["step"] for s in opt.state.values() if "step" in s] if opt is not None else []
+        with count_host_syncs(device_tensors=is_device, host_tensors=steps) as counted:
+            step()
         row["counter"] = counted.total
         row["counter_sites"] = dict(Counter(f"{op} at {site}" for op, site in counted.events))
         if on_gpu:
