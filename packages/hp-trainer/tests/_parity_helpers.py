@@ -74,12 +74,26 @@ def full_state(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
+_REFERENCES: dict[str, tuple[list[float], list[float], Any]] = {}
+
+
 def reference(folder: Path, local_bs: int, **kw: Any) -> tuple[list[float], list[float], Any]:
-    """The single-process run of :func:`job`: losses, gradient norms, final parameters."""
-    trainer = Trainer(job(folder, {}, run="ref", local_bs=local_bs, **kw))
-    losses = trainer.train()
-    trainer.close()
-    return losses, trainer.grad_norms, full_state(trainer.model_parts)
+    """The single-process run of :func:`job`: losses, gradient norms, final parameters.
+
+    Computed once per test session for each (batch, options) and shared (read-only) by every
+    test that compares with it: the run is deterministic and its corpus the same wherever it is
+    written. A reference that checkpoints (its files are used) runs every time.
+    """
+    key = repr((local_bs, sorted(kw.items())))
+    if "checkpoint" in kw or key not in _REFERENCES:
+        trainer = Trainer(job(folder, {}, run="ref", local_bs=local_bs, **kw))
+        losses = trainer.train()
+        trainer.close()
+        result = (losses, trainer.grad_norms, full_state(trainer.model_parts))
+        if "checkpoint" in kw:
+            return result
+        _REFERENCES[key] = result
+    return _REFERENCES[key]
 
 
 def assert_matches_reference(

@@ -72,6 +72,18 @@ def _train(
     return losses, trainer.grad_norms, trainer.dp_rank
 
 
+_SINGLE: dict[tuple[str, int, int], Any] = {}
+
+
+def _single_process(folder: str, model: str, local_bs: int, global_bs: int) -> Any:
+    """The one-process run of a case, computed once per session (fsdp2xtp2, hsdp2x1xtp2 and
+    the compile test share one)."""
+    key = (model, local_bs, global_bs)
+    if key not in _SINGLE:
+        _SINGLE[key] = _train(folder, model, local_bs, global_bs, {}, ref=True)
+    return _SINGLE[key]
+
+
 _CASES = [
     # (world size, model, per-rank batch, global batch, parallelism)
     (3, "llama3", 2, -1, {"data_parallel_shard_degree": 3}),
@@ -106,7 +118,7 @@ def test_parallel_losses_match_single_process(
         _train, ws, str(tmp_path), model, local_bs, global_bs, par, timeout=120
     )
     dp = ws // par.get("tensor_parallel_degree", 1)
-    ref_losses, ref_norms, _ = _train(str(tmp_path), model, local_bs * dp, global_bs, {}, ref=True)
+    ref_losses, ref_norms, _ = _single_process(str(tmp_path), model, local_bs * dp, global_bs)
     assert len(ref_losses) == 10
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it learns
     dp_ranks = set()
@@ -168,7 +180,7 @@ def _train_compiled(folder: str) -> Any:
 
 def test_compiled_blocks_under_fsdp_match_eager(tmp_path: Path) -> None:
     compiled = run_distributed(_train_compiled, 2, str(tmp_path), timeout=180)
-    eager, _, _ = _train(str(tmp_path), "llama3", 4, -1, {}, ref=True)
+    eager, _, _ = _single_process(str(tmp_path), "llama3", 4, -1)
     torch.testing.assert_close(
         torch.tensor(compiled[0]), torch.tensor(eager[:2]), rtol=1e-5, atol=1e-5
     )
