@@ -149,7 +149,7 @@ class _CrashError(Exception):
 @pytest.mark.parametrize(
     ("fail_at", "expect"),
     [
-        ("rename:1", 1),  # while the data files move in: the previous checkpoint is intact
+        ("link:1", 1),  # while the data files move in: the previous checkpoint is intact
         ("replace:2", 1),  # sidecar replaced, .metadata not yet: the previous one, verified
         ("replace:3", 2),  # .metadata in, the final sidecar not yet: the new one, verified
     ],
@@ -161,8 +161,8 @@ def test_crash_during_in_place_commit(
     before = _foreign(path)
     hp_dcp.save(_state(1), checkpoint_id=path, no_dist=True)
     kind, nth = fail_at.split(":")
-    calls = {"rename": 0, "replace": 0}
-    real = {"rename": os.rename, "replace": os.replace}
+    calls = {"link": 0, "replace": 0}
+    real = {"link": os.link, "replace": os.replace}
 
     def failing(which: str) -> Any:
         def op(src: Any, dst: Any) -> None:
@@ -173,7 +173,7 @@ def test_crash_during_in_place_commit(
 
         return op
 
-    monkeypatch.setattr(_in_place.os, "rename", failing("rename"))
+    monkeypatch.setattr(_in_place.os, "link", failing("link"))
     monkeypatch.setattr(_in_place.os, "replace", failing("replace"))
     with pytest.raises(CheckpointException) as info:
         hp_dcp.save(_state(2), checkpoint_id=path, no_dist=True)
@@ -244,4 +244,25 @@ def test_a_name_taken_during_the_save_is_not_overwritten(tmp_path: Path) -> None
     }
     assert names
     assert "__0_0.distcp" not in names
+    assert hp_dcp.check_checkpoint(path).status == hp_dcp.CheckpointStatus.VERIFIED
+
+
+def test_a_name_taken_during_the_move_is_not_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race after the names were checked: the file appears just before the move."""
+    path = tmp_path / "ckpt"
+    _foreign(path, distcp=False)
+    real_link = os.link
+
+    def racing_link(src: Any, dst: Any) -> None:
+        if Path(dst).name == "__0_0.distcp" and not Path(dst).exists():
+            Path(dst).write_bytes(b"someone else's")
+        real_link(src, dst)
+
+    monkeypatch.setattr(_in_place.os, "link", racing_link)
+    hp_dcp.save(_state(1), checkpoint_id=path, no_dist=True)
+    monkeypatch.undo()
+    assert (path / "__0_0.distcp").read_bytes() == b"someone else's"
+    assert _load(path)["step"] == 1
     assert hp_dcp.check_checkpoint(path).status == hp_dcp.CheckpointStatus.VERIFIED

@@ -134,6 +134,22 @@ def _fresh_name(name: str, target: Path, staging: Path) -> str:
     raise FileExistsError(f"no free file name for {name} in {target}")
 
 
+def _move_no_clobber(src: Path, dst: Path) -> bool:
+    """Move ``src`` to ``dst`` unless ``dst`` exists (atomically where the file system has hard
+    links; ``False`` when ``dst`` exists)."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    except OSError:  # no hard links here (EPERM, ENOTSUP, EXDEV): check, then rename
+        if os.path.lexists(dst):
+            return False
+        os.rename(src, dst)
+        return True
+    os.unlink(src)
+    return True
+
+
 def _rename_staged(
     staging: Path, target: Path, clashes: list[str], data_files: list[str], sync: bool
 ) -> list[str]:
@@ -195,8 +211,15 @@ def publish_in_place(staging: Path, target: Path, sync: bool) -> None:
         target,
         len(foreign_entries(target)),
     )
-    for name in data_files:  # 1. the data, under fresh names
-        os.rename(staging / name, target / name)
+    pending = list(data_files)
+    while pending:  # 1. the data, under fresh names, never replacing an entry
+        name = pending.pop(0)
+        if not _move_no_clobber(staging / name, target / name):
+            # the name was taken since the check above: give the file (and the rest) new names
+            renamed = _rename_staged(staging, target, [name], [name, *pending], sync)
+            pending = renamed
+            new = read_checksums(staging)
+            assert new is not None
     if sync:
         fsync_dir(target)
     if previous is not None:  # 2. a sidecar under which the previous checkpoint still verifies
