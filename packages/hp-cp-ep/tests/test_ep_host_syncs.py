@@ -114,6 +114,21 @@ def test_expert_parallel_budget_ep2() -> None:
     for forward, _, by_op in _ep_budgets(4).values():
         assert forward == 1
         assert by_op == {"tolist": 1}  # the split sizes of the token all-to-all
+    # rows the counts do not cover are refused unless they are a dropped tail
+    moe = _moe(4)
+    torch_parallelize_module(moe.experts, init_device_mesh("cpu", (2,)), ExpertParallel())
+    dispatcher = moe.experts.token_dispatcher
+    counts = torch.tensor([1, 0, 2, 1])
+    with pytest.raises(ValueError, match=r"counts 4 rows but tokens has 6 .*drop_tail=True"):
+        dispatcher.dispatch(torch.randn(6, DIM), counts)
+    with pytest.raises(ValueError, match="counts 4 rows but tokens has 3"):
+        dispatcher.dispatch(torch.randn(3, DIM), counts, drop_tail=True)
+    rows = torch.randn(6, DIM)
+    dispatched = dispatcher.dispatch(rows, counts, drop_tail=True)
+    back = dispatcher.combine(dispatched.wait(), dispatched)
+    assert torch.equal(back, rows[:4])  # identity experts: the kept rows come back in order
+    assert dispatched.sizes is not None
+    assert sum(dispatched.sizes) == dispatched.wait().shape[0]
 
 
 @distributed(world_size=3)
