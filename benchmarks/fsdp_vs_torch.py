@@ -9,8 +9,10 @@ repeated with the build and call order swapped, and the figure is the geometric 
 ``ours / torch`` ratios (below 1 means ours is faster). A ``torch vs torch`` row shows the noise
 floor. Peak tensor memory per rank is measured with a tensor-level tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``, not process RSS) over one step of each,
-and collectives per step are counted. Absolute times only mean something on a quiet machine or
-a GPU.
+and collectives per step are counted, as is the deterministic host work of one step per unit:
+Python function calls (all, and the FSDP engine's own) and ops dispatched, ours against torch's
+(the measure to follow on a loaded machine, where times are noisy). Absolute times only mean
+something on a quiet machine or a GPU.
 
 Usage::
 
@@ -36,6 +38,7 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_fsdp
 
@@ -44,11 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside
 from _common import TiedTransformer
 
 VOCAB, DIM, HEADS, SEQ, BATCH, BLOCKS = 1000, 192, 6, 128, 4, 4
+UNITS = BLOCKS + 1  # one fully_shard unit per block, plus the root
 
 
 ROWS: dict[str, dict[str, Any]] = {
     "FSDP ws=2 fp32": {"world": 2, "mesh": (2,), "mp": False},
     "FSDP ws=2 bf16/fp32": {"world": 2, "mesh": (2,), "mp": True},
+    "FSDP ws=3 fp32": {"world": 3, "mesh": (3,), "mp": False},
     "FSDP ws=4 fp32": {"world": 4, "mesh": (4,), "mp": False},
     "HSDP 2x2 fp32": {"world": 4, "mesh": (2, 2), "mp": False},
     "FSDP ws=4, MLP weights on a 2x2 HSDP mesh (two groups per block)": {
@@ -145,6 +150,47 @@ def _peak_bytes(model: nn.Module, step: Callable[[int], None], i: int) -> int:
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched (aten, c10d, hp_kernels) inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _host_counts(step: Callable[[int], None], i: int) -> dict[str, int]:
+    """Deterministic host work of one step: Python function calls and ops dispatched.
+
+    Python calls are counted with ``sys.setprofile`` (every Python-level call, C calls apart),
+    split into the FSDP engine's own frames (hp-fsdp / hp-kernels / hp-dtensor's device layer,
+    or torch's ``_fully_shard``) and the rest; ops with a dispatch mode over the next step.
+    """
+    engine_markers = ("hp_fsdp", "hp_kernels", "hp_dtensor", "_fully_shard", "_composable")
+    counts = {"python_calls": 0, "engine_calls": 0, "ops": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            counts["python_calls"] += 1
+            filename = frame.f_code.co_filename
+            if any(marker in filename for marker in engine_markers):
+                counts["engine_calls"] += 1
+
+    sys.setprofile(profile)
+    try:
+        step(i)
+    finally:
+        sys.setprofile(None)
+    ops = _OpCounter()
+    with ops:
+        step(i + 1)
+    counts["ops"] = ops.count
+    return counts
+
+
 def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
     """One order of one row, on every rank; returns this rank's medians and peaks."""
     mesh = init_device_mesh(
@@ -178,6 +224,7 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
         model, step = built[name]
         result[f"{name}_peak"] = _peak_bytes(model, step, warmup + steps)
         result[f"{name}_comms"] = _count_collectives(step, warmup + steps + 1)
+        result[f"{name}_host"] = _host_counts(step, warmup + steps + 2)
     return result
 
 
@@ -190,7 +237,20 @@ def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:
         "torch_peak": peaks["torch"],
         "ours_comms": results[0]["ours_comms"],
         "torch_comms": results[0]["torch_comms"],
+        "ours_host": results[0]["ours_host"],
+        "torch_host": results[0]["torch_host"],
     }
+
+
+def _host_cells(entry: dict[str, Any]) -> str:
+    ours, theirs = entry.get("ours_host_per_unit"), entry.get("torch_host_per_unit")
+    if not ours or not theirs:
+        return "- | - | - | - |"
+    return (
+        f"{ours['python_calls']:.0f} ({ours['engine_calls']:.0f}) | "
+        f"{theirs['python_calls']:.0f} ({theirs['engine_calls']:.0f}) | "
+        f"{ours['ops']:.0f} | {theirs['ops']:.0f} |"
+    )
 
 
 def main() -> None:
@@ -231,6 +291,9 @@ def main() -> None:
             "torch_peak_bytes": orders[0]["torch_peak"],
             "ours_collectives_per_step": orders[0]["ours_comms"],
             "torch_collectives_per_step": orders[0]["torch_comms"],
+            # deterministic host work per unit (BLOCKS + root) per step, rank 0
+            "ours_host_per_unit": {k: v / UNITS for k, v in orders[0]["ours_host"].items()},
+            "torch_host_per_unit": {k: v / UNITS for k, v in orders[0]["torch_host"].items()},
         }
         report["rows"][name] = entry
         print(
@@ -247,8 +310,9 @@ def main() -> None:
         f"{args.steps} timed steps after {args.warmup} warm-up, both build orders.",
         "",
         "| configuration | step time ours/torch | peak tensor memory ours/torch | "
-        "collectives per step (AG/RS/AR) ours | torch |",
-        "|---|---|---|---|---|",
+        "collectives per step (AG/RS/AR) ours | torch | Python calls per unit per step "
+        "(engine) ours | torch | ops per unit per step ours | torch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ROWS:
         entry = report["rows"].get(name)
@@ -258,7 +322,7 @@ def main() -> None:
         lines.append(
             f"| {name} | {entry['step_time_ratio']:.3f} | {entry['peak_memory_ratio']:.3f} | "
             f"{oc['all_gather']}/{oc['reduce_scatter']}/{oc['all_reduce']} | "
-            f"{tc['all_gather']}/{tc['reduce_scatter']}/{tc['all_reduce']} |"
+            f"{tc['all_gather']}/{tc['reduce_scatter']}/{tc['all_reduce']} | " + _host_cells(entry)
         )
     lines.append("")
     (args.out / "fsdp.md").write_text("\n".join(lines))

@@ -11,6 +11,9 @@ world size and for fp32 and bf16 mixed precision:
 - **step time**: median of CUDA-event timed steps of each (ratio ours/torch);
 - **overlap**: from a profiler trace of two steps, the share of NCCL kernel time that overlaps
   compute kernels on another stream, for each implementation;
+- **host syncs**: forward and backward of one step under the device's sync debug mode
+  ``"error"`` (``torch.cuda.set_sync_debug_mode``): any operation that stops the host fails the
+  row for hp-fsdp (torch's result is printed beside it);
 - **symmetric memory** (2 processes, only where NCCL symmetric memory is available: compute
   capability 9.0+): hp-fsdp with ``set_symm_mem_for_comm`` on every unit trains beside hp-fsdp
   without it and beside PyTorch's FSDP2 with it (bf16); bitwise equality after every step, the
@@ -158,9 +161,31 @@ def _run_one(rank: int, world: int, precision: str, steps: int) -> dict[str, Any
                 _step(model, opt, _batch(300 + step, rank, device))
             synchronize(device)
         result[f"overlap_{name}"] = _overlap(prof)
+        result[f"host_syncs_{name}"] = _sync_free(model, _batch(400, rank, device))
     result["peak_ratio"] = result["peak_bytes_ours"] / max(result["peak_bytes_torch"], 1)
     result["step_ratio"] = result["step_ms_ours"] / result["step_ms_torch"]
     return result
+
+
+def _sync_free(model: nn.Module, batch: Any) -> str:
+    """Forward and backward of one step under the device's sync debug mode ``"error"``.
+
+    The optimizer step is left out (AdamW reads its step counters on the host). Returns
+    ``"none"`` when no operation synchronized the host, else the error's first line.
+    """
+    backend = getattr(torch, next(model.parameters()).device.type)
+    tokens, targets = batch
+    backend.synchronize()
+    backend.set_sync_debug_mode("error")
+    try:
+        logits = model(tokens)
+        F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    finally:
+        backend.set_sync_debug_mode("default")
+        model.zero_grad()
+    return "none"
 
 
 def _median_step_ms(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> float:
@@ -318,9 +343,11 @@ def main() -> int:
         print(
             f"world={row['world']} {row['precision']}: bitwise={row['bitwise']} "
             f"step ours/torch={row['step_ratio']:.3f} peak ours/torch={row['peak_ratio']:.3f} "
-            f"overlap ours={row['overlap_ours']:.2f} torch={row['overlap_torch']:.2f}"
+            f"overlap ours={row['overlap_ours']:.2f} torch={row['overlap_torch']:.2f} "
+            f"host syncs in forward+backward ours={row['host_syncs_ours']} "
+            f"torch={row['host_syncs_torch']}"
         )
-        failed |= not row["bitwise"]
+        failed |= not row["bitwise"] or row["host_syncs_ours"] != "none"
     return 1 if failed else 0
 
 

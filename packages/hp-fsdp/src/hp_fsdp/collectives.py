@@ -21,6 +21,7 @@ See Also:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -63,6 +64,8 @@ __all__ = [
     "reduce_scatter_in_place",
     "wait_all_gather",
 ]
+
+_NO_STREAM = contextlib.nullcontext()
 
 #: Backends whose reduce-scatter may write its output into its own input: NCCL documents the
 #: in-place layout (``output == input + rank * numel``); gloo's is verified by the tests. Every
@@ -155,8 +158,7 @@ def issue_all_gather(
     """
     splits = [t.numel() for t in inputs]
     release: Callable[[], None] | None = None
-    copy_in_stream = streams.copy_in if streams is not None else None
-    with device_stream(copy_in_stream):
+    with _NO_STREAM if streams is None else device_stream(streams.copy_in):
         if streams is not None:
             # Shards come from the compute stream, which the copy-in stream waited for at the
             # root's pre-forward; they are released only after the compute stream waited for
@@ -183,8 +185,7 @@ def issue_all_gather(
         event = streams.copy_in.record_event(streams.new_event("all_gather_copy_in"))
     if world_size == 1:
         return AllGatherResult(ag_output, splits, 1, None, event, release)
-    ag_stream = streams.all_gather if streams is not None else None
-    with device_stream(ag_stream):
+    with _NO_STREAM if streams is None else device_stream(streams.all_gather):
         if streams is not None:
             assert event is not None
             streams.all_gather.wait_event(event)

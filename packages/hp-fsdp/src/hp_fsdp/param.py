@@ -366,6 +366,9 @@ class ShardedParam:
         self.state = ShardedState.SHARDED
         self.orig_dtype: torch.dtype = param.dtype
         self.param_dtype: torch.dtype | None = None
+        #: The dtype of the unsharded parameter (``param_dtype`` or ``orig_dtype``; an
+        #: attribute, not a property: the hot path reads it per parameter and step).
+        self.compute_dtype: torch.dtype = param.dtype
         self.reduce_dtype: torch.dtype | None = None
         self._unsharded_data: torch.Tensor | None = None
         self._unsharded_param: nn.Parameter | None = None
@@ -441,11 +444,7 @@ class ShardedParam:
             param_dtype = None
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype of the unsharded parameter."""
-        return self.param_dtype or self.orig_dtype
+        self.compute_dtype = param_dtype or self.orig_dtype
 
     def reset_sharded_param(self) -> None:
         """Re-adopt the registered sharded parameter after ``to_empty``/``_apply``/loading.

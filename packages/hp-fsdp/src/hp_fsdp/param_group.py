@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META, Event, Stream
-from hp_dtensor.device import stream as device_stream
+from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META
 from hp_fsdp._torch_compat import (
     current_graph_task_id,
     disable_functorch,
@@ -35,22 +31,24 @@ from hp_fsdp._torch_compat import (
 from hp_fsdp.collectives import (
     AllGatherResult,
     AllGatherState,
-    apply_gradient_scaling_factor,
     discard_all_gather,
     divide_factors,
     issue_all_gather,
     issue_reduce_scatter,
-    owned_storage,
     reduce_scatter_in_place,
     wait_all_gather,
 )
 from hp_fsdp.dynamo import run_eagerly
+from hp_fsdp.group_options import GroupOptions
 from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo, PostForwardInfo, _dim_names
 from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.post_backward import PostBackwardTrigger
+from hp_fsdp.reduction import PendingReduction, pack_layouts
+from hp_fsdp.reshard_policy import resolve_reshard_after_forward
 from hp_fsdp.streams import CommStreams
+from hp_fsdp.training_state import TrainingState
 from hp_fsdp.traversal import collect_tensors, map_tensors
-from hp_kernels import AllGather, ReduceScatter, post_reduce
 
 if TYPE_CHECKING:
     from hp_fsdp.root_state import RootContext
@@ -64,19 +62,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("hp_fsdp")
-
-
-class TrainingState(enum.Enum):
-    """Where a unit is in the iteration.
-
-    See Also:
-        :pt:`torch.distributed.fsdp._fully_shard._fsdp_common.TrainingState`: PyTorch's enum.
-    """
-
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    PRE_BACKWARD = enum.auto()
-    POST_BACKWARD = enum.auto()
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -97,45 +82,6 @@ def _outside_functorch(method: _Method) -> _Method:
             return method(*args, **kwargs)
 
     return cast(_Method, run)
-
-
-def resolve_reshard_after_forward(value: bool | int, shard_size: int) -> bool | int:
-    """Normalize ``reshard_after_forward``: a bool, or an int k with 1 < k < shard size.
-
-    Args:
-        value: the user's value (bools are checked before ints).
-        shard_size: the size of the shard axis.
-
-    Returns:
-        ``True``/``False``, or the int ``k``.
-
-    Raises:
-        ValueError: for an int that does not divide the shard size, or another type.
-
-    See Also:
-        :pt:`torch.distributed.fsdp.fully_shard`: the ``reshard_after_forward`` argument.
-    """
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, int):
-        raise ValueError(
-            "reshard_after_forward should be a bool or an int representing the group size to "
-            f"reshard to (bool, None or an int), not {value!r}"
-        )
-    if value < 1 or value > shard_size or shard_size % value != 0:
-        raise ValueError(
-            "If passing reshard_after_forward as an int, it should be a factor of "
-            f"{shard_size}, not {value} (a divisor of the shard size)"
-        )
-    if value == 1:
-        _log.warning(
-            "reshard_after_forward=1 (int) keeps parameters unsharded after forward, which is "
-            "reshard_after_forward=False"
-        )
-        return False
-    if value == shard_size:
-        return True
-    return value
 
 
 def _param_module_infos(
@@ -169,303 +115,6 @@ def _replicate_mesh_info(mesh_info: MeshInfo) -> MeshInfo:
         spmd_mesh=mesh_info.spmd_mesh,
         dp_mesh_dims=DataParallelMeshDims(replicate=every_dp_dim),
     )
-
-
-class _PostBackwardTrigger(torch.autograd.Function):
-    """Identity on a unit's forward inputs; its backward runs the unit's post-backward.
-
-    Written with ``setup_context`` (and a ``jvp`` that passes tangents through) so functorch
-    transforms and forward-mode AD (``torch.func.jvp``) can run through a sharded module.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(group: ParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return inputs
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group = inputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.group.post_backward()
-        return (None, *grads)
-
-    @staticmethod
-    def jvp(ctx: Any, group_tangent: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # The group is not differentiable: forward-mode tangents pass straight through.
-        return tangents
-
-
-def _pack_layouts(
-    stream: Stream, params: list[ShardedParam], grads: list[torch.Tensor]
-) -> list[int]:
-    """Put each gradient in its reduce-scatter layout, in place in ``grads``; the shard dims.
-
-    The gradients are produced on the compute stream and read on ``stream``. No reference to
-    them outlives this call (the caller's list is the only one, cleared by the collective's
-    copy-in), so each is freed as soon as it is packed.
-    """
-    for grad in grads:
-        stream.record_tensor(grad)
-    layouts = [p.reduce_scatter_layout(g) for p, g in zip(params, grads, strict=True)]
-    grads[:] = [t for t, _ in layouts]
-    return [d for _, d in layouts]
-
-
-class PendingReduction:
-    """An issued gradient reduction of one unit, finished later (overlapping backward).
-
-    Stages: the reduce-scatter is in flight; then (HSDP) the all-reduce over the replicate
-    axis is in flight; then the reduced shards are divided, cast and written as the sharded
-    parameters' ``.grad`` (accumulated when a gradient exists).
-
-    See Also:
-        :pt:`torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce`.
-    """
-
-    def __init__(
-        self,
-        group: ParamGroup,
-        params: list[ShardedParam],
-        rs_input: torch.Tensor,
-        rs_output: torch.Tensor,
-        work: dist.Work | None,
-        post_divide: float | None,
-        all_reduce_op: dist.ReduceOp.RedOpType,
-        do_all_reduce: bool,
-        *,
-        mesh_info: MeshInfo | None = None,
-        streams: CommStreams | None = None,
-        event: Event | None = None,
-    ) -> None:
-        self.group = group
-        self._streams = streams or CommStreams.for_device(rs_output.device)
-        #: Recorded after the collective in flight was issued (on its stream).
-        self._event = event
-        self._mesh_info = mesh_info or group.mesh_info
-        self.params = params
-        self._rs_input: torch.Tensor | None = rs_input
-        self._output = rs_output
-        self._work = work
-        self._post_divide = post_divide
-        self._all_reduce_op = all_reduce_op
-        self._do_all_reduce = do_all_reduce
-        self._stage = 0  # 0: reduce-scatter in flight, 1: all-reduce in flight, 2: done
-
-    @property
-    def done(self) -> bool:
-        """Whether the reduced gradients have been written."""
-        return self._stage == 2
-
-    @property
-    def streams_ordered(self) -> bool:
-        """Whether device streams order this reduction's stages (accelerators)."""
-        return self._streams.device_ordered
-
-    def advance(self) -> None:
-        """Run one stage: wait for the collective in flight and start the next step."""
-        if self._stage == 2:
-            return
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._stage == 0:
-            self._rs_input = None  # the reduce-scatter no longer reads it
-            group = self.group
-            mesh_info = self._mesh_info
-            if mesh_info.is_hsdp:
-                output = self._output
-                if mesh_info is group.mesh_info and group.partial_reduce_output is not None:
-                    with device_stream(self._streams.reduce_scatter):
-                        output += group.partial_reduce_output
-                    group.partial_reduce_output = None
-                if not self._do_all_reduce:
-                    group.partial_reduce_output = owned_storage(output)
-                    self._stage = 2
-                    return
-                assert mesh_info.replicate_group is not None
-                streams = self._streams
-                if self._event is not None:  # the all-reduce waits for the reduce-scatter only
-                    streams.all_reduce.wait_event(self._event)
-                with device_stream(streams.all_reduce):
-                    streams.mark("all_reduce")
-                    streams.all_reduce.record_tensor(output)
-                    self._work = streams.order_on_stream(
-                        dist.all_reduce(
-                            output,
-                            op=self._all_reduce_op,
-                            group=mesh_info.replicate_group,
-                            async_op=True,
-                        )
-                    )
-                self._event = streams.all_reduce.record_event(streams.new_event("all_reduce"))
-                self._stage = 1
-                return
-        self._write_grads()
-        self._stage = 2
-
-    def discard(self) -> None:
-        """Wait for the collective in flight and drop the result (``reset_iter_state``)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        self._rs_input = None
-        self._stage = 2
-
-    def finish(self) -> None:
-        """Run all remaining stages."""
-        while self._stage != 2:
-            self.advance()
-
-    @torch.no_grad()
-    def _write_grads(self) -> None:
-        """Divide, cast and write the reduced gradients off the compute stream."""
-        streams = self._streams
-        post = streams.all_reduce if self._stage == 1 else streams.reduce_scatter
-        with device_stream(post):
-            streams.mark("post_reduce")
-            host_copies = self._write_grads_on_stream(post)
-        done = post.record_event(streams.new_event("post_reduce"))
-        ctx = self.group.ctx
-        if ctx is None:
-            done.wait()
-            if host_copies:
-                done.synchronize()
-            return
-        # The root's end of backward makes the compute stream (the optimizer) wait for these
-        # gradients only, and the host wait for the copies to the host once per stream: the
-        # last event recorded on a stream completes after everything queued there before it.
-        ctx.post_reduce_events.append(done)
-        if host_copies:
-            ctx.host_copy_events[post] = done
-
-    def _write_grads_on_stream(self, stream: Stream) -> bool:
-        """Write the reduced gradients (the current stream is ``stream``).
-
-        Returns:
-            Whether gradients were copied to the host without a host wait yet.
-        """
-        output = self._output
-        group = self.group
-        if group.options.all_reduce_hook is not None:
-            group.options.all_reduce_hook(output)
-        orig_dtype = group.orig_dtype
-        main_grad = group.mp_policy.apply_grad_on_fp32_main_grad
-        if main_grad:
-            orig_dtype = torch.float32  # finish in float32; cast per parameter below
-        post_divide = self._post_divide
-        scale = group.options.gradient_scaling_factor
-        float_scale: float | None = None
-        if isinstance(scale, torch.Tensor):
-            if post_divide is not None:
-                output = post_reduce(output, divide_factor=post_divide, inplace=True)
-                post_divide = None
-            apply_gradient_scaling_factor(output, scale)
-        elif scale is not None:
-            float_scale = float(scale)
-        if orig_dtype is not None and output.dtype != orig_dtype:
-            output = post_reduce(
-                output, divide_factor=post_divide, scale=float_scale, out_dtype=orig_dtype
-            )
-        elif post_divide is not None or float_scale is not None:
-            output = post_reduce(output, divide_factor=post_divide, scale=float_scale, inplace=True)
-        if not main_grad and any(p.sharded_param.grad is None for p in self.params):
-            output = owned_storage(output)  # new gradients view it: free the reduction buffer
-        new_grads: list[torch.Tensor] = []
-        host_copies = False
-        offset = 0
-        for param in self.params:
-            new_grad = param.reduced_shard_view(output, offset)
-            offset += param.padded_sharded_numel
-            if param.offload_to_cpu:  # asynchronous: no host wait per parameter
-                host = stream.copy_to_host(new_grad)
-                host_copies = host_copies or host is not new_grad
-                new_grad = host
-            new_grads.append(new_grad)
-        if host_copies and (
-            main_grad
-            or any(
-                p.sharded_param.grad is not None
-                or getattr(p.sharded_param, "_post_accumulate_grad_hooks", None)
-                for p in self.params
-            )
-        ):
-            # The host reads the copies right away (accumulation, hooks): one wait for the unit.
-            stream.record_event(self._streams.new_event("host_copy")).synchronize()
-            host_copies = False
-        for param, new_grad in zip(self.params, new_grads, strict=True):
-            sharded = param.sharded_param
-            if main_grad:
-                param.accumulate_main_grad(new_grad)
-            elif sharded.grad is not None:
-                grad = sharded.grad
-                if not isinstance(grad, DTensor):
-                    raise TypeError(
-                        f"the gradient of the sharded parameter {param.fqn!r} must be a DTensor "
-                        f"to accumulate into, got {type(grad).__name__}"
-                    )
-                grad._local_tensor += new_grad
-            else:
-                sharded.grad = param.to_sharded_dtensor(new_grad)
-            hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
-            if hooks:
-                for hook in hooks.values():
-                    hook(sharded)
-        return host_copies
-
-
-@dataclass(frozen=True)
-class GroupOptions:
-    """The per-unit settings of a :class:`ParamGroup` (one immutable object, replaced whole).
-
-    ``FSDPModule``'s setters and ``fully_shard``'s keywords change them through
-    :meth:`ParamGroup.configure`; the runtime only reads them.
-
-    Attributes:
-        reduce_grads: reduce gradients in backward (``set_requires_gradient_sync``).
-        all_reduce_grads: HSDP replicate-axis all-reduce (``set_requires_all_reduce``).
-        reshard_after_backward: free the unsharded parameters after backward.
-        unshard_async_op: PyTorch's ``unshard_async_op`` (collectives are async anyway).
-        unshard_in_backward: all-gather again in backward (``set_unshard_in_backward``).
-        gradient_divide_factor: divide reduced gradients by this (None: the DP size).
-        force_sum_reduction: reduce with ``SUM`` only and divide locally.
-        reduce_op_type: ``"avg"`` or ``"sum"`` (HyperParallel's extension).
-        gradient_scaling_factor: multiply reduced gradients by this (extension).
-        custom_all_gather: the all-gather implementation (None: the default).
-        custom_reduce_scatter: the reduce-scatter implementation (None: the default).
-        all_reduce_hook: called on each reduced shard before it is written.
-        reduce_scatter_unused_params: reduce zeros for unused trainable parameters.
-        max_inflight_reductions: reductions left in flight when a unit issues its own.
-        reduce_scatter_group: a separate process group for reduce-scatters.
-        comm_fusion: one fused collective per unit (False: one per parameter).
-        comm_fusion_zero_copy: keep the shards in one flat all-gather input.
-        sharded_accumulated_grad: reduce every micro-batch and accumulate sharded gradients.
-
-    See Also:
-        :pt:`torch.distributed.fsdp.FSDPModule`: the setters that fill it.
-    """
-
-    reduce_grads: bool = True
-    all_reduce_grads: bool = True
-    reshard_after_backward: bool = True
-    unshard_async_op: bool = False
-    unshard_in_backward: bool = True
-    gradient_divide_factor: float | None = None
-    force_sum_reduction: bool = False
-    reduce_op_type: str = "avg"
-    gradient_scaling_factor: float | torch.Tensor | None = None
-    custom_all_gather: AllGather | None = None
-    custom_reduce_scatter: ReduceScatter | None = None
-    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-    reduce_scatter_unused_params: bool = False
-    max_inflight_reductions: int = 1
-    reduce_scatter_group: dist.ProcessGroup | None = None
-    comm_fusion: bool = True
-    comm_fusion_zero_copy: bool = False
-    sharded_accumulated_grad: bool = False
 
 
 class ParamGroup:
@@ -708,6 +357,7 @@ class ParamGroup:
             world_size, rank = self.mesh_info.shard_size, self.mesh_info.shard_rank
         dtype = self._gathered[0].compute_dtype
         streams = self.comm_streams()
+        active = streams if streams.active else None
         # Parameters gathered in several dtypes (e.g. frozen low-precision weights beside
         # trainable ones, or a tensor subclass's int8 data and fp32 scale) travel as raw
         # bytes in one collective, as in PyTorch.
@@ -715,7 +365,7 @@ class ParamGroup:
         self._ag_bytes = extended or (
             len({p.compute_dtype for p in self._gathered}) > 1 and self.options.comm_fusion
         )
-        with device_stream(streams.copy_in):  # host-to-device copies and casts off compute
+        with streams.on(streams.copy_in):  # host-to-device copies and casts off compute
             per_param = [p.all_gather_inputs() for p in self._gathered]
             self._ag_inputs = per_param
             if self._ag_bytes:
@@ -739,20 +389,24 @@ class ParamGroup:
                     self.device,
                     True,
                     self.options.custom_all_gather,
-                    streams=streams,
+                    streams=active,
                 )
                 for p, inps in zip(self._gathered, per_param, strict=True)
             ]
             self._ag = self._ag_parts[0]
         elif (flat := self._zero_copy_input()) is not None and not from_post_forward:
-            with device_stream(streams.all_gather):  # no copy-in: gather the shards as they are
+            with streams.on(streams.all_gather):  # no copy-in: gather the shards as they are
                 streams.mark("all_gather")
                 output = torch.empty(
                     world_size * flat.numel(), dtype=flat.dtype, device=flat.device
                 )
                 work = dist.all_gather_single(output, flat, group=group, async_op=True)
                 work = streams.order_on_stream(work)
-            event = streams.all_gather.record_event(streams.new_event("all_gather"))
+            event = (
+                streams.all_gather.record_event(streams.new_event("all_gather"))
+                if streams.active
+                else None
+            )
             splits = [p.padded_sharded_numel for p in self._gathered]
             self._ag = AllGatherResult(output, splits, world_size, work, event)
         else:
@@ -765,7 +419,7 @@ class ParamGroup:
                 self.device,
                 True,
                 self.options.custom_all_gather,
-                streams=streams,
+                streams=active,
             )
         self._ag_from_post_forward = from_post_forward
 
@@ -806,7 +460,7 @@ class ParamGroup:
         """Copy the gathered data out; free the buffers by event waits (see collectives)."""
         streams = self.comm_streams()
         ctx = self.ctx
-        ordered = streams.device_ordered or streams.log is not None
+        ordered = streams.active
         keep = ordered and ctx is not None and self.training_state == TrainingState.FORWARD
         if keep:  # the previous unit's buffers: free them before this copy-out
             assert ctx is not None
@@ -942,7 +596,7 @@ class ParamGroup:
         inputs = [t for t in collect_tensors((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs
-        outs = iter(_PostBackwardTrigger.apply(self, *inputs))  # type: ignore[no-untyped-call]
+        outs = iter(PostBackwardTrigger.apply(self, *inputs))  # type: ignore[no-untyped-call]
         new_args, new_kwargs = map_tensors(
             lambda t: next(outs) if t.requires_grad else t, (args, kwargs)
         )
@@ -1114,7 +768,8 @@ class ParamGroup:
         mesh_info = self.mesh_info
         streams = self.comm_streams()
         rs_stream = streams.reduce_scatter
-        rs_stream.wait_stream(streams.current())  # the gradients come from the compute stream
+        if streams.active:  # the gradients come from the compute stream
+            rs_stream.wait_stream(streams.current())
         factor = (
             1.0 if self.options.reduce_op_type == "sum" else self.options.gradient_divide_factor
         )
@@ -1129,9 +784,9 @@ class ParamGroup:
         in_place = self._rs_in_place.get(rs_group)
         if in_place is None:  # asked once per group: the backend does not change
             in_place = self._rs_in_place[rs_group] = reduce_scatter_in_place(rs_group, self.device)
-        with device_stream(rs_stream):
+        with streams.on(rs_stream):
             streams.mark("reduce_scatter")
-            shard_dims = _pack_layouts(rs_stream, params, grads)
+            shard_dims = pack_layouts(rs_stream if streams.active else None, params, grads)
             rs_input, rs_output, work = issue_reduce_scatter(
                 grads,
                 shard_dims,
@@ -1144,7 +799,9 @@ class ParamGroup:
                 in_place=in_place,
             )
             work = streams.order_on_stream(work)
-        event = rs_stream.record_event(streams.new_event("reduce_scatter"))
+        event = (
+            rs_stream.record_event(streams.new_event("reduce_scatter")) if streams.active else None
+        )
         # Sharded accumulation: a no-sync micro-batch reduce-scatters and keeps the shard
         # (HSDP: without the replicate-axis all-reduce, done on the synced micro-batch).
         do_all_reduce = self.options.all_reduce_grads and self.options.reduce_grads

@@ -15,7 +15,7 @@ from typing import cast
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_fsdp.api import FSDPModule, _unimplemented_deepcopy
+from hp_fsdp.fsdp_module import FSDPModule, _unimplemented_deepcopy
 from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo
 from hp_fsdp.policies import (
     MixedPrecisionPolicy,

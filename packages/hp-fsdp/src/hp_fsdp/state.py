@@ -171,7 +171,9 @@ class FSDPState:
         with record_function("FSDP::root_pre_forward"):
             streams = ctx.comm.streams_for(self.device)
             event = ctx.post_optim_event
-            if event is not None:  # set_post_optim_event: wait for that event only
+            if not streams.active:  # no streams (CPU): program order
+                ctx.post_optim_event = None
+            elif event is not None:  # set_post_optim_event: wait for that event only
                 ctx.post_optim_event = None
                 if not isinstance(event, Event):
                     event = Event.from_native(event)

@@ -22,7 +22,9 @@ See Also:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +39,11 @@ from hp_dtensor.device import (
     current_stream,
     is_accelerator,
 )
+from hp_dtensor.device import stream as device_stream
 
 __all__ = ["CommStreams"]
+
+_NO_STREAM: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class CommStreams:
         all_reduce: issues HSDP all-reduces.
         new_event: makes an event (its argument names it for logs).
         log: the recording log, when the streams are the recording double.
+        active: whether streams and events do anything (device streams or the recording
+            double); on the CPU the runtime skips them altogether (no per-call cost).
     """
 
     compute: Stream
@@ -62,6 +69,7 @@ class CommStreams:
     all_reduce: Stream
     new_event: Callable[[str], Event]
     log: StreamLog | None = None
+    active: bool = True
 
     @classmethod
     def for_device(cls, device: torch.device) -> CommStreams:
@@ -76,7 +84,7 @@ class CommStreams:
         kind = device.type
         if not is_accelerator(kind):
             noop = Stream(kind)
-            return cls(noop, noop, noop, noop, noop, lambda name: Event(kind))
+            return cls(noop, noop, noop, noop, noop, lambda name: Event(kind), active=False)
         return cls(
             current_stream(kind),
             Stream(kind, priority=-1),
@@ -105,6 +113,17 @@ class CommStreams:
             lambda name: RecordingEvent(name, log),
             log,
         )
+
+    def on(self, stream: Stream) -> AbstractContextManager[None]:
+        """Make ``stream`` current inside the block (nothing at all when not :attr:`active`).
+
+        Args:
+            stream: one of these streams.
+
+        Returns:
+            The context manager.
+        """
+        return device_stream(stream) if self.active else _NO_STREAM
 
     def current(self) -> Stream:
         """The stream current now (the compute stream of the recording double).
