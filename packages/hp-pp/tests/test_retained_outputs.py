@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -55,17 +56,17 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, target)
 
 
-def _measure(impl: str, return_outputs: bool) -> tuple[int, int, Any]:
+def _measure(impl: str, return_outputs: bool, name: str = "1F1B") -> tuple[int, int, Any]:
     rank = dist.get_rank()
     module = _module(rank)
     if impl == "torch":
         import torch.distributed.pipelining as tpp
 
         stage: Any = tpp.PipelineStage(module, rank, 2, torch.device("cpu"))
-        sched: Any = tpp.Schedule1F1B(stage, N_MB, loss_fn=_loss)
+        sched: Any = getattr(tpp, f"Schedule{name}")(stage, N_MB, loss_fn=_loss)
     else:
         stage = hp_pp.PipelineStage(module, rank, 2, torch.device("cpu"))
-        sched = hp_pp.Schedule1F1B(stage, N_MB, loss_fn=_loss)
+        sched = hp_pp.get_schedule_class(name)(stage, N_MB, loss_fn=_loss)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(ROWS, DIM, generator=g)
     y = torch.randint(0, VOCAB, (ROWS,), generator=g)
@@ -75,23 +76,37 @@ def _measure(impl: str, return_outputs: bool) -> tuple[int, int, Any]:
             out = sched.step(x, **kwargs) if rank == 0 else sched.step(target=y, **kwargs)
         module.zero_grad(set_to_none=True)
     del out
+    # torch's stage keeps its receive buffers from the first step on: alive during the step
+    # but not created under the tracker; hp-pp allocates them per step (counted above).
+    held = sum(
+        info.buffer.untyped_storage().nbytes()
+        for infos in [
+            *getattr(stage, "args_recv_info", {}).values(),
+            *getattr(stage, "grad_recv_info", {}).values(),
+        ]
+        for info in infos
+        if isinstance(getattr(info, "buffer", None), torch.Tensor)
+    )
     chunks = stage.output_chunks
     chunks = list(chunks.values()) if isinstance(chunks, dict) else list(chunks)
     kept = sum(
         t.numel() * t.element_size() for t in tree_leaves(chunks) if isinstance(t, torch.Tensor)
     )
-    return tracker.peak, kept, tracker.live
+    return tracker.peak + held, kept, tracker.live
 
 
+@pytest.mark.parametrize("name", ["1F1B", "GPipe"])
 @distributed(world_size=2)
-def test_last_stage_keeps_no_logits_and_peaks_no_higher_than_torch() -> None:
-    ours_peak, ours_kept, _ = _measure("ours", return_outputs=False)
-    torch_peak, _, _ = _measure("torch", return_outputs=False)
-    kept_peak, kept, _ = _measure("ours", return_outputs=True)
+def test_last_stage_keeps_no_logits_and_peaks_no_higher_than_torch(name: str) -> None:
+    ours_peak, ours_kept, _ = _measure("ours", return_outputs=False, name=name)
+    torch_peak, _, _ = _measure("torch", return_outputs=False, name=name)
+    kept_peak, kept, _ = _measure("ours", return_outputs=True, name=name)
     if dist.get_rank() == 1:
         logits = ROWS * VOCAB * 4
         assert ours_kept == 0  # nothing of the step's outputs is left on the stage
         assert kept == 0  # returned outputs are handed over, not kept either
         assert ours_peak <= torch_peak, (ours_peak, torch_peak)
-        # Returning the outputs costs the merged logits on top (they are the step's result).
-        assert kept_peak >= ours_peak + logits // 2
+        if name == "1F1B":
+            # Returning the outputs keeps every micro-batch's logits alive (GPipe has them all
+            # alive before its first backward anyway).
+            assert kept_peak >= ours_peak + logits // 2

@@ -208,12 +208,18 @@ class TransposedPreprocess:
 
 
 class _Batch:
-    """One posted batch: its works, its parts (kept alive until waited) and its number."""
+    """One posted batch: its works, its receives and its number.
+
+    The tensors of its sends are not held here: the backend's work keeps them until they are
+    sent (as torch's executor relies on), so a gradient already on its way is freed as soon as
+    the backend lets it go, not at the end of the step.
+    """
 
     def __init__(self, number: int, works: list[Any], parts: list[_Part]) -> None:
         self.number = number
         self.works = works
-        self.parts = parts
+        self.parts = [p for p in parts if p.kind == "recv"]
+        self.ops = [(p.kind, p.ident, p.peer) for p in parts]
         self.done = False
 
     def release(self) -> None:
@@ -492,7 +498,7 @@ class PipelineExecutor:
             return
         self.trace.append(Wait(batch.number))
         stage = next(iter(self.stages.values()))
-        peers = sorted({p.peer for p in batch.parts})
+        peers = sorted({peer for _, _, peer in batch.ops})
         for work in batch.works:
             try:
                 if stage.timeout is None:
@@ -501,9 +507,9 @@ class PipelineExecutor:
                     work.wait(stage.timeout)
             except RuntimeError as err:
                 ops = ", ".join(
-                    f"{p.kind} {p.ident[2]}(stage {p.ident[0]}, mb {p.ident[1]}, {p.ident[3]}) "
-                    f"with rank {p.peer}"
-                    for p in batch.parts
+                    f"{kind} {ident[2]}(stage {ident[0]}, mb {ident[1]}, {ident[3]}) "
+                    f"with rank {peer}"
+                    for kind, ident, peer in batch.ops
                 )
                 peer_text = " and ".join(f"rank {p}" for p in peers)
                 raise RuntimeError(
