@@ -20,6 +20,14 @@ simulator (``hp_pp.simulate_schedule``) predicts ours from costs profiled on the
 (forward, backward-input, backward-weight and full backward of one micro-batch, and one
 activation transfer), and the prediction error against the measured median is reported.
 
+Zero-bubble rows also report the FLOPs of one step's backward actions (``FlopCounterMode``
+around every backward-input ``I``, backward-weight ``W`` and full backward ``B``, summed over
+ranks, ours and torch's), against the FLOPs of one full backward of every stage per
+micro-batch: with a real weight pass, ``I + W + B`` is one full backward per micro-batch.
+The ``A / B (ours, same model)`` rows time two of our schedules against each other on the same
+stages (ZBV against 1F1B, Interleaved zero bubble against Interleaved 1F1B), with an
+``1F1B / 1F1B`` row as their noise floor.
+
 Usage::
 
     python benchmarks/pp_vs_torch.py [--steps 6] [--warmup 2] [--repeats 1] [--rows ...]
@@ -47,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 import hp_pp
 from hp_pp import generators
@@ -70,6 +79,21 @@ ROWS: dict[str, dict[str, Any]] = {
     )
 }
 ROWS["torch vs torch 1F1B (noise floor)"] = {"schedule": "1F1B", "control": True}
+# Our schedules against each other on the same model (the "torch" side runs ``versus``).
+# They split with the embedding weighted 0 (a lookup: no FLOPs); the default weight 1 gives the
+# embedding a stage of its own, and V placement's two ranks then hold 1 and 2 blocks' work.
+ROWS["ZBVZeroBubble / 1F1B (ours, same model)"] = {
+    "schedule": "ZBVZeroBubble",
+    "versus": "1F1B",
+    "input_weight": 0,
+}
+ROWS["InterleavedZeroBubble / Interleaved1F1B (ours, same model)"] = {
+    "schedule": "InterleavedZeroBubble",
+    "versus": "Interleaved1F1B",
+    "input_weight": 0,
+}
+ROWS["1F1B / 1F1B (ours, noise floor)"] = {"schedule": "1F1B", "versus": "1F1B", "input_weight": 0}
+_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 _TORCH_CLASS = {
     "GPipe": "ScheduleGPipe",
@@ -110,20 +134,20 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _layout(name: str) -> tuple[int, str, list[int], list[list[str]]]:
+def _layout(name: str, input_weight: int = 1) -> tuple[int, str, list[int], list[list[str]]]:
     ws = dist.get_world_size()
     per_rank = 1 if name in ("GPipe", "1F1B") else 2
     num_stages = ws * per_rank
     style = generators.STYLE[name]
-    fqns = hp_pp.generate_llm_fqn_per_model_part(num_stages, BLOCKS)
+    fqns = hp_pp.generate_llm_fqn_per_model_part(num_stages, BLOCKS, input_weight=input_weight)
     indices = generators.rank_to_stages(dist.get_rank(), ws, num_stages, style)
     return num_stages, style, indices, fqns
 
 
 def _build(
-    impl: str, name: str, base: Decoder
+    impl: str, name: str, base: Decoder, input_weight: int = 1
 ) -> tuple[list[nn.Module], Callable[[int], None], Any]:
-    num_stages, _, indices, fqns = _layout(name)
+    num_stages, _, indices, fqns = _layout(name, input_weight)
     mods = [hp_pp.split_module_by_fqns(base, fqns[s]) for s in indices]
     cpu = torch.device("cpu")
     if impl == "torch":
@@ -303,6 +327,106 @@ def _predict(name: str, profiles: list[dict[str, Any]]) -> float:
     return hp_pp.simulate_schedule(table, costs).step_time / 1e3
 
 
+def _count_backward_flops(sched: Any, step: Callable[[int], None], i: int) -> dict[str, int]:
+    """FLOPs of one step's I, W and B actions on this rank (both runtimes' stages have
+    ``backward_one_chunk(mb, loss, full_backward, ...)`` and ``backward_weight_one_chunk``)."""
+    stages = getattr(sched, "_stages", None) or [sched._stage]
+    counts = {"I": 0, "W": 0, "B": 0}
+    saved = []
+    for stage in stages:
+        backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def b(*args: Any, backward: Any = backward, **kwargs: Any) -> Any:
+            full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+            with FlopCounterMode(display=False) as counter:
+                out = backward(*args, **kwargs)
+            counts["B" if full else "I"] += counter.get_total_flops()
+            return out
+
+        def w(*args: Any, weight: Any = weight, **kwargs: Any) -> Any:
+            with FlopCounterMode(display=False) as counter:
+                out = weight(*args, **kwargs)
+            counts["W"] += counter.get_total_flops()
+            return out
+
+        saved.append((stage, backward, weight))
+        stage.backward_one_chunk, stage.backward_weight_one_chunk = b, w
+    try:
+        step(i)
+    finally:
+        for stage, backward, weight in saved:
+            stage.backward_one_chunk, stage.backward_weight_one_chunk = backward, weight
+    return counts
+
+
+def _full_backward_flops(name: str, mods: list[nn.Module]) -> int:
+    """FLOPs of one full backward of this rank's stages, for all micro-batches of a step."""
+    num_stages, _, indices, _ = _layout(name)
+    tokens, target = _batch(0)
+    tokens, target = tokens[:MB_ROWS], target[:MB_ROWS]
+    total = 0
+    for mod, s in zip(mods, indices, strict=True):
+        x = tokens if s == 0 else torch.randn(MB_ROWS, SEQ, DIM, requires_grad=True)
+        out = mod(x)
+        root = loss_fn(out, target) if s == num_stages - 1 else out
+        grad = None if s == num_stages - 1 else torch.ones_like(out)
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.backward(root, grad)
+        total += N_MB * counter.get_total_flops()
+        mod.zero_grad()
+    return total
+
+
+def _stage_flops(
+    name: str, mods: list[nn.Module], input_weight: int
+) -> dict[int, dict[str, float]]:
+    """GFLOP of F, I, W and B of one micro-batch for each of this rank's stages (I and W by
+    hp-pp's split backward), for the simulator's FLOP-proportional prediction."""
+    from hp_pp._backward import backward_input
+
+    num_stages, _, indices, _ = _layout(name, input_weight)
+    tokens, target = _batch(0)
+    tokens, target = tokens[:MB_ROWS], target[:MB_ROWS]
+    out: dict[int, dict[str, float]] = {}
+    for mod, s in zip(mods, indices, strict=True):
+        costs: dict[str, float] = {}
+        for kind in ("full", "split"):
+            x = tokens if s == 0 else torch.randn(MB_ROWS, SEQ, DIM, requires_grad=True)
+            with FlopCounterMode(display=False) as counter:
+                y = mod(x)
+            costs["forward"] = counter.get_total_flops() / 1e9
+            root = loss_fn(y, target) if s == num_stages - 1 else y
+            grad = None if s == num_stages - 1 else torch.ones_like(y)
+            with FlopCounterMode(display=False) as counter:
+                if kind == "full":
+                    torch.autograd.backward(root, grad)
+                else:
+                    _, weight_pass = backward_input([root], [grad], [x] if s else [])
+            if kind == "full":
+                costs["full_backward"] = counter.get_total_flops() / 1e9
+            else:
+                costs["backward_input"] = counter.get_total_flops() / 1e9
+                with FlopCounterMode(display=False) as counter:
+                    weight_pass.run()
+                costs["backward_weight"] = counter.get_total_flops() / 1e9
+            mod.zero_grad()
+        out[s] = costs
+    return out
+
+
+def _flop_step(name: str, per_stage: dict[int, dict[str, float]], *, rewalk: bool) -> float:
+    """The simulator's step time when every action costs its FLOPs (transfers free);
+    ``rewalk``: with the weight pass costing a full backward, as before the split."""
+    per_rank = 1 if name in ("GPipe", "1F1B") else 2
+    table = generators.generate(name, pp_size=2, num_stages=2 * per_rank, n_microbatches=N_MB)
+    stage_costs = {
+        s: hp_pp.StageCosts(**(c | {"backward_weight": c["full_backward"]} if rewalk else c))
+        for s, c in per_stage.items()
+    }
+    costs = hp_pp.PipelineCosts(per_stage=stage_costs, transfer=0.0)
+    return hp_pp.simulate_schedule(table, costs).step_time
+
+
 def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
     """One build order of one row, on every rank; returns this rank's step times and peaks.
 
@@ -314,10 +438,21 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
     name = row["schedule"]
     control = bool(row.get("control"))
     order = ["ours", "torch"] if ours_first else ["torch", "ours"]
-    built = {
-        key: _build("torch" if (key == "torch" or control) else "ours", name, copy.deepcopy(base))
-        for key in order
-    }
+    versus = row.get("versus")
+    if versus is not None:  # two of our schedules: "ours" runs ``schedule``, "torch" ``versus``
+        built = {
+            key: _build(
+                "ours", name if key == "ours" else versus, copy.deepcopy(base), row["input_weight"]
+            )
+            for key in order
+        }
+    else:
+        built = {
+            key: _build(
+                "torch" if (key == "torch" or control) else "ours", name, copy.deepcopy(base)
+            )
+            for key in order
+        }
     times: dict[str, list[float]] = {key: [] for key in order}
     for i in range(warmup + steps):
         for key in order if i % 2 == 0 else order[::-1]:
@@ -334,8 +469,19 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
         result[f"{key}_peak"] = _peak_bytes(step, warmup + steps, built[key][2])
     num_stages, _, indices, _ = _layout(name)
     result["holds_last"] = num_stages - 1 in indices
-    if ours_first and not control:
+    if ours_first and not control and versus is None:
         result["profile"] = _profile_costs(name, base)
+    if ours_first and versus is not None:
+        result["stage_gflop"] = {
+            "ours": _stage_flops(name, built["ours"][0], row["input_weight"]),
+            "torch": _stage_flops(versus, built["torch"][0], row["input_weight"]),
+        }
+    if ours_first and name in _ZERO_BUBBLE and versus is None:
+        i = warmup + steps + 1
+        result["flops"] = {
+            key: _count_backward_flops(built[key][2], built[key][1], i) for key in order
+        }
+        result["flops"]["full_backward"] = _full_backward_flops(name, built["ours"][0])
     return result
 
 
@@ -380,6 +526,8 @@ def main() -> None:
         # load, so the median of these pairs is far steadier than a ratio of medians.
         paired: list[float] = []
         profiles: list[dict[str, Any]] = []
+        flops: dict[str, Any] | None = None
+        gflop: dict[str, Any] = {}
         for ours_first in (True, False) * args.repeats:
             per_rank = run_distributed(
                 run_row, 2, row, args.steps, args.warmup, ours_first, timeout=600
@@ -397,8 +545,22 @@ def main() -> None:
             ours_steps = [max(s) for s in zip(*(r["ours_steps"] for r in per_rank), strict=True)]
             torch_steps = [max(s) for s in zip(*(r["torch_steps"] for r in per_rank), strict=True)]
             paired += [o / t for o, t in zip(ours_steps, torch_steps, strict=True)]
-            if ours_first and not row.get("control") and not profiles:
+            if ours_first and not row.get("control") and not profiles and "versus" not in row:
                 profiles = [r["profile"] for r in per_rank]
+            if ours_first and "stage_gflop" in per_rank[0]:
+                gflop = {
+                    key: {int(st): c for r in per_rank for st, c in r["stage_gflop"][key].items()}
+                    for key in ("ours", "torch")
+                }
+            if ours_first and "flops" in per_rank[0]:
+                flops = {
+                    key: (
+                        sum(r["flops"][key] for r in per_rank)
+                        if key == "full_backward"
+                        else {k: sum(r["flops"][key][k] for r in per_rank) for k in "IWB"}
+                    )
+                    for key in per_rank[0]["flops"]
+                }
         time_ratios = [o["ours"] / o["torch"] for o in orders]
         mem_ratios = [o["ours_peak"] / o["torch_peak"] for o in orders]
         entry: dict[str, Any] = {
@@ -417,6 +579,19 @@ def main() -> None:
             # Other jobs on the machine make the figures noisy: the noise-floor row shows how much.
             "load_average_1min": os.getloadavg()[0],
         }
+        if gflop:
+            # The same two tables on hardware where time follows FLOPs (a GPU at scale).
+            for key, rewalk in (("flop_simulated_ratio", False), ("rewalk_simulated_ratio", True)):
+                a = _flop_step(row["schedule"], gflop["ours"], rewalk=rewalk)
+                entry[key] = a / _flop_step(row["versus"], gflop["torch"], rewalk=rewalk)
+        if flops is not None:
+            full = flops["full_backward"]
+            entry["backward_flops_per_step"] = flops
+            entry["backward_flops_vs_full"] = {
+                key: {k: flops[key][k] / full for k in "IWB"}
+                | {"total": sum(flops[key].values()) / full}
+                for key in ("ours", "torch")
+            }
         if profiles:
             predicted = _predict(row["schedule"], profiles)
             measured = statistics.median(o["ours"] for o in orders)
@@ -463,6 +638,46 @@ def main() -> None:
             + " | "
             + ("-" if err is None else f"{100 * err:+.0f}%")
             + f" | {entry.get('load_average_1min', float('nan')):.1f} |"
+        )
+    lines += [
+        "",
+        "Rows `A / B (ours, same model)`: step time of our schedule A over our schedule B on the"
+        " same stages (the `1F1B / 1F1B` row is their noise floor); the memory column is A's"
+        " peak over B's. On this CPU toy a step is mostly per-action overhead (A has twice the"
+        " stages and splits its backwards), so the simulator's ratio of the same two tables"
+        " with every action costing its FLOPs (transfers free: time following compute, as on a"
+        " GPU at scale) is given too, and the same with W costing a full backward (the weight"
+        " pass before the split re-walked the graph):",
+        "",
+        "| A / B | measured [quartiles] | simulated from FLOPs | same, W re-walking |",
+        "|---|---|---|---|",
+    ]
+    for name in ROWS:
+        entry = report["rows"].get(name)
+        if entry is None or "flop_simulated_ratio" not in entry:
+            continue
+        lines.append(
+            f"| {name} | {entry['step_time_ratio']:.3f} {_range(entry)} | "
+            f"{entry['flop_simulated_ratio']:.3f} | {entry['rewalk_simulated_ratio']:.3f} |"
+        )
+    lines += [
+        "",
+        "Zero-bubble backward FLOPs per step (all ranks; `FlopCounterMode` around each I, W and"
+        " B action), as a fraction of one full backward of every stage per micro-batch:",
+        "",
+        "| schedule | I | W | B | I + W + B | torch's I + W + B | full backward (GFLOP) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in ROWS:
+        entry = report["rows"].get(name)
+        if entry is None or "backward_flops_vs_full" not in entry:
+            continue
+        ours = entry["backward_flops_vs_full"]["ours"]
+        theirs = entry["backward_flops_vs_full"]["torch"]
+        full = entry["backward_flops_per_step"]["full_backward"]
+        lines.append(
+            f"| {name} | {ours['I']:.3f} | {ours['W']:.3f} | {ours['B']:.3f} | "
+            f"{ours['total']:.3f} | {theirs['total']:.3f} | {full / 1e9:.3f} |"
         )
     lines.append("")
     (args.out / "pp_vs_torch.md").write_text("\n".join(lines))
