@@ -61,6 +61,7 @@ from hp_trainer.distributed.fsdp import (
     get_fsdp_reshard_after_forward_policy,
 )
 from hp_trainer.distributed.parallel_dims import ParallelDims
+from hp_trainer.distributed.sharding import apply_sharding
 from hp_trainer.distributed.swap import CheckpointPolicy, HostBufferPool, SwapManager
 from hp_trainer.models.common.decoder import Decoder, DecoderArgs
 from hp_trainer.models.common.expert_parallel import apply_moe_ep_tp
@@ -90,6 +91,7 @@ from hp_trainer.protocols.model_spec import (
     register_model_spec,
     register_spec,
 )
+from hp_trainer.protocols.sharding import ShardingConfig, ShardingRule
 from hp_trainer.trainer import BaseTrainer, LLMTrainer, Trainer, clip_grad_norm_
 
 HyperTrainerConfig = JobConfig
@@ -142,6 +144,8 @@ __all__ = [
     "Qwen3MoeStateDictAdapter",
     "Qwen3StateDictAdapter",
     "RNGState",
+    "ShardingConfig",
+    "ShardingRule",
     "StateDictAdapter",
     "StreamingTextLoader",
     "SwapManager",
@@ -154,6 +158,7 @@ __all__ = [
     "apply_compile",
     "apply_fsdp_to_decoder",
     "apply_moe_ep_tp",
+    "apply_sharding",
     "apply_tp",
     "build_lr_schedulers",
     "build_optimizers",

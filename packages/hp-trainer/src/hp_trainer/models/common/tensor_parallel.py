@@ -1,4 +1,4 @@
-"""Tensor (and sequence) parallelism plan for the dense decoder."""
+"""The tensor (and sequence) parallel tables of the decoders: trunk, attention, dense MLP."""
 
 from __future__ import annotations
 
@@ -8,14 +8,90 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hp_trainer._parallel_api import (
     ColwiseParallel,
-    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    parallelize_module,
+)
+from hp_trainer.distributed.sharding import apply_sharding
+from hp_trainer.protocols.sharding import ShardingConfig, ShardingRule
+
+__all__ = [
+    "DENSE_DECODER_SHARDING",
+    "DENSE_FFN_RULES",
+    "GQA_ATTENTION_RULES",
+    "TRUNK_RULES",
+    "TRUNK_SHARDING",
+    "apply_tp",
+    "apply_tp_to_trunk",
+    "check_tp_degree",
+]
+
+_SEQ = Shard(1)
+_HEADS = 2  # queries/keys are (B, S, local_heads, head_dim) at the QK-norms
+
+TRUNK_RULES = (
+    # embedding row-wise, its output sharded on the sequence; final norm sequence parallel
+    ShardingRule(
+        "tok_embeddings",
+        lambda o: RowwiseParallel(input_layouts=Replicate(), output_layouts=_SEQ),
+    ),
+    ShardingRule("norm", lambda o: SequenceParallel()),
+    # LM head column-wise: vocab-sharded logits for the parallel loss, else replicated
+    ShardingRule(
+        "lm_head",
+        lambda o: ColwiseParallel(
+            input_layouts=_SEQ,
+            output_layouts=Shard(-1) if o["loss_parallel"] else Replicate(),
+            use_local_output=not o["loss_parallel"],
+        ),
+    ),
 )
 
-__all__ = ["apply_tp"]
+TRUNK_SHARDING = ShardingConfig(tp=TRUNK_RULES, description="decoder embedding, norm, LM head")
+"""The embedding, final norm and LM head of every decoder (dense and MoE)."""
+
+GQA_ATTENTION_RULES = (
+    ShardingRule("layers.*.attention_norm", lambda o: SequenceParallel()),
+    ShardingRule(
+        "layers.*.attention",
+        lambda o: PrepareModuleInput(
+            input_layouts=(_SEQ, None), desired_input_layouts=(Replicate(), None)
+        ),
+    ),
+    ShardingRule("layers.*.attention.wq", lambda o: ColwiseParallel()),
+    ShardingRule("layers.*.attention.wk", lambda o: ColwiseParallel()),
+    ShardingRule("layers.*.attention.wv", lambda o: ColwiseParallel()),
+    ShardingRule("layers.*.attention.wo", lambda o: RowwiseParallel(output_layouts=_SEQ)),
+    ShardingRule(
+        "layers.*.attention.q_norm",
+        lambda o: SequenceParallel(sequence_dim=_HEADS, use_local_output=True),
+    ),
+    ShardingRule(
+        "layers.*.attention.k_norm",
+        lambda o: SequenceParallel(sequence_dim=_HEADS, use_local_output=True),
+    ),
+)
+"""Grouped-query attention (and its optional per-head QK-norms) of every block."""
+
+DENSE_FFN_RULES = (
+    ShardingRule("layers.*.ffn_norm", lambda o: SequenceParallel()),
+    ShardingRule(
+        "layers.*.feed_forward",
+        lambda o: PrepareModuleInput(input_layouts=(_SEQ,), desired_input_layouts=(Replicate(),)),
+    ),
+    ShardingRule("layers.*.feed_forward.w1", lambda o: ColwiseParallel()),
+    ShardingRule("layers.*.feed_forward.w2", lambda o: RowwiseParallel(output_layouts=_SEQ)),
+    ShardingRule("layers.*.feed_forward.w3", lambda o: ColwiseParallel()),
+)
+"""The SwiGLU feed-forward of every dense block."""
+
+DENSE_DECODER_SHARDING = ShardingConfig(
+    tp=TRUNK_RULES + GQA_ATTENTION_RULES + DENSE_FFN_RULES,
+    description="dense decoder (Llama 3, Qwen 3)",
+)
+"""Megatron-style TP with sequence parallel for the dense decoder: norms sequence parallel,
+attention and MLP inputs gathered, ``wq``/``wk``/``wv``/``w1``/``w3`` column-wise,
+``wo``/``w2`` row-wise back to sequence-sharded, QK-norms sharded on the head axis."""
 
 
 def apply_tp(
@@ -54,33 +130,8 @@ def apply_tp(
             "async tensor parallelism needs symmetric memory on a CUDA device; it is not "
             "available in hp-trainer 0.1"
         )
-    apply_tp_to_trunk(model, tp_mesh, loss_parallel)
-    layers = model.get_submodule("layers")
-    for block in layers.children():
-        plan: dict[str, ParallelStyle] = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None),
-                desired_input_layouts=(Replicate(), None),
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        attention = block.get_submodule("attention")
-        if getattr(attention, "q_norm", None) is not None:
-            # queries/keys are (B, S, local_heads, head_dim): the heads axis (2) is sharded.
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(block, tp_mesh, plan)
+    check_tp_degree(model, tp_mesh)
+    apply_sharding(model, DENSE_DECODER_SHARDING, tp_mesh, loss_parallel=loss_parallel)
 
 
 def apply_tp_to_trunk(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
@@ -97,6 +148,21 @@ def apply_tp_to_trunk(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool
     See Also:
         :titan:`torchtitan.models.llama3.infra.parallelize.apply_tp`: the same top-level plan.
     """
+    check_tp_degree(model, tp_mesh)
+    apply_sharding(model, TRUNK_SHARDING, tp_mesh, loss_parallel=loss_parallel)
+
+
+def check_tp_degree(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Refuse a TP degree that does not divide the head counts, and tied embeddings.
+
+    Args:
+        model: The decoder (or a stage of it).
+        tp_mesh: 1-D tensor-parallel mesh.
+
+    Raises:
+        ValueError: If a head count is not divisible by the TP degree, or the embedding and LM
+            head are tied.
+    """
     tp = tp_mesh.size()
     args = getattr(model, "args", None)
     if args is not None:
@@ -110,17 +176,3 @@ def apply_tp_to_trunk(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool
             "tensor parallelism with tied embeddings is not supported: the embedding is sharded "
             "row-wise and the LM head column-wise; set enable_weight_tying=False or tp=1"
         )
-    top_plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    # a pipeline stage holds some of the top-level parts (the others are None)
-    top_plan = {
-        name: style for name, style in top_plan.items() if getattr(model, name, None) is not None
-    }
-    parallelize_module(model, tp_mesh, top_plan)
