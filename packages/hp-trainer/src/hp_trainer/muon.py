@@ -17,6 +17,9 @@ step then costs, per mesh:
    iteration's output dtype), replicas included (HSDP);
 5. weight decay and the shape-adjusted learning rate, element-wise on the local shards.
 
+Both all-to-alls are issued asynchronously: the AdamW groups (on the local shards) and the
+matrices a rank holds whole are computed while the gather is in flight.
+
 Where the data live comes from each rank's own shard boxes (DTensor placements: ``Shard``,
 uneven shards, ``_StridedShard`` of FSDP x TP, ``Replicate``), exchanged once when a plan is
 built. A 3-D parameter is a stack of matrices along dim 0 (``GroupedExperts``' ``w1/w2/w3``):
@@ -122,7 +125,7 @@ class _Unit:
     owner: int = -1
     # pieces the owner assembles: (source rank, row0, col0, rows, cols), in a fixed order
     pieces: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    # ranks that hold a part of the matrix, with their (row0, col0, rows, cols, local expert)
+    # (rank, row0, col0, rows, cols, local expert) of every rank holding a part of the matrix
     holders: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
 
 
@@ -135,7 +138,7 @@ class _MeshPlan:
     rank: int
     entries: list[tuple[int, int]]  # (group index, parameter index) into param_groups
     units: list[_Unit]
-    owned: list[int]  # indices into units, in unit order
+    owned: list[int]  # indices into units: those held whole here first, then in unit order
     # gather: per destination rank, the (entry, local expert) slabs this rank sends
     gather_send: list[list[tuple[int, int]]]
     gather_send_counts: list[int]
