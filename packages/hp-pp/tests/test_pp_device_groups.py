@@ -85,15 +85,18 @@ def test_every_schedule_puts_only_device_tensors_on_the_pipeline_group() -> None
         assert checker.count("batch_isend_irecv") > 0
         assert checker.count("all_gather_object") == 0
         assert checker.count("broadcast_object_list") == 0
-        # Ties: found once (two all_gathers at set-up), then one all-reduce per step, over the
-        # ranks holding them only; on the V placement both copies sit on rank 0: none at all.
+        # Ties: found once (two all_gathers at set-up), then per step one exchange between the
+        # two ranks holding the tie (a batch of one send and one receive of the weight's size);
+        # on the V placement both copies sit on rank 0: nothing at all. No all-reduce.
         tied = sched.tied_gradients
         assert tied is not None
         assert checker.count("all_gather") == 2
+        assert checker.count("all_reduce") == 0
         if generators.STYLE[name] == "v":
-            assert checker.count("all_reduce") == 0
+            assert list(tied.holders.values()) == [(0,)]
             assert tied.collectives == 0
-        elif 0 in idx or num_stages - 1 in idx:
+        else:
+            assert tied.holders == {"w": (0, 1)}
             assert tied.collectives == 2
             assert tied.bytes_reduced == 2 * DIM * DIM * 4
 
@@ -141,3 +144,37 @@ def test_a_host_description_is_caught() -> None:
         )
     with pytest.raises(HostTensorOnDeviceGroupError), check_device_groups(device=CPU):
         dist.all_reduce(torch.tensor([1], dtype=torch.int64))  # the pre-fix tie check
+
+
+def _tied_run(ties: dict[int, dict[str, str]]) -> tuple[Any, list[torch.Tensor]]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mods = [Tied() for _ in range(3)]
+    stage = hp_pp.PipelineStage(mods[rank], rank, 3, CPU, tied_parameters=ties.get(rank))
+    sched = hp_pp.Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss)
+    _step(sched, [rank], 3, 0)
+    return sched, [p.grad.clone() for p in mods[rank].parameters() if p.grad is not None]
+
+
+@distributed(world_size=3)
+def test_tied_gradients_are_summed_over_their_holders_only_at_ws3() -> None:
+    rank = dist.get_rank()
+    _, untied = _tied_run({})
+    weight = untied[0]  # lin.weight's gradient of this rank's stage, without ties
+    # Two holders (the first and the last stage): ranks 0 and 2 exchange, rank 1 takes no part.
+    with check_device_groups(device=CPU) as checker:
+        sched, grads = _tied_run({0: {"lin.weight": "w"}, 2: {"lin.weight": "w"}})
+    assert not checker.violations
+    gathered = [torch.empty_like(weight) for _ in range(3)]
+    dist.all_gather(gathered, weight)
+    tied = sched.tied_gradients
+    assert tied is not None
+    if rank == 1:
+        assert tied.collectives == 0
+        assert torch.equal(grads[0], weight)
+    else:
+        assert tied.collectives == 1
+        assert torch.equal(grads[0], gathered[0] + gathered[2])
+    # Three holders: every rank's copy gets the sum of all three (an all-reduce).
+    sched, grads = _tied_run({r: {"lin.weight": "w"} for r in range(3)})
+    torch.testing.assert_close(grads[0], gathered[0] + gathered[1] + gathered[2])

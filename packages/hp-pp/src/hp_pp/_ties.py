@@ -2,29 +2,32 @@
 
 At set-up (the first step) every pipeline rank describes its ties (a hash of the tie name, the
 number of elements and the dtype) in a small int64 tensor on the stage's device; two
-``all_gather`` calls over the pipeline group tell every rank which ranks hold each tie. A tie
-held by one rank only (both copies there, as on the V placement) is summed locally, with no
-communication; otherwise a process group of just its holders is created once
-(``new_group(..., use_local_synchronization=True)``: only the holders take part) and each step
-all-reduces the summed gradient of the tie over it: one collective of the tie's size per tie,
-nothing for the other ranks (Megatron's embedding group).
+``all_gather`` calls over the pipeline group tell every rank which ranks hold each tie. Each
+step, a tie held by one rank only (both copies there, as on the V placement) is summed locally,
+with no communication; a tie held by two ranks (the embedding and the head of a loop placement)
+is exchanged between just those two: one batch of one send and one receive of the tie's size
+(``a + b`` on both sides, the same bits as an all-reduce of two values); a tie held by more
+ranks is all-reduced over the pipeline group, the other ranks adding zeros. No process group is
+created (a group made with ``use_local_synchronization`` is named after its ranks only, so two
+groups of the same ranks would share their store prefix).
 
 See Also:
-    :pt:`torch.distributed.new_group`
+    :pt:`torch.distributed.batch_isend_irecv`
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from hp_pp.stage import PipelineStage
 
 _ROW = 3  # name hash, numel, dtype hash
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _hash(text: str) -> int:
@@ -32,7 +35,7 @@ def _hash(text: str) -> int:
 
 
 class TiedGradients:
-    """The tie groups of one pipeline and the per-step reduction of tied gradients.
+    """Which ranks hold each tied parameter, and the per-step sum of their gradients.
 
     Args:
         stages: This rank's stages.
@@ -42,8 +45,9 @@ class TiedGradients:
         ValueError: two ranks declare the same tie with different sizes or dtypes.
 
     Attributes:
-        collectives: All-reduces issued so far by :meth:`reduce`.
-        bytes_reduced: Bytes of the tensors those all-reduces carried.
+        holders: ``{tie: pipeline-group ranks holding it}`` (every tie of the pipeline).
+        collectives: Exchanges or all-reduces this rank issued so far in :meth:`reduce`.
+        bytes_reduced: Bytes this rank sent (or all-reduced) for them.
     """
 
     def __init__(self, stages: Sequence[PipelineStage], group: dist.ProcessGroup | None) -> None:
@@ -56,8 +60,9 @@ class TiedGradients:
                 self.local.setdefault(tie, []).append(params[fqn])
         self.collectives = 0
         self.bytes_reduced = 0
-        self.groups: dict[str, dist.ProcessGroup | None] = {}
         self.holders: dict[str, tuple[int, ...]] = {}
+        # name hash -> (holders, (numel, dtype hash), local name or None)
+        self._ties: dict[int, tuple[tuple[int, ...], tuple[int, int], str | None]] = {}
         self._discover()
 
     def _discover(self) -> None:
@@ -67,10 +72,10 @@ class TiedGradients:
         count = torch.tensor([len(ties)], dtype=torch.int64).to(device)
         counts = [torch.empty_like(count) for _ in range(size)]
         dist.all_gather(counts, count, group=self.group)
-        most = max(int(c.item()) for c in counts)
-        if most == 0:
+        sizes = [int(c.item()) for c in counts]
+        if max(sizes) == 0:
             return
-        rows = torch.zeros(most, _ROW, dtype=torch.int64).to(device)
+        rows = torch.zeros(max(sizes), _ROW, dtype=torch.int64).to(device)
         for i, tie in enumerate(ties):
             param = self.local[tie][0]
             rows[i, 0] = _hash(tie)
@@ -79,45 +84,57 @@ class TiedGradients:
         gathered = [torch.empty_like(rows) for _ in range(size)]
         dist.all_gather(gathered, rows, group=self.group)
         table = [g.cpu().tolist() for g in gathered]
+        by_rank = [{row[0]: (row[1], row[2]) for row in table[r][: sizes[r]]} for r in range(size)]
         me = dist.get_rank(self.group)
-        by_rank: dict[int, dict[int, tuple[int, int]]] = {
-            r: {row[0]: (row[1], row[2]) for row in table[r][: int(counts[r].item())]}
-            for r in range(size)
-        }
-        for tie in ties:
-            key = _hash(tie)
-            mine = by_rank[me][key]
+        # Ties this rank does not hold but that span more than two ranks: it adds zeros there.
+        everywhere = {key for entry in by_rank for key in entry}
+        for key in sorted(everywhere):
             holders = tuple(r for r in range(size) if key in by_rank[r])
-            for r in holders:
-                if by_rank[r][key] != mine:
-                    raise ValueError(
-                        f"tie {tie!r}: pipeline rank {me} holds {mine[0]} elements but rank {r} "
-                        f"holds {by_rank[r][key][0]} (or another dtype): tied parameters must "
-                        "have one shape and dtype"
-                    )
-            self.holders[tie] = holders
-        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for holders in sorted(set(self.holders.values())):
-            if len(holders) == 1:
-                made[holders] = None
-                continue
-            ranks = [
-                r if self.group is None else dist.get_global_rank(self.group, r) for r in holders
-            ]
-            made[holders] = dist.new_group(ranks, use_local_synchronization=True)
-        self.groups = {tie: made[h] for tie, h in self.holders.items()}
+            shapes = {by_rank[r][key] for r in holders}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"a tied parameter is declared with different sizes or dtypes on pipeline "
+                    f"ranks {list(holders)}: {sorted(shapes)} (elements, dtype hash); tied "
+                    "parameters must have one shape and dtype"
+                )
+            name = next((t for t in ties if _hash(t) == key), None)
+            self.holders[name or f"#{key}"] = holders
+            self._ties[key] = (holders, shapes.pop(), name)
+        self._me = me
 
     def reduce(self) -> None:
         """Give every copy of each tie the sum of the tie's gradients over all its copies."""
-        for tie in sorted(self.local):
-            params = self.local[tie]
-            grads = [p.grad for p in params if p.grad is not None]
-            total: Any = (
-                torch.zeros_like(params[0]) if not grads else sum(grads[1:], grads[0].clone())
-            )
-            tie_group = self.groups.get(tie)
-            if tie_group is not None:
-                dist.all_reduce(total, group=tie_group)
+        for key in sorted(self._ties):
+            holders, (numel, dtype_hash), name = self._ties[key]
+            params = self.local.get(name, []) if name is not None else []
+            if not params and len(holders) <= 2:
+                continue  # a tie between other ranks
+            if params:
+                grads = [p.grad for p in params if p.grad is not None]
+                total = torch.zeros_like(params[0]) if not grads else grads[0].clone()
+                for g in grads[1:]:
+                    total += g
+            else:  # a tie of three or more ranks, not held here: add zeros
+                dtype = next((d for d in _DTYPES if _hash(str(d)) == dtype_hash), torch.float32)
+                total = torch.zeros(numel, dtype=dtype, device=self.stages[0].device)
+            if len(holders) == 2:
+                peer_rank = holders[1] if holders[0] == self._me else holders[0]
+                peer = (
+                    peer_rank if self.group is None else dist.get_global_rank(self.group, peer_rank)
+                )
+                theirs = torch.empty_like(total)
+                ops = [
+                    dist.P2POp(_c10d.isend, total, peer, self.group),
+                    dist.P2POp(_c10d.irecv, theirs, peer, self.group),
+                ]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                # Lower rank's gradient first on both sides: the same bits everywhere.
+                total = total + theirs if self._me < peer_rank else theirs + total
+                self.collectives += 1
+                self.bytes_reduced += total.numel() * total.element_size()
+            elif len(holders) > 2:
+                dist.all_reduce(total, group=self.group)
                 self.collectives += 1
                 self.bytes_reduced += total.numel() * total.element_size()
             for p in params:
