@@ -1,10 +1,12 @@
-"""Declarative sharding: the dense decoder's table gives what the imperative plan gave.
+"""Declarative sharding: the families' tables give what the imperative plans gave.
 
-``DENSE_DECODER_SHARDING`` (a :class:`~hp_trainer.protocols.sharding.ShardingConfig` next to the
-decoder) applied by the generic :func:`~hp_trainer.distributed.sharding.apply_sharding` replaced
-``apply_tp``'s per-block plan code. The oracle is that code, kept here: under tp 2 (llama3,
-qwen3 with QK-norms) and dp_shard 2 x tp 2 (llama3), every parameter has the same placements and
-local shape, and 3 steps give bitwise the same losses and gradient norms.
+``DENSE_DECODER_SHARDING``, ``MOE_DECODER_SHARDING`` and ``DEEPSEEK_V3_SHARDING``
+(:class:`~hp_trainer.protocols.sharding.ShardingConfig` tables next to the modules), applied by
+the generic :func:`~hp_trainer.distributed.sharding.apply_sharding`, replaced the per-block TP
+plan code of the four families. The oracle is that code, kept in the tests (here and
+``_old_moe_tp_plan.py``): under tp 2 (all four families), dp_shard 2 x tp 2 (llama3) and
+dp_shard 2 x tp 2 x ep 2 (both MoE families), every parameter has the same placements and local
+shape, and 3 steps give bitwise the same losses and gradient norms.
 """
 
 from __future__ import annotations
@@ -74,18 +76,23 @@ def _imperative_apply_tp(model: nn.Module, tp_mesh: Any, loss_parallel: bool, **
 
 
 def _run(folder: str, model: str, par: dict[str, Any], imperative: bool) -> Any:
+    import hp_trainer.models.common.expert_parallel as moe_recipe
     import hp_trainer.models.common.parallelize as recipe
 
-    original = recipe.apply_tp
+    old_moe = load_test_module(
+        Path(__file__).with_name("_old_moe_tp_plan.py"), "hp_trainer_tests_old_moe_tp_plan"
+    )
+    originals = (recipe.apply_tp, moe_recipe.apply_tp_to_moe_decoder)
     if imperative:
         recipe.apply_tp = _imperative_apply_tp  # type: ignore[assignment]
+        moe_recipe.apply_tp_to_moe_decoder = old_moe.apply_tp_to_moe_decoder
     try:
         run = f"{'old' if imperative else 'table'}-{model}-r{dist.get_rank()}"
         trainer = Trainer(_helpers().job(Path(folder), par, run=run, model=model))
         losses = trainer.train()
         trainer.close()
     finally:
-        recipe.apply_tp = original  # type: ignore[assignment]
+        recipe.apply_tp, moe_recipe.apply_tp_to_moe_decoder = originals  # type: ignore[assignment]
     placements = {
         name: (tuple(p.placements), tuple(p.to_local().shape))
         for name, p in trainer.model.named_parameters()
@@ -104,8 +111,36 @@ def _both(folder: str, model: str, par: dict[str, Any]) -> Any:
         ("llama3", 2, {"tensor_parallel_degree": 2}),
         ("qwen3", 2, {"tensor_parallel_degree": 2}),
         ("llama3", 4, {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2}),
+        ("qwen3_moe", 2, {"tensor_parallel_degree": 2}),
+        ("deepseek_v3", 2, {"tensor_parallel_degree": 2}),
+        (
+            "qwen3_moe",
+            4,
+            {
+                "data_parallel_shard_degree": 2,
+                "tensor_parallel_degree": 2,
+                "expert_parallel_degree": 2,
+            },
+        ),
+        (
+            "deepseek_v3",
+            4,
+            {
+                "data_parallel_shard_degree": 2,
+                "tensor_parallel_degree": 2,
+                "expert_parallel_degree": 2,
+            },
+        ),
     ],
-    ids=["llama3-tp2", "qwen3-tp2", "llama3-dp2xtp2"],
+    ids=[
+        "llama3-tp2",
+        "qwen3-tp2",
+        "llama3-dp2xtp2",
+        "qwen3_moe-tp2",
+        "deepseek_v3-tp2",
+        "qwen3_moe-dp2xtp2xep2",
+        "deepseek_v3-dp2xtp2xep2",
+    ],
 )
 def test_table_equals_the_imperative_plan_bitwise(
     tmp_path: Path, model: str, world: int, par: dict[str, Any]

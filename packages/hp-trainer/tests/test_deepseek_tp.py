@@ -98,7 +98,7 @@ def _query_lora_gradients(tp_degree: int) -> Any:
 
     from hp_trainer.models.common.expert_parallel import apply_moe_ep_tp, apply_tp_to_moe_decoder
     from hp_trainer.models.deepseek_v3 import DeepSeekV3, deepseek_v3_flavors
-    from hp_trainer.models.deepseek_v3.parallelize import apply_tp_to_latent_attention
+    from hp_trainer.models.deepseek_v3.parallelize import DEEPSEEK_V3_SHARDING
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -108,9 +108,7 @@ def _query_lora_gradients(tp_degree: int) -> Any:
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     if tp_degree > 1:
         mesh = init_device_mesh("cpu", (tp_degree,))
-        apply_tp_to_moe_decoder(
-            model, mesh, loss_parallel=False, attention_tp=apply_tp_to_latent_attention
-        )
+        apply_tp_to_moe_decoder(model, mesh, loss_parallel=False, sharding=DEEPSEEK_V3_SHARDING)
         apply_moe_ep_tp(model, mesh, None)
     logits = model(tokens)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())

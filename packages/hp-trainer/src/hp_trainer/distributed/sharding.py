@@ -7,10 +7,27 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_trainer._parallel_api import parallelize_module
+from hp_trainer._parallel_api import ParallelStyle, parallelize_module
 from hp_trainer.protocols.sharding import ShardingConfig
 
-__all__ = ["apply_sharding"]
+__all__ = ["ComposedStyle", "apply_sharding"]
+
+
+class ComposedStyle(ParallelStyle):
+    """Several styles applied to one module, in order (a table gives a module one style).
+
+    Args:
+        *styles: The styles; each is applied with this style's ``src_data_rank``.
+    """
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            style.src_data_rank = self.src_data_rank
+            module = style._apply(module, device_mesh)
+        return module
 
 
 def apply_sharding(

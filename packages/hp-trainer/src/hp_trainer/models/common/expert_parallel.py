@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,16 +13,28 @@ from hp_cp_ep import ExpertParallel, ExpertTensorParallel, TensorParallel
 
 # the expert styles implement PyTorch's style protocol; hp-tp's entry point applies them as they are
 from hp_tp import NoParallel, parallelize_module
+from hp_trainer._parallel_api import ParallelStyle
 from hp_trainer.distributed.activation_checkpoint import apply_ac
 from hp_trainer.distributed.compile import apply_compile
 from hp_trainer.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_gradient_division
+from hp_trainer.distributed.sharding import apply_sharding
 from hp_trainer.models.common.parallelize import MIXED_PRECISION_DTYPES
+from hp_trainer.models.common.tensor_parallel import (
+    DENSE_FFN_RULES,
+    GQA_ATTENTION_RULES,
+    TRUNK_RULES,
+    check_tp_degree,
+)
+from hp_trainer.protocols.sharding import ShardingConfig, ShardingRule
 
 if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
     from hp_trainer.distributed.parallel_dims import ParallelDims
 
 __all__ = [
+    "MOE_DECODER_SHARDING",
+    "MOE_RULES",
+    "ReplicateTokensForMoE",
     "apply_moe_ep_tp",
     "apply_tp_to_moe_decoder",
     "moe_layout_error",
@@ -100,30 +111,49 @@ def _replicate_tokens_for_moe(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
     moe.register_forward_hook(shard)
 
 
+class ReplicateTokensForMoE(ParallelStyle):
+    """The MoE layer's TP style: it sees every token of the sequence on each TP rank.
+
+    The sequence-sharded input is gathered, the MoE computes on plain tensors (its experts are
+    sharded by :func:`apply_moe_ep_tp`), and its output is sharded on the sequence again.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _replicate_tokens_for_moe(module, device_mesh)
+        return module
+
+
+MOE_RULES = (
+    # router gate and shared experts replicated (every rank routes the whole sequence)
+    ShardingRule("layers.*.moe.router.gate", lambda o: NoParallel()),
+    ShardingRule("layers.*.moe.shared_experts", lambda o: NoParallel()),
+    ShardingRule("layers.*.moe", lambda o: ReplicateTokensForMoE()),
+)
+"""The MoE layer of every MoE block (the routed experts are EP/ETP's: :func:`apply_moe_ep_tp`)."""
+
+MOE_DECODER_SHARDING = ShardingConfig(
+    tp=TRUNK_RULES + GQA_ATTENTION_RULES + DENSE_FFN_RULES + MOE_RULES,
+    description="MoE decoder with grouped-query attention (Qwen 3 MoE)",
+)
+"""TP with sequence parallel for a grouped-query-attention MoE decoder: the dense plan for
+embedding, norms, attention and dense first blocks, and :data:`MOE_RULES` for the MoE layers."""
+
+
 def apply_tp_to_moe_decoder(
     model: nn.Module,
     tp_mesh: DeviceMesh,
     loss_parallel: bool,
     *,
-    attention_tp: Callable[[nn.Module, DeviceMesh], None] | None = None,
+    sharding: ShardingConfig = MOE_DECODER_SHARDING,
 ) -> None:
-    """Megatron-style TP with sequence parallel for a grouped-query-attention MoE decoder.
-
-    Embedding, norms, attention and dense feed-forwards as the dense plan
-    (:func:`~hp_trainer.models.common.tensor_parallel.apply_tp`); in MoE blocks the router gate and
-    shared experts are replicated (:class:`hp_tp.NoParallel`) and the MoE sees every token of the
-    sequence on each TP rank (the routed experts are then sharded by :func:`apply_moe_ep_tp`).
-    A family whose attention is not grouped-query passes its own plan as ``attention_tp``
-    (DeepSeek-V3: :func:`~hp_trainer.models.deepseek_v3.parallelize.apply_tp_to_latent_attention`).
+    """Megatron-style TP with sequence parallel for an MoE decoder, from its sharding table.
 
     Args:
-        model: The MoE decoder (grouped-query attention: ``wq``/``wk``/``wv``/``wo``, or
-            multi-head latent attention).
+        model: The MoE decoder (or a pipeline stage of it).
         tp_mesh: 1-D tensor-parallel mesh.
         loss_parallel: Keep the logits sharded on the vocabulary.
-        attention_tp: Keyword-only; ``fn(attention, tp_mesh)`` sharding each block's attention
-            (its inputs arrive replicated, its output is a local tensor), instead of the
-            grouped-query plan.
+        sharding: Keyword-only; the family's table (default :data:`MOE_DECODER_SHARDING`;
+            DeepSeek-V3 passes its latent-attention table).
 
     Raises:
         ValueError: A head count not divisible by the TP degree, or tied embeddings.
@@ -132,53 +162,8 @@ def apply_tp_to_moe_decoder(
         :titan:`torchtitan.models.qwen3.infra.parallelize.apply_non_moe_tp` and
         :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp`.
     """
-    from hp_trainer._parallel_api import (
-        ColwiseParallel,
-        ParallelStyle,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-    from hp_trainer._parallel_api import parallelize_module as tp_parallelize_module
-    from hp_trainer.models.common.tensor_parallel import apply_tp_to_trunk
-
-    apply_tp_to_trunk(model, tp_mesh, loss_parallel)
-    for block in model.get_submodule("layers").children():
-        latent = attention_tp is not None  # e.g. DeepSeek-V3's latent attention
-        plan: dict[str, ParallelStyle] = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None),
-                desired_input_layouts=(Replicate(), None),
-                # latent attention: local tensors inside (its plan sums the shared gradients)
-                use_local_output=latent,
-            ),
-            "ffn_norm": SequenceParallel(),
-        }
-        if attention_tp is not None:
-            attention_tp(block.get_submodule("attention"), tp_mesh)
-        else:
-            plan["attention.wq"] = ColwiseParallel()
-            plan["attention.wk"] = ColwiseParallel()
-            plan["attention.wv"] = ColwiseParallel()
-            plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
-        if not latent and getattr(block.get_submodule("attention"), "q_norm", None) is not None:
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if not getattr(block, "moe_enabled", False):
-            plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-            plan["feed_forward.w1"] = ColwiseParallel()
-            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
-            plan["feed_forward.w3"] = ColwiseParallel()
-        tp_parallelize_module(block, tp_mesh, plan)
-        if getattr(block, "moe_enabled", False):
-            moe = block.get_submodule("moe")
-            tp_parallelize_module(moe.get_submodule("router.gate"), tp_mesh, NoParallel())
-            if getattr(moe, "shared_experts", None) is not None:
-                tp_parallelize_module(moe.get_submodule("shared_experts"), tp_mesh, NoParallel())
-            _replicate_tokens_for_moe(moe, tp_mesh)
+    check_tp_degree(model, tp_mesh)
+    apply_sharding(model, sharding, tp_mesh, loss_parallel=loss_parallel)
 
 
 def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None:
@@ -236,7 +221,7 @@ def parallelize_moe_decoder(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     *,
-    attention_tp: Callable[[nn.Module, DeviceMesh], None] | None = None,
+    tp_sharding: ShardingConfig = MOE_DECODER_SHARDING,
 ) -> nn.Module:
     """Apply TP, EP, activation checkpointing, compile and FSDP to an MoE decoder.
 
@@ -254,7 +239,7 @@ def parallelize_moe_decoder(
         model: A :class:`~hp_trainer.models.common.moe_decoder.MoEDecoder`.
         parallel_dims: Degrees and meshes (``build_mesh`` done when world size > 1).
         job_config: The job configuration.
-        attention_tp: Keyword-only; the attention's own TP plan (see
+        tp_sharding: Keyword-only; the family's TP table (see
             :func:`apply_tp_to_moe_decoder`).
 
     Returns:
@@ -277,7 +262,7 @@ def parallelize_moe_decoder(
     if dims.tp_enabled:
         tp_mesh = dims.get_mesh("tp")
         apply_tp_to_moe_decoder(
-            model, tp_mesh, loss_parallel=not par.disable_loss_parallel, attention_tp=attention_tp
+            model, tp_mesh, loss_parallel=not par.disable_loss_parallel, sharding=tp_sharding
         )
         if dims.ep_enabled:
             ep_tp_mesh, edp_mesh = _expert_tp_meshes(dims)

@@ -1,5 +1,5 @@
-"""DeepSeek-V3's parallelize function and the TP plan of its latent attention (heads split,
-latent shared); the rest of the model follows the shared MoE plan
+"""DeepSeek-V3's parallelize function and its TP table (:data:`DEEPSEEK_V3_SHARDING`): the
+latent attention split over its heads (latent shared), the rest as the shared MoE tables
 (:mod:`hp_trainer.models.common.expert_parallel`)."""
 
 from __future__ import annotations
@@ -15,17 +15,26 @@ from hp_tp import NoParallel
 from hp_trainer._parallel_api import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
 )
-from hp_trainer._parallel_api import parallelize_module as tp_parallelize_module
-from hp_trainer.models.common.expert_parallel import parallelize_moe_decoder
+from hp_trainer.distributed.sharding import ComposedStyle
+from hp_trainer.models.common.expert_parallel import MOE_RULES, parallelize_moe_decoder
+from hp_trainer.models.common.tensor_parallel import DENSE_FFN_RULES, TRUNK_RULES
 from hp_trainer.models.deepseek_v3.model import MLAttention
+from hp_trainer.protocols.sharding import ShardingConfig, ShardingRule
 
 if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
     from hp_trainer.distributed.parallel_dims import ParallelDims
 
-__all__ = ["apply_tp_to_latent_attention", "parallelize_deepseek_v3"]
+__all__ = [
+    "DEEPSEEK_V3_SHARDING",
+    "LATENT_ATTENTION_RULES",
+    "LatentAttentionParallel",
+    "parallelize_deepseek_v3",
+]
 
 
 def _sum_rotary_key_gradient(attention: MLAttention, tp_mesh: DeviceMesh) -> None:
@@ -46,46 +55,68 @@ def _sum_rotary_key_gradient(attention: MLAttention, tp_mesh: DeviceMesh) -> Non
     attention.get_submodule("wkv_a").register_forward_hook(hook)
 
 
-def apply_tp_to_latent_attention(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard one :class:`~hp_trainer.models.deepseek_v3.MLAttention` over its heads.
+class LatentAttentionParallel(ParallelStyle):
+    """The attention module's own part of the latent-attention plan.
 
-    The sequence-sharded input is gathered and handed to the attention as a local tensor; the
-    query projection (``wq``, or ``wq_b`` after the replicated ``wq_a``/``q_norm``) and the
-    latent's up-projection ``wkv_b`` are column-wise (each rank computes ``n_heads // tp``
-    heads, which the attention reads from the projections' widths); the latent projection
-    ``wkv_a`` and ``kv_norm`` are replicated (:class:`hp_tp.NoParallel`: the latent and the
-    rotary key are shared by all heads); ``wo`` is row-wise back to the sequence-sharded stream.
-
-    Args:
-        attention: The block's latent attention module.
-        tp_mesh: 1-D tensor-parallel mesh.
+    Checks that the module is an :class:`~hp_trainer.models.deepseek_v3.model.MLAttention` whose
+    head count the TP degree divides, and sums the shared rotary key's gradient over the TP
+    ranks (a hook on ``wkv_a``; its projections are sharded by their own rules).
 
     Raises:
-        TypeError: If ``attention`` is not an :class:`~hp_trainer.models.deepseek_v3.MLAttention`.
+        TypeError: If the module is not an ``MLAttention``.
         ValueError: If the TP degree does not divide the attention's head count.
-
-    See Also:
-        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_non_moe_tp` (its
-        attention plan).
     """
-    if not isinstance(attention, MLAttention):
-        raise TypeError(f"expected an MLAttention, got {type(attention).__name__}")
-    tp = tp_mesh.size()
-    n_heads = attention.n_heads
-    if n_heads % tp != 0:
-        raise ValueError(f"tensor parallel degree {tp} must divide the attention's {n_heads} heads")
-    plan: dict[str, ParallelStyle] = {
-        "wkv_a": NoParallel(),
-        "kv_norm": NoParallel(),
-        "wkv_b": ColwiseParallel(),
-        "wo": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    if getattr(attention, "wq", None) is not None:
-        plan["wq"] = ColwiseParallel()
-    else:
-        plan.update({"wq_a": NoParallel(), "q_norm": NoParallel(), "wq_b": ColwiseParallel()})
-    tp_parallelize_module(attention, tp_mesh, plan)
-    _sum_rotary_key_gradient(attention, tp_mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, MLAttention):
+            raise TypeError(f"expected an MLAttention, got {type(module).__name__}")
+        tp = device_mesh.size()
+        if module.n_heads % tp != 0:
+            raise ValueError(
+                f"tensor parallel degree {tp} must divide the attention's {module.n_heads} heads"
+            )
+        _sum_rotary_key_gradient(module, device_mesh)
+        return module
+
+
+_SEQ = Shard(1)
+
+LATENT_ATTENTION_RULES = (
+    ShardingRule("layers.*.attention_norm", lambda o: SequenceParallel()),
+    # the latent and the rotary key are shared by all heads: replicated
+    ShardingRule("layers.*.attention.wkv_a", lambda o: NoParallel()),
+    ShardingRule("layers.*.attention.kv_norm", lambda o: NoParallel()),
+    # the heads: the query projection and the latent's up-projection column-wise
+    ShardingRule("layers.*.attention.wkv_b", lambda o: ColwiseParallel()),
+    ShardingRule("layers.*.attention.wo", lambda o: RowwiseParallel(output_layouts=_SEQ)),
+    ShardingRule("layers.*.attention.wq", lambda o: ColwiseParallel()),
+    ShardingRule("layers.*.attention.wq_a", lambda o: NoParallel()),
+    ShardingRule("layers.*.attention.q_norm", lambda o: NoParallel()),
+    ShardingRule("layers.*.attention.wq_b", lambda o: ColwiseParallel()),
+    # after its projections (the rotary hook goes on the replicated wkv_a): gathered input,
+    # local tensors inside
+    ShardingRule(
+        "layers.*.attention",
+        lambda o: ComposedStyle(
+            LatentAttentionParallel(),
+            PrepareModuleInput(
+                input_layouts=(_SEQ, None),
+                desired_input_layouts=(Replicate(), None),
+                use_local_output=True,
+            ),
+        ),
+    ),
+)
+"""Multi-head latent attention split over its heads: ``wq`` (or ``wq_b`` after the replicated
+``wq_a``/``q_norm``) and ``wkv_b`` column-wise, ``wkv_a`` and ``kv_norm`` replicated, ``wo``
+row-wise back to the sequence-sharded stream, the shared rotary key's gradient summed."""
+
+DEEPSEEK_V3_SHARDING = ShardingConfig(
+    tp=TRUNK_RULES + LATENT_ATTENTION_RULES + DENSE_FFN_RULES + MOE_RULES,
+    description="DeepSeek-V3 (latent attention, MoE)",
+)
+"""DeepSeek-V3's TP table: the decoder trunk, :data:`LATENT_ATTENTION_RULES`, the dense first
+blocks and the MoE layers."""
 
 
 def parallelize_deepseek_v3(
@@ -105,5 +136,5 @@ def parallelize_deepseek_v3(
         :titan:`torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3`.
     """
     return parallelize_moe_decoder(
-        model, parallel_dims, job_config, attention_tp=apply_tp_to_latent_attention
+        model, parallel_dims, job_config, tp_sharding=DEEPSEEK_V3_SHARDING
     )
