@@ -165,6 +165,8 @@ class ParamGroup:
         # replicate_params: kept whole, all-reduced; the others are gathered and reduce-scattered
         self._gathered = [p for p in self.params if not p.mesh_info.replicate_only]
         self._replicated = [p for p in self.params if p.mesh_info.replicate_only]
+        #: A gathered parameter has an all-gather extension (fixed at construction).
+        self._extended = any(p.extension is not None for p in self._gathered)
         self._local_pending = False
         if not isinstance(reshard_after_forward, bool) and any(
             p.is_tensor_parallel for p in self.params
@@ -361,8 +363,7 @@ class ParamGroup:
         # Parameters gathered in several dtypes (e.g. frozen low-precision weights beside
         # trainable ones, or a tensor subclass's int8 data and fp32 scale) travel as raw
         # bytes in one collective, as in PyTorch.
-        extended = any(p.extension is not None for p in self._gathered)
-        self._ag_bytes = extended or (
+        self._ag_bytes = self._extended or (
             len({p.compute_dtype for p in self._gathered}) > 1 and self.options.comm_fusion
         )
         with streams.on(streams.copy_in):  # host-to-device copies and casts off compute
