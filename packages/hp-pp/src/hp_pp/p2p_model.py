@@ -137,6 +137,9 @@ def replay(programs: dict[int, list[Event]]) -> P2PReport:
 
     Raises:
         ValueError: a program waits for a batch it never posted, or a rank sends to itself.
+
+    See Also:
+        :pt:`torch.distributed.batch_isend_irecv`: what one :class:`Post` stands for.
     """
     ops: list[_OpState] = []
     units: list[_Unit] = []

@@ -354,7 +354,10 @@ class PipelineScheduleRuntime:
                 )
             pre.broadcast_parameters(self._group)
         if self._tied is None:
-            # Set-up, once: which ranks hold each tied parameter (device tensors only).
+            # Set-up, once: which ranks hold each tied parameter (device tensors only). Its
+            # all_gather is also the group's first collective, with every rank taking part,
+            # before any batch of point-to-point operations (which NCCL asks for when the
+            # communicator is created lazily).
             self._tied = TiedGradients(self._stages, self._group)
         last_stage = self._stages[-1]
         if last_stage.is_last:

@@ -185,6 +185,9 @@ def plan_rank(
     Returns:
         The :class:`RankPlan`: batches of transfers and the actions between them, and what
         each compute action consumes from other ranks.
+
+    See Also:
+        :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
     """
     found, found_pre = _placement(table)
     placement = dict(found if placement is None else placement)
@@ -255,6 +258,10 @@ def plan_programs(table: ScheduleTable, *, num_stages: int) -> dict[int, list[Po
 
     Every message is one operation here (a live run may split one into several tensors and a
     one-time description; the executor's recorded trace shows those).
+
+    See Also:
+        :pt:`torch.distributed.pipelining.schedules._simulate_comms_compute`: torch's dry run,
+        which lets sends complete without their receive.
     """
     placement, _ = _placement(table)
     programs: dict[int, list[Post | Wait]] = {}
@@ -286,6 +293,9 @@ def defer_receives(table: ScheduleTable) -> ScheduleTable:
     """Move every receive of a table with transfers to just before the compute that consumes
     it (keeping the order of receives from one peer): less receive-buffer memory, but under
     NCCL's rules most schedules then deadlock, so check the result (the schedule classes do).
+
+    See Also:
+        :pt:`torch.distributed.pipelining.schedules._add_send_recv`
     """
     out: ScheduleTable = {}
     for rank, row in table.items():
