@@ -238,7 +238,6 @@ class PipelineExecutor:
         actions: This rank's actions in order (``None`` entries are idle slots). Transfers
             between ranks must be written out (``SEND_*``/``RECV_*``, as
             :func:`~hp_pp.add_communication` adds them); the schedule classes do this.
-        lookahead: Kept for compatibility; receives are posted where the table puts them.
         preprocess: MPipe's transposed preprocess block, when the table has ``PRE_*`` actions.
 
     Raises:
@@ -254,7 +253,6 @@ class PipelineExecutor:
         stages: Sequence[PipelineStage],
         actions: Sequence[Action | None],
         *,
-        lookahead: int = 1,
         preprocess: TransposedPreprocess | None = None,
     ) -> None:
         self.stages = {s.stage_index: s for s in stages}
@@ -273,7 +271,6 @@ class PipelineExecutor:
                     f"action {a} names stage {a.stage_index}, but this rank holds stages "
                     f"{sorted(self.stages)}"
                 )
-        self.lookahead = lookahead
         self.events: list[tuple[str, int, int]] = []
         #: The point-to-point program of the last step: what :func:`hp_pp.p2p_model.replay`
         #: checks under NCCL's rules.

@@ -212,9 +212,7 @@ class PipelineScheduleRuntime:
                         f"needed deadlocks this schedule under NCCL's rules: {err}"
                     ) from None
         row = runs[self._rank]
-        executor = PipelineExecutor(
-            self._stages, row, lookahead=self._lookahead, preprocess=self._preprocess_for(actions)
-        )
+        executor = PipelineExecutor(self._stages, row, preprocess=self._preprocess_for(actions))
         forwards = {
             (a.stage_index, a.microbatch_index)
             for a in executor.compute_actions
