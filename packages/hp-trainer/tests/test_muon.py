@@ -297,6 +297,39 @@ def _expert_reference(model: _ExpertModel) -> tuple[list[nn.Parameter], torch.op
     return matrices, torch.optim.Muon(matrices, lr=LR, weight_decay=WD)
 
 
+def _expert_parity(
+    model: nn.Module, matrices: list[nn.Parameter], reference: torch.optim.Muon
+) -> tuple[Muon, dict[str, Any]]:
+    """Three steps of ours against torch's Muon on every expert matrix; last step's counts."""
+    optim = get_hyper_optimizer(model, lr=LR, weight_decay=WD, gather_dtype=torch.float32)
+    assert len(optim.param_groups) == 1  # experts and matrices all go to Muon
+    gen = torch.Generator().manual_seed(99)
+    seen: dict[str, Any] = {}
+    for step in range(STEPS):
+        k = 0
+        for p in model.parameters():
+            full = torch.randn(p.shape, generator=gen)
+            p.grad = _like(full, p)
+            for m in full if p.ndim == 3 else full.unsqueeze(0):
+                matrices[k].grad = m.clone()
+                k += 1
+        reference.step()
+        if step == STEPS - 1:
+            with _observed() as seen:
+                optim.step()
+        else:
+            optim.step()
+    k = 0
+    for name, p in model.named_parameters():
+        stack = _full(p) if p.ndim == 3 else _full(p).unsqueeze(0)
+        for e, m in enumerate(stack):
+            torch.testing.assert_close(
+                m, matrices[k].detach(), rtol=0, atol=1e-6, msg=f"{name}[{e}]"
+            )
+            k += 1
+    return optim, seen
+
+
 @distributed(world_size=4)
 def test_muon_expert_weights_each_matrix_on_its_own() -> None:
     from torch.distributed.tensor.parallel import parallelize_module
@@ -326,31 +359,7 @@ def test_muon_expert_weights_each_matrix_on_its_own() -> None:
     model.flat.weight = nn.Parameter(
         distribute_tensor(model.flat.weight.detach(), mesh3["fdp", "tp"], [Shard(0), Shard(1)])
     )
-    optim = get_hyper_optimizer(model, lr=LR, weight_decay=WD, gather_dtype=torch.float32)
-    assert len(optim.param_groups) == 1  # experts and matrices all go to Muon
-    gen = torch.Generator().manual_seed(99)
-    for step in range(STEPS):
-        k = 0
-        for p in model.parameters():
-            full = torch.randn(p.shape, generator=gen)
-            p.grad = _like(full, p)
-            for m in full if p.ndim == 3 else full.unsqueeze(0):
-                matrices[k].grad = m.clone()
-                k += 1
-        reference.step()
-        if step == STEPS - 1:
-            with _observed() as seen:
-                optim.step()
-        else:
-            optim.step()
-    k = 0
-    for name, p in model.named_parameters():
-        stack = _full(p) if p.ndim == 3 else _full(p).unsqueeze(0)
-        for e, m in enumerate(stack):
-            torch.testing.assert_close(
-                m, matrices[k].detach(), rtol=0, atol=1e-6, msg=f"{name}[{e}]"
-            )
-            k += 1
+    optim, seen = _expert_parity(model, matrices, reference)
     # expert matrices are orthogonalised as (hidden, dim) / (dim, hidden) units, never stacked
     assert all(len(shape) == 2 for shape in seen["ns"])
     counts = torch.tensor([len(seen["ns"])])
@@ -361,6 +370,31 @@ def test_muon_expert_weights_each_matrix_on_its_own() -> None:
     assert seen["comm"] == {"c10d.alltoall_base_": 6}, seen["comm"]
     division = optim.work_division()
     assert division["collectives"] == 6
+
+
+@distributed(world_size=3)
+def test_muon_expert_weights_uneven_at_three_ranks() -> None:
+    import hp_fsdp
+
+    torch.manual_seed(0)
+    model = _ExpertModel()
+    matrices, reference = _expert_reference(model)
+    mesh = init_device_mesh("cpu", (3,))
+    hp_fsdp.fully_shard(model.fsdp_experts, mesh=mesh)  # whole experts: 2, 2, 0 per rank
+    # experts 2, 2, 0 per rank; columns 6, 6, 4 (w1, w3) and 8, 8, 8 (w2)
+    layouts = {"replicated_experts": Shard(0), "split_experts": Shard(2)}
+    for attr, placement in layouts.items():
+        experts = getattr(model, attr)
+        for name in ("w1", "w2", "w3"):
+            sharded = distribute_tensor(getattr(experts, name).detach(), mesh, [placement])
+            setattr(experts, name, nn.Parameter(sharded))
+    for linear in (model.dense, model.flat):
+        linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
+    _, seen = _expert_parity(model, matrices, reference)
+    counts = torch.tensor([len(seen["ns"])])
+    dist.all_reduce(counts)
+    assert int(counts) == 3 * 3 * E + 2  # every matrix once over the three ranks
+    assert seen["comm"] == {"c10d.alltoall_base_": 2}, seen["comm"]
 
 
 # --- single process and arguments -------------------------------------------------------------
