@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import hp_pp
-from hp_dtensor.testing import distributed
+from hp_dtensor.testing import distributed, run_distributed
 from hp_pp import generators
 from hp_pp._backward import backward_input
 
@@ -280,9 +280,15 @@ def _full_backward_flops(block: nn.Module, stage_index: int, num_stages: int) ->
     return flops
 
 
-@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
-@distributed(world_size=2)
-def test_zero_bubble_step_costs_one_backward_per_microbatch(schedule: str) -> None:
+_STEP_CASES = [("ZBVZeroBubble", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 3)]
+
+
+@pytest.mark.parametrize(("schedule", "ws"), _STEP_CASES)
+def test_zero_bubble_step_costs_one_backward_per_microbatch(schedule: str, ws: int) -> None:
+    run_distributed(_step_flops, ws, schedule)
+
+
+def _step_flops(schedule: str) -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     num_stages = 2 * ws
     torch.manual_seed(0)
@@ -292,16 +298,18 @@ def test_zero_bubble_step_costs_one_backward_per_microbatch(schedule: str) -> No
     counts = {s: {"B": 0, "I": 0, "W": 0} for s in indices}
     for stage in stages:
         _count_flops(stage, counts[stage.stage_index])
-    sched = hp_pp.get_schedule_class(schedule)(stages, N_MB, loss_fn=nn.functional.mse_loss)
+    sched = hp_pp.get_schedule_class(schedule)(
+        stages, N_MB * ws // 2, loss_fn=nn.functional.mse_loss
+    )
     g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
-    x = torch.randn(N_MB * BATCH, SEQ, DIM, generator=g)
-    y = torch.randn(N_MB * BATCH, SEQ, DIM, generator=g)
+    x = torch.randn(N_MB * ws // 2 * BATCH, SEQ, DIM, generator=g)
+    y = torch.randn(N_MB * ws // 2 * BATCH, SEQ, DIM, generator=g)
     kwargs: dict[str, Any] = {}
     if num_stages - 1 in indices:
         kwargs["target"] = y
     sched.step(*((x,) if 0 in indices else ()), **kwargs)
     for s in indices:
-        c, full = counts[s], N_MB * _full_backward_flops(blocks[s], s, num_stages)
+        c, full = counts[s], N_MB * ws // 2 * _full_backward_flops(blocks[s], s, num_stages)
         # Every micro-batch's backward costs one full backward, however it was split.
         assert c["B"] + c["I"] + c["W"] <= 1.05 * full, (s, c, full)
         if s == 0:
@@ -314,12 +322,15 @@ def test_zero_bubble_step_costs_one_backward_per_microbatch(schedule: str) -> No
             assert c["W"] <= 0.6 * full, (s, c, full)
 
 
-@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
-@distributed(world_size=2)
-def test_activations_are_freed_by_the_weight_pass_in_a_step(schedule: str) -> None:
+@pytest.mark.parametrize(("schedule", "ws"), _STEP_CASES)
+def test_activations_are_freed_by_the_weight_pass_in_a_step(schedule: str, ws: int) -> None:
     # A send in flight keeps the output tensor it sends (gloo: until the step ends); the
     # graph behind it, and the activations of the nodes the weight pass never runs, must not
     # stay alive with it.
+    run_distributed(_activations_freed, ws, schedule)
+
+
+def _activations_freed(schedule: str) -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     num_stages = 2 * ws
     torch.manual_seed(0)
@@ -350,11 +361,59 @@ def test_activations_are_freed_by_the_weight_pass_in_a_step(schedule: str) -> No
 
         stage.forward_one_chunk = f  # type: ignore[method-assign]
         stage.backward_weight_one_chunk = w  # type: ignore[method-assign]
-    sched = hp_pp.get_schedule_class(schedule)(stages, N_MB, loss_fn=nn.functional.mse_loss)
+    sched = hp_pp.get_schedule_class(schedule)(
+        stages, N_MB * ws // 2, loss_fn=nn.functional.mse_loss
+    )
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(N_MB * BATCH, SEQ, DIM, generator=g)
-    y = torch.randn(N_MB * BATCH, SEQ, DIM, generator=g)
+    x = torch.randn(N_MB * ws // 2 * BATCH, SEQ, DIM, generator=g)
+    y = torch.randn(N_MB * ws // 2 * BATCH, SEQ, DIM, generator=g)
     kwargs: dict[str, Any] = {"target": y} if num_stages - 1 in indices else {}
     sched.step(*((x,) if 0 in indices else ()), **kwargs)
     assert leftovers, "no weight pass ran"
     assert all(alive == 0 for _, _, alive in leftovers), leftovers
+
+
+@distributed(world_size=2)
+def test_split_on_tensor_parallel_dtensors_equals_a_full_backward() -> None:
+    # Colwise/rowwise-sharded DTensor weights (TP inside a stage): the weight-side subgraphs
+    # hold DTensor nodes and the chain holds the TP all-reduce; the split gives the same
+    # sharded gradients and input gradient as one full backward, bitwise.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM), nn.LayerNorm(DIM)
+        )
+        return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    g = torch.Generator().manual_seed(dist.get_rank())  # different data on each rank
+    x0, grad_out = torch.randn(8, DIM, generator=g), torch.randn(8, DIM, generator=g)
+    ref_model, model = build(), build()
+    x = x0.clone().requires_grad_()
+    torch.autograd.backward([ref_model(x)], [grad_out])
+    ref_dx = x.grad
+    x = x0.clone().requires_grad_()
+    (dx,), weight_pass = backward_input([model(x)], [grad_out], [x])
+    assert all(p.grad is None for p in model.parameters())
+    weight_pass.run()
+    assert dx is not None
+    assert torch.equal(dx, ref_dx)
+    sharded = 0
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert type(p.grad) is type(q.grad), name
+        if isinstance(p.grad, DTensor):
+            sharded += 1
+            assert p.grad.placements == q.grad.placements, name
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
+        else:
+            assert torch.equal(p.grad, q.grad), name
+    assert sharded == 4  # both linears' weights and biases
