@@ -1,6 +1,6 @@
 """The public API of hp-fsdp: ``fully_shard`` and the module-level functions.
 
-The module class it swaps in lives in :mod:`hp_fsdp.fsdp_module` (re-exported here).
+The module class it swaps in lives in ``hp_fsdp.fsdp_module`` (re-exported here).
 
 See Also:
     :pt:`torch.distributed.fsdp.fully_shard`: PyTorch's FSDP2 API.

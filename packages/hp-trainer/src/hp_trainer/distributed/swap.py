@@ -251,7 +251,7 @@ class SwapGroup:
         """Make the compute stream wait for the loads and give the host buffers back.
 
         No host wait: each buffer returns to the pool with the load event, which the stream
-        that writes it next waits for (:meth:`HostBufferPool.acquire`).
+        that writes it next waits for (:meth:`~hp_trainer.HostBufferPool.acquire`).
         """
         if self.state in ("offloading", "host"):
             self.launch_load()
