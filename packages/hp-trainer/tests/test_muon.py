@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import hp_trainer.muon as muon_module
-from hp_dtensor.testing import distributed, run_distributed
+from hp_dtensor.testing import count_host_syncs, distributed, run_distributed
 from hp_trainer import Muon, get_hyper_optimizer
 
 DIM, HIDDEN, VOCAB = 40, 56, 50  # 56 and 50 rows: uneven shards at 3 ranks
@@ -144,8 +144,11 @@ def _run_parity(
         for opt in ref_optims:
             opt.step()
         if step == STEPS - 1:
-            with _observed() as seen:
+            # AdamW's step counters live on the host on every device (torch reads them there)
+            counters = [st["step"] for st in optim.state.values() if "step" in st]
+            with _observed() as seen, count_host_syncs(host_tensors=counters) as syncs:
                 optim.step()
+            seen["syncs"] = dict(syncs.by_op)
         else:
             optim.step()
     for name, ref_p in reference.named_parameters():
@@ -189,6 +192,7 @@ def _fsdp_parity() -> dict[str, Any]:
         "ns": [fp32["ns"], deeper["ns"]],
         "all_to_all": [fp32["all_to_all"], deeper["all_to_all"]],
         "events": [fp32["events"], deeper["events"]],
+        "syncs": [fp32["syncs"], deeper["syncs"]],
         "comm": [fp32["comm"], deeper["comm"]],
         "division": [fp32["division"], deeper["division"]],
     }
@@ -210,6 +214,7 @@ def test_muon_fsdp_matches_single_process_and_divides_the_work(world_size: int) 
             assert r["all_to_all"][case] == 2
             # the gather is in flight while AdamW steps the embeddings, norms and head
             assert r["events"][case] == ["issue", "adamw", "wait", "issue", "wait"]
+            assert r["syncs"][case] == {}  # the plan is built once: no host sync in a step
             assert r["comm"][case] == {"c10d.alltoall_base_": 2}, r["comm"][case]
             division = r["division"][case]
             assert division["collectives"] == 2
@@ -407,6 +412,7 @@ def test_muon_single_process_equals_torch_and_rejects_bad_arguments() -> None:
     assert len(seen["ns"]) == 4
     assert seen["total"] == 0  # no communication in one process
     assert seen["events"] == ["adamw"]
+    assert seen["syncs"] == {}
     model = copy.deepcopy(reference)
     optim = get_hyper_optimizer(model, gather_dtype=torch.float32)
     for p in model.parameters():
