@@ -40,7 +40,7 @@ class Callback:
     """The hooks the trainer calls; every one does nothing here.
 
     Subclass it and override the hooks you need, or write any class with some of these methods.
-    ``trainer`` is the running :class:`~hp_trainer.trainer.BaseTrainer`.
+    ``trainer`` is the running :class:`hp_trainer.BaseTrainer`.
 
     See Also:
         ``transformers.TrainerCallback``: the same idea in HF's trainer.
@@ -154,7 +154,7 @@ class MetricsCallback(Callback):
     """The built-in metrics: console line, JSONL, TensorBoard, W&B and the loss plot.
 
     Args:
-        metrics: The trainer's :class:`~hp_trainer.components.metrics.MetricsProcessor`.
+        metrics: The trainer's :class:`hp_trainer.MetricsProcessor`.
     """
 
     def __init__(self, metrics: MetricsProcessor) -> None:

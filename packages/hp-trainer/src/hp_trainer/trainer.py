@@ -124,12 +124,12 @@ class BaseTrainer:
     validation and checkpoint steps only (no host sync in between), checkpoints through
     :attr:`checkpointer`, stops cleanly on SIGTERM (a full checkpoint, ``stopped.json``), and
     calls the hooks of :attr:`callbacks` around all of it: the built-in metrics
-    (:class:`~hp_trainer.callbacks.MetricsCallback`: console, JSONL, TensorBoard, W&B, loss plot)
-    and profiler (:class:`~hp_trainer.callbacks.ProfilerCallback`), then ``job.callbacks``.
+    (:class:`hp_trainer.MetricsCallback`: console, JSONL, TensorBoard, W&B, loss plot)
+    and profiler (:class:`hp_trainer.ProfilerCallback`), then ``job.callbacks``.
 
     A subclass sets, before :meth:`train`: ``rank``, ``world_size``, ``device``, ``run_folder``,
-    ``metrics`` (a :class:`~hp_trainer.components.metrics.MetricsProcessor`), ``checkpointer``
-    (a :class:`~hp_trainer.components.checkpoint.CheckpointManager` with the trainer as
+    ``metrics`` (a :class:`hp_trainer.MetricsProcessor`), ``checkpointer``
+    (a :class:`hp_trainer.CheckpointManager` with the trainer as
     ``train_state``) and ``lr_schedulers``, then calls :meth:`install_callbacks`.
 
     Args:
@@ -216,7 +216,7 @@ class BaseTrainer:
             self.callbacks.append(load_callback_class(spec)())
 
     def add_callback(self, callback: Any) -> None:
-        """Add a callback after the others (any object with some :class:`Callback` hooks)."""
+        """Add a callback after the others (any object with some :class:`hp_trainer.Callback` hooks)."""
         self.callbacks.append(callback)
 
     @property

@@ -59,7 +59,7 @@ class ShardingConfig:
         description: What the table shards (for error messages and docs).
 
     See Also:
-        :func:`hp_trainer.distributed.sharding.apply_sharding`: the generic applier.
+        :func:`hp_trainer.apply_sharding`: the generic applier.
     """
 
     tp: tuple[ShardingRule, ...] = field(default_factory=tuple)
