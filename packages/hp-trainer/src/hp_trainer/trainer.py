@@ -216,7 +216,11 @@ class BaseTrainer:
             self.callbacks.append(load_callback_class(spec)())
 
     def add_callback(self, callback: Any) -> None:
-        """Add a callback after the others (any object with some :class:`hp_trainer.Callback` hooks)."""
+        """Add a callback after the others.
+
+        Args:
+            callback: Any object with some of the :class:`hp_trainer.Callback` hooks.
+        """
         self.callbacks.append(callback)
 
     @property
