@@ -100,6 +100,22 @@ class _Group:
     split_nodes: list[Node] = field(default_factory=list)
     root_edges: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
+    #: Bits of its split nodes, and of the split nodes below them on the chain.
+    own: int = 0
+    below: int = 0
+
+    @property
+    def walks_chain(self) -> bool:
+        """Whether one of its split nodes lies below another on the chain (a weight used at
+        two depths): its call runs the chain between them."""
+        return bool(self.own & self.below)
+
+    def absorb(self, other: _Group) -> None:
+        self.split_nodes += other.split_nodes
+        self.root_edges += other.root_edges
+        self.weights += other.weights
+        self.own |= other.own
+        self.below |= other.below
 
 
 class _UnionFind:
@@ -170,7 +186,7 @@ class WeightPass:
             if not edges or not group.weights:
                 continue
             handles = []
-            if len(pinned) > 1:
+            if group.walks_chain:
                 # A deeper split node of this group is also reached through the chain from a
                 # shallower one: it must see its recorded gradient only, not the sum.
                 for node, grads in pinned:
@@ -283,7 +299,28 @@ def backward_input(
     for wnode, weight in weight_nodes.items():
         if wnode in uf.parent and uf.find(wnode) in groups:
             groups[uf.find(wnode)].weights.append(weight)
-    ordered = list(groups.values())
+    # Groups none of whose split nodes lies below another's on the chain share one call
+    # (parallel branches: q/k/v projections, gate and up): nothing on the chain is needed from
+    # any of their starts, so the call still runs only weight-side nodes.
+    bit = {node: 1 << i for i, node in enumerate(split_nodes)}
+    below: dict[Node, int] = {}
+    for node in order:  # children first
+        if node in chain:
+            mask = bit.get(node, 0)
+            for child in kids[node]:
+                mask |= below.get(child, 0)
+            below[node] = mask
+    ordered: list[_Group] = []
+    for group in groups.values():
+        for node in group.split_nodes:
+            group.own |= bit[node]
+            for child in kids[node]:
+                group.below |= below.get(child, 0)
+        last = ordered[-1] if ordered else None
+        if last is not None and not (last.below & group.own) and not (group.below & last.own):
+            last.absorb(group)
+        else:
+            ordered.append(group)
 
     # The input pass: record what reaches every split node.
     recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}
@@ -309,5 +346,5 @@ def backward_input(
     finally:
         for handle in handles:
             handle.remove()
-    retain = keep_graph or any(len(g.split_nodes) + len(g.root_edges) > 1 for g in ordered)
+    retain = keep_graph or any(g.walks_chain for g in ordered)
     return input_grads, WeightPass(ordered, recorded, retain_graph=retain)
