@@ -22,11 +22,13 @@ the weights as the only inputs: each split node computes only its weight-side ou
 nothing on the chain runs again. The weights' ``AccumulateGrad`` nodes accumulate into
 ``.grad`` as a full backward does (same values, same hooks).
 
-Split nodes whose weight-side subgraphs touch (a weight used in two places) form one group and
-run in one ``backward`` call; the other groups run one call each, so no call reaches another
-group's nodes through the chain. Inside a group whose weight is reached from two split nodes
-at different depths, the recorded gradients are pinned with a pre-hook so the deeper node does
-not receive its gradient twice.
+Split nodes whose weight-side subgraphs touch (a weight used in two places) form one group.
+A ``backward`` call with the weights of a group as inputs would also run the chain from one of
+its split nodes down to another group's split node below it, so groups get calls of their own,
+except consecutive groups none of whose split nodes lies below another's on the chain
+(parallel branches: the q/k/v projections, an MLP's gate and up), which share one. Inside a
+group whose weight is reached from two split nodes at different depths, the recorded gradients
+are pinned with a pre-hook so the deeper node does not receive its gradient twice.
 
 What is held between the passes: the graph (as between forward and backward) and one recorded
 gradient per split-node output; each group's gradients are dropped as soon as its call ran, and
