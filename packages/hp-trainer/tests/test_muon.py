@@ -124,11 +124,11 @@ def _observed() -> Iterator[dict[str, Any]]:
 
 
 def _run_parity(
-    model: nn.Module, reference: _LM, gather_dtype: torch.dtype = torch.float32
+    model: nn.Module, reference: _LM, gather_dtype: torch.dtype = torch.float32, **kwargs: Any
 ) -> dict[str, Any]:
     """Three steps of ours against torch's; returns the counts of the last step."""
     optim = get_hyper_optimizer(
-        model, lr=LR, weight_decay=WD, adamw_lr=ADAMW_LR, gather_dtype=gather_dtype
+        model, lr=LR, weight_decay=WD, adamw_lr=ADAMW_LR, gather_dtype=gather_dtype, **kwargs
     )
     ref_optims = _reference_optimizers(reference)
     assert len(optim.param_groups[0]["params"]) == 2 * len(reference.layers)  # up/down
@@ -188,6 +188,13 @@ def _fsdp_parity() -> dict[str, Any]:
     assert bf16["division"]["gather_bytes"] * 2 == fp32["division"]["gather_bytes"]
     deeper_model, deeper_reference = _fsdp_lm(5)
     deeper = _run_parity(deeper_model, deeper_reference)
+    # one matrix per bucket: 4 pipelined all-to-all pairs, the same numbers, the same balance
+    bucketed = _run_parity(*_fsdp_lm(2), bucket_size=HIDDEN * DIM)
+    for name, value in fp32["params"].items():
+        assert torch.equal(value, bucketed["params"][name]), name
+    assert bucketed["comm"] == {"c10d.alltoall_base_": 8}, bucketed["comm"]
+    assert bucketed["events"][:6] == ["issue", "adamw", "issue", "wait", "issue", "issue"]
+    assert sorted(bucketed["ns"]) == sorted(fp32["ns"])  # same owners: the load carries over
     return {
         "ns": [fp32["ns"], deeper["ns"]],
         "all_to_all": [fp32["all_to_all"], deeper["all_to_all"]],
@@ -421,13 +428,21 @@ def test_muon_single_process_equals_torch_and_rejects_bad_arguments() -> None:
     clone = copy.deepcopy(optim)  # the plans are not copied (they may hold process groups)
     assert clone.gather_dtype == torch.float32
     assert clone._plans == {}
-    assert set(optim.__getstate__()) == {"defaults", "state", "param_groups", "gather_dtype"}
+    assert set(optim.__getstate__()) == {
+        "defaults",
+        "state",
+        "param_groups",
+        "gather_dtype",
+        "bucket_size",
+    }
     with pytest.raises(ValueError, match=r"shape \(40,\) is not 2-D"):
         Muon(reference.layers[0].norm.parameters())
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         Muon(reference.output.parameters(), adjust_lr_fn="bogus")
     with pytest.raises(ValueError, match=r"gather_dtype must be torch.bfloat16 or torch.float32"):
         Muon(reference.output.parameters(), gather_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"bucket_size must be None or an integer >= 1.*got 0"):
+        Muon(reference.output.parameters(), bucket_size=0)
     with pytest.raises(TypeError, match=r"gather_dtype must be a torch.dtype.*str 'bf16'"):
         Muon(reference.output.parameters(), gather_dtype="bf16")  # type: ignore[arg-type]
 

@@ -18,7 +18,10 @@ step then costs, per mesh:
 5. weight decay and the shape-adjusted learning rate, element-wise on the local shards.
 
 Both all-to-alls are issued asynchronously: the AdamW groups (on the local shards) and the
-matrices a rank holds whole are computed while the gather is in flight.
+matrices a rank holds whole are computed while the gather is in flight. With ``bucket_size``
+the matrices of a group are split into buckets of whole parameters, each with its pair of
+all-to-alls, pipelined (a bucket's gather flies while the previous one is orthogonalised) and
+balanced together (the owners' load carries over from bucket to bucket).
 
 Where the data live comes from each rank's own shard boxes (DTensor placements: ``Shard``,
 uneven shards, ``_StridedShard`` of FSDP x TP, ``Replicate``), exchanged once when a plan is
@@ -216,8 +219,13 @@ def _build_plan(
     group: dist.ProcessGroup | None,
     entries: list[tuple[int, int]],
     params: list[torch.Tensor],
+    load: list[int] | None = None,
 ) -> _MeshPlan:
-    """Exchange the shard boxes once, assign owners, and derive this rank's sends/receives."""
+    """Exchange the shard boxes once, assign owners, and derive this rank's sends/receives.
+
+    ``load`` is the Newton-Schulz cost already given to each rank of the group by the plans of
+    earlier buckets (updated in place), so the balance holds over all of them.
+    """
     mine = torch.tensor([_box(p) for p in params], dtype=torch.int64)
     if group is None:
         size, rank = 1, 0
@@ -261,7 +269,8 @@ def _build_plan(
             units.append(unit)
 
     # owners: largest cost first, to the least loaded rank (full holders preferred)
-    load = [0] * size
+    if load is None:
+        load = [0] * size
     order = sorted(
         range(len(units)),
         key=lambda i: (-units[i].rows * units[i].cols * min(units[i].rows, units[i].cols), i),
@@ -388,8 +397,9 @@ class Muon(torch.optim.Optimizer):
 
     Same signature, defaults and update rule as ``torch.optim.Muon``. For DTensor parameters
     each matrix is orthogonalised once, on an owner rank of its mesh (owners balanced by the
-    Newton-Schulz cost); per step and mesh, one ``all_to_all_single`` brings the update's shards
-    to the owners and one returns the results, whatever the number of parameters. Extensions:
+    Newton-Schulz cost); per step and mesh (and ``bucket_size`` bucket), one
+    ``all_to_all_single`` brings the update's shards to the owners and one returns the results,
+    whatever the number of parameters. Extensions:
     per group, ``use_muon=False`` steps that group with AdamW (keys ``betas``, ``eps``,
     ``weight_decay``, ``lr``; defaults from the keyword-only ``adamw_betas``/``adamw_eps``);
     3-D parameters are stacks of matrices along dim 0 (expert weights), each orthogonalised on
@@ -411,11 +421,15 @@ class Muon(torch.optim.Optimizer):
         gather_dtype: Keyword-only: dtype of the update's shards sent to the owners,
             ``torch.bfloat16`` (default, half the bytes) or ``torch.float32``. The iteration
             rounds its input to bf16 first, so both give the same result.
+        bucket_size: Keyword-only: at most this many elements of matrices (whole parameters,
+            one at least) per pair of all-to-alls; the buckets are pipelined (the next one's
+            gather flies while one is orthogonalised) and bound the buffers alive at once.
+            ``None`` (default): one bucket per process group.
 
     Raises:
         ValueError: A Muon group holds a parameter that is neither 2-D nor 3-D (give it a
-            group with ``use_muon=False``), a hyper-parameter is out of range, or
-            ``gather_dtype`` is not bf16 or fp32.
+            group with ``use_muon=False``), a hyper-parameter is out of range, ``gather_dtype``
+            is not bf16 or fp32, or ``bucket_size`` is not a positive integer.
         TypeError: ``gather_dtype`` is not a ``torch.dtype``.
 
     See Also:
@@ -438,6 +452,7 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         gather_dtype: torch.dtype = torch.bfloat16,
+        bucket_size: int | None = None,
     ) -> None:
         if lr < 0:
             raise ValueError(f"Muon: lr must be >= 0, got {lr}")
@@ -463,6 +478,12 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(
                 f"Muon: gather_dtype must be torch.bfloat16 or torch.float32, got {gather_dtype}"
             )
+        if bucket_size is not None and (
+            isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+        ):
+            raise ValueError(
+                f"Muon: bucket_size must be None or an integer >= 1 (elements), got {bucket_size!r}"
+            )
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -476,6 +497,7 @@ class Muon(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.gather_dtype = gather_dtype
+        self.bucket_size = bucket_size
         self._plans: dict[tuple[tuple[int, int], ...], list[_MeshPlan]] = {}
         self._last_plans: list[_MeshPlan] = []
         for group in self.param_groups:
@@ -513,11 +535,13 @@ class Muon(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # the plans hold process groups: rebuilt at the next step, never pickled or copied
-        return {**super().__getstate__(), "gather_dtype": self.gather_dtype}
+        extra = {"gather_dtype": self.gather_dtype, "bucket_size": self.bucket_size}
+        return {**super().__getstate__(), **extra}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("gather_dtype", torch.bfloat16)
+        self.__dict__.setdefault("bucket_size", None)
         self._plans = {}
         self._last_plans = []
 
@@ -572,12 +596,29 @@ class Muon(torch.optim.Optimizer):
                 bucket = buckets.setdefault(group, ([], []))
                 bucket[0].append(entry)
                 bucket[1].append(p)
-            plans = [
-                _build_plan(group, bucket_entries, bucket_params)
-                for group, (bucket_entries, bucket_params) in buckets.items()
-            ]
+            plans = []
+            for group, (bucket_entries, bucket_params) in buckets.items():
+                size = 1 if group is None else dist.get_world_size(group)
+                load = [0] * size  # carried over the group's buckets
+                for lo, hi in self._bucket_bounds(bucket_params):
+                    plans.append(
+                        _build_plan(group, bucket_entries[lo:hi], bucket_params[lo:hi], load)
+                    )
             self._plans[key] = plans
         return plans
+
+    def _bucket_bounds(self, params: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """Consecutive runs of parameters of at most ``bucket_size`` elements (one at least)."""
+        if self.bucket_size is None:
+            return [(0, len(params))]
+        bounds, lo, total = [], 0, 0
+        for i, p in enumerate(params):
+            if i > lo and total + p.numel() > self.bucket_size:
+                bounds.append((lo, i))
+                lo, total = i, 0
+            total += p.numel()
+        bounds.append((lo, len(params)))
+        return bounds
 
     def _muon_step(self) -> None:
         """Muon on every ``use_muon`` group, AdamW on the others while the gathers fly."""
@@ -592,14 +633,20 @@ class Muon(torch.optim.Optimizer):
                     params.append(p)
         plans = self._plans_for(entries, params) if entries else []
         self._last_plans = plans
-        steps = [self._start(plan) for plan in plans]  # momentum; gathers issued
+        # a pipeline over the buckets: bucket k + 1's gather flies while bucket k is
+        # orthogonalised, bucket k - 1's results are applied once bucket k's scatter is issued
+        steps = [self._start(plans[0])] if plans else []  # momentum; gather issued
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_group(group)
-        for mesh_step in steps:  # Newton-Schulz on the owned matrices; scatters issued
-            self._orthogonalize_owned(mesh_step)
-        for mesh_step in steps:  # results in place; the step on the local shards
-            self._finish(mesh_step)
+        for k in range(len(plans)):
+            if k + 1 < len(plans):
+                steps.append(self._start(plans[k + 1]))
+            self._orthogonalize_owned(steps[k])  # waits for its gather; scatter issued
+            if k > 0:
+                self._finish(steps[k - 1])  # waits for its scatter; the local step
+        if steps:
+            self._finish(steps[-1])
 
     def _local_update(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
         """Momentum (and Nesterov) on the local shard; returns the local update."""
@@ -703,6 +750,9 @@ class Muon(torch.optim.Optimizer):
             p_local.add_(
                 ortho.view(p_local.shape), alpha=-lr * _lr_scale(group["adjust_lr_fn"], rows, cols)
             )
+        # this bucket's buffers go now (a bucket_size bounds what is alive at once)
+        mesh_step.updates, mesh_step.orthos = [], []
+        mesh_step.sent = mesh_step.received = None
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
