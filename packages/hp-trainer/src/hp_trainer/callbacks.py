@@ -160,7 +160,7 @@ class MetricsCallback(Callback):
     def __init__(self, metrics: MetricsProcessor) -> None:
         self.metrics = metrics
         self.plot: Any = None
-        """The loss plot written when the run ended (None: none)."""
+        """The loss plot written when the run ended, or None."""
 
     def on_train_begin(self, trainer: BaseTrainer) -> None:
         """Start the run's outputs (resuming their history at ``trainer.step``)."""

@@ -122,7 +122,7 @@ class BaseTrainer:
     What a step computes is the subclass's (:meth:`train_step` over the batches of
     :meth:`data_iterator`); the loop runs the steps, reads their loss and gradient norm on log,
     validation and checkpoint steps only (no host sync in between), checkpoints through
-    :attr:`checkpointer`, stops cleanly on SIGTERM (a full checkpoint, ``stopped.json``), and
+    ``checkpointer``, stops cleanly on SIGTERM (a full checkpoint, ``stopped.json``), and
     calls the hooks of :attr:`callbacks` around all of it: the built-in metrics
     (:class:`hp_trainer.MetricsCallback`: console, JSONL, TensorBoard, W&B, loss plot)
     and profiler (:class:`hp_trainer.ProfilerCallback`), then ``job.callbacks``.
@@ -815,7 +815,7 @@ class LLMTrainer(BaseTrainer):
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches, no host sync.
 
         The token count, the loss and the gradient norm stay on the device: nothing here waits
-        for the accelerator (no ``.item()``). :meth:`train` reads the values on log steps only
+        for the accelerator (no ``.item()``). ``train()`` reads the values on log steps only
         (one read for all the steps since the last one) and checks there that they are finite.
 
         Args:
