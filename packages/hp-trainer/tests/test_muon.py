@@ -300,20 +300,22 @@ class _ExpertModel(nn.Module):
         self.flat = nn.Linear(EXP_HIDDEN, EXP_DIM, bias=False)  # on a 2-D mesh of 2 ranks
 
 
-def _expert_reference(model: _ExpertModel) -> tuple[list[nn.Parameter], torch.optim.Muon]:
+def _expert_reference(
+    model: _ExpertModel, nesterov: bool = True
+) -> tuple[list[nn.Parameter], torch.optim.Muon]:
     """Each expert matrix as its own torch parameter."""
     matrices = []
     for _name, p in model.named_parameters():
         stack = p.detach() if p.ndim == 3 else p.detach().unsqueeze(0)
         matrices += [nn.Parameter(m.clone()) for m in stack]
-    return matrices, torch.optim.Muon(matrices, lr=LR, weight_decay=WD)
+    return matrices, torch.optim.Muon(matrices, lr=LR, weight_decay=WD, nesterov=nesterov)
 
 
 def _expert_parity(
-    model: nn.Module, matrices: list[nn.Parameter], reference: torch.optim.Muon
+    model: nn.Module, matrices: list[nn.Parameter], reference: torch.optim.Muon, **kwargs: Any
 ) -> tuple[Muon, dict[str, Any]]:
     """Three steps of ours against torch's Muon on every expert matrix; last step's counts."""
-    optim = get_hyper_optimizer(model, lr=LR, weight_decay=WD, gather_dtype=torch.float32)
+    optim = get_hyper_optimizer(model, lr=LR, weight_decay=WD, gather_dtype=torch.float32, **kwargs)
     assert len(optim.param_groups) == 1  # experts and matrices all go to Muon
     gen = torch.Generator().manual_seed(99)
     seen: dict[str, Any] = {}
@@ -390,7 +392,7 @@ def test_muon_expert_weights_uneven_at_three_ranks() -> None:
 
     torch.manual_seed(0)
     model = _ExpertModel()
-    matrices, reference = _expert_reference(model)
+    matrices, reference = _expert_reference(model, nesterov=False)  # plain momentum here
     mesh = init_device_mesh("cpu", (3,))
     hp_fsdp.fully_shard(model.fsdp_experts, mesh=mesh)  # whole experts: 2, 2, 0 per rank
     # experts 2, 2, 0 per rank; columns 6, 6, 4 (w1, w3) and 8, 8, 8 (w2)
@@ -402,7 +404,7 @@ def test_muon_expert_weights_uneven_at_three_ranks() -> None:
             setattr(experts, name, nn.Parameter(sharded))
     for linear in (model.dense, model.flat):
         linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
-    _, seen = _expert_parity(model, matrices, reference)
+    _, seen = _expert_parity(model, matrices, reference, nesterov=False)
     counts = torch.tensor([len(seen["ns"])])
     dist.all_reduce(counts)
     assert int(counts) == 3 * 3 * E + 2  # every matrix once over the three ranks

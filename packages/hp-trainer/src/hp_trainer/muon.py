@@ -385,11 +385,13 @@ class _MeshStep:
     plan: _MeshPlan
     groups: list[dict[str, Any]]
     params: list[torch.Tensor]
-    updates: list[torch.Tensor]  # local updates as (stack, rows, cols)
+    grads: list[torch.Tensor]  # local gradients as (stack, rows, cols)
+    bufs: list[torch.Tensor]  # local momentum buffers (updated) as (stack, rows, cols)
     sent: torch.Tensor | None = None  # kept alive until the collective completes
     received: torch.Tensor | None = None
     work: dist.Work | None = None
-    orthos: list[torch.Tensor] = field(default_factory=list)
+    # (entry, local matrix, result) of the owned matrices' parts that stay on this rank
+    local_results: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
 
 class Muon(torch.optim.Optimizer):
@@ -648,33 +650,54 @@ class Muon(torch.optim.Optimizer):
         if steps:
             self._finish(steps[-1])
 
-    def _local_update(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
-        """Momentum (and Nesterov) on the local shard; returns the local update."""
+    def _momentum(
+        self, group: dict[str, Any], p: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Momentum on the local shard; returns the local gradient and buffer as stacks."""
         grad = _grad_like(p)
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
         buf = _local(state["momentum_buffer"])
         g = _local(grad)
-        mu = group["momentum"]
-        buf.lerp_(g, 1 - mu)
-        return g.lerp(buf, mu) if group["nesterov"] else buf
+        buf.lerp_(g, 1 - group["momentum"])
+        return _as_stack(g), _as_stack(buf)
+
+    @staticmethod
+    def _update(
+        mesh_step: _MeshStep, k: int, el: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The (Nesterov) update of local matrix ``el`` of entry ``k``, written into ``out``.
+
+        Into a bf16 ``out`` it is computed in fp32 and rounded once, as ``.to`` would.
+        """
+        group = mesh_step.groups[k]
+        g, buf = mesh_step.grads[k][el], mesh_step.bufs[k][el]
+        if group["nesterov"]:
+            return torch.lerp(g, buf, group["momentum"], out=out)
+        return buf if out is None else out.copy_(buf)
 
     def _start(self, plan: _MeshPlan) -> _MeshStep:
         """Momentum on the local shards, then the gather to the owners (issued, not awaited)."""
         groups = [self.param_groups[g] for g, _ in plan.entries]
         params = [self.param_groups[g]["params"][i] for g, i in plan.entries]
-        updates = [
-            _as_stack(self._local_update(group, p)) for group, p in zip(groups, params, strict=True)
-        ]
-        mesh_step = _MeshStep(plan, groups, params, updates)
+        grads, bufs = [], []
+        for group, p in zip(groups, params, strict=True):
+            g, buf = self._momentum(group, p)
+            grads.append(g)
+            bufs.append(buf)
+        mesh_step = _MeshStep(plan, groups, params, grads, bufs)
         if plan.needs_gather:
-            slabs = [
-                updates[k][el].reshape(-1).to(self.gather_dtype)
-                for dst in range(plan.size)
-                for k, el in plan.gather_send[dst]
-            ]
-            send = _cat(slabs, self.gather_dtype, updates[0].device)
+            # the updates of the matrices owned elsewhere, written straight into the send buffer
+            send = torch.empty(
+                sum(plan.gather_send_counts), dtype=self.gather_dtype, device=bufs[0].device
+            )
+            at = 0
+            for dst in range(plan.size):
+                for k, el in plan.gather_send[dst]:
+                    shape = bufs[k].shape[1:]
+                    self._update(mesh_step, k, el, out=send[at : at + shape.numel()].view(shape))
+                    at += shape.numel()
             mesh_step.sent = send
             mesh_step.received, mesh_step.work = _exchange(
                 plan, send, plan.gather_send_counts, plan.gather_recv_counts
@@ -683,15 +706,15 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_owned(self, mesh_step: _MeshStep) -> None:
         """Newton-Schulz on the owned matrices (those held whole here first), scatter issued."""
-        plan, updates = mesh_step.plan, mesh_step.updates
-        device = updates[0].device
+        plan = mesh_step.plan
+        device = mesh_step.bufs[0].device
         results: dict[int, torch.Tensor] = {}
         for i in plan.owned:
             unit = plan.units[i]
             group = mesh_step.groups[unit.entry]
             local = plan.local_piece.get(i)
             if local is not None and local[3] == unit.rows and local[4] == unit.cols:
-                full = updates[unit.entry][local[5]]  # held whole here: no copy, no wait
+                full = self._update(mesh_step, unit.entry, local[5])  # held whole: no wait
             else:
                 if mesh_step.work is not None:
                     mesh_step.work.wait()
@@ -699,7 +722,7 @@ class Muon(torch.optim.Optimizer):
                 full = torch.empty(unit.rows, unit.cols, dtype=self.gather_dtype, device=device)
                 if local is not None:
                     _, r0, c0, nr, nc, el = local
-                    full[r0 : r0 + nr, c0 : c0 + nc] = updates[unit.entry][el]
+                    self._update(mesh_step, unit.entry, el, out=full[r0 : r0 + nr, c0 : c0 + nc])
                 received = mesh_step.received
                 for at, r0, c0, nr, nc in plan.incoming.get(i, ()):
                     assert received is not None
@@ -711,12 +734,11 @@ class Muon(torch.optim.Optimizer):
             mesh_step.work.wait()
             mesh_step.work = None
         mesh_step.received = None
-        orthos = [torch.empty(u.shape, dtype=torch.bfloat16, device=device) for u in updates]
         for i, piece in plan.local_piece.items():
             if i in results:  # a part of an owned matrix that stays here
                 _, r0, c0, nr, nc, el = piece
-                orthos[plan.units[i].entry][el] = results[i][r0 : r0 + nr, c0 : c0 + nc]
-        mesh_step.orthos = orthos
+                result = results[i][r0 : r0 + nr, c0 : c0 + nc]
+                mesh_step.local_results.append((plan.units[i].entry, el, result))
         if plan.needs_scatter:
             pieces = [
                 results[i][r0 : r0 + nr, c0 : c0 + nc].reshape(-1)
@@ -730,8 +752,17 @@ class Muon(torch.optim.Optimizer):
             )
 
     def _finish(self, mesh_step: _MeshStep) -> None:
-        """The results of the other owners in place; decoupled weight decay and the step."""
-        plan, orthos = mesh_step.plan, mesh_step.orthos
+        """Decoupled weight decay, then each result added to its local shard as it arrives."""
+        plan = mesh_step.plan
+        stacks, alphas = [], []
+        for group, p in zip(mesh_step.groups, mesh_step.params, strict=True):
+            lr = float(group["lr"])
+            p_local = _local(p)
+            p_local.mul_(1 - lr * group["weight_decay"])
+            stacks.append(_as_stack(p_local))
+            alphas.append(-lr * _lr_scale(group["adjust_lr_fn"], p.shape[-2], p.shape[-1]))
+        for k, el, result in mesh_step.local_results:
+            stacks[k][el].add_(result, alpha=alphas[k])
         if mesh_step.work is not None:
             mesh_step.work.wait()
             back = mesh_step.received
@@ -739,19 +770,11 @@ class Muon(torch.optim.Optimizer):
             at = 0
             for src in range(plan.size):
                 for k, el in plan.scatter_recv[src]:
-                    slab = orthos[k][el]
-                    slab.copy_(back[at : at + slab.numel()].view(slab.shape))
+                    slab = stacks[k][el]
+                    slab.add_(back[at : at + slab.numel()].view(slab.shape), alpha=alphas[k])
                     at += slab.numel()
-        for group, p, ortho in zip(mesh_step.groups, mesh_step.params, orthos, strict=True):
-            lr = float(group["lr"])
-            rows, cols = p.shape[-2], p.shape[-1]
-            p_local = _local(p)
-            p_local.mul_(1 - lr * group["weight_decay"])
-            p_local.add_(
-                ortho.view(p_local.shape), alpha=-lr * _lr_scale(group["adjust_lr_fn"], rows, cols)
-            )
         # this bucket's buffers go now (a bucket_size bounds what is alive at once)
-        mesh_step.updates, mesh_step.orthos = [], []
+        mesh_step.grads, mesh_step.bufs, mesh_step.local_results = [], [], []
         mesh_step.sent = mesh_step.received = None
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
