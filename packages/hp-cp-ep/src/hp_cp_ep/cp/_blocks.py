@@ -144,6 +144,21 @@ class DocumentMasks:
         return same.unsqueeze(-3) if same.dim() == 3 else same[None, None]
 
 
+def _chunk_pairs(t: BlockTask, chunk_len: int) -> list[tuple[BlockTask, bool]]:
+    """A task cut into chunk-by-chunk sub-blocks, each with whether any of its pairs can be seen.
+
+    A causal task holds the same chunks on both sides in the same order (:func:`plan_tasks`),
+    so sub-block ``(i, j)`` is fully visible below the diagonal, causal on it and hidden above.
+    """
+    pairs = []
+    for i, q0 in enumerate(range(t.q0, t.q1, chunk_len)):
+        for j, k0 in enumerate(range(t.k0, t.k1, chunk_len)):
+            diagonal = t.is_causal and i == j
+            sub = BlockTask(q0, q0 + chunk_len, k0, k0 + chunk_len, diagonal)
+            pairs.append((sub, not (t.is_causal and j > i)))
+    return pairs
+
+
 def restrict_to_documents(
     blocks: Sequence[tuple[int, Sequence[BlockTask]]], masks: DocumentMasks
 ) -> list[list[BlockTask]]:
@@ -151,12 +166,14 @@ def restrict_to_documents(
 
     A task whose rows all share one document with its keys is kept as it is (so a single
     document computes exactly the plain causal or full blocks); a task with no same-document
-    pair is dropped (no kernel call); any other task becomes a masked task (same document and,
-    for a causal task, key position at or before the query position).
+    pair is dropped (no kernel call). Any other task is cut into chunk-by-chunk sub-blocks, each
+    decided the same way: kept unmasked, dropped, or given a document mask (same document and, on
+    a causal diagonal, key position at or before the query position). Masks then never exceed a
+    chunk by a chunk, and the blocks inside one document run unmasked (on CUDA: the flash kernel).
 
     All blocks are decided together, before any attention runs: the decisions are two booleans
-    per task, read by the host in one transfer (the batch's only host synchronisation; the ring
-    steps, forward and backward, then run without any).
+    per chunk pair, read by the host in one transfer (the batch's only host synchronisation; the
+    ring steps, forward and backward, then run without any).
 
     Args:
         blocks: ``(kv_offset, tasks)`` per key/value block: the block's first row in
@@ -166,22 +183,32 @@ def restrict_to_documents(
     Returns:
         The tasks to run, per block (a block may be left with none).
     """
+    n = masks.chunk_len
     flags = []
     for offset, tasks in blocks:
         for t in tasks:
-            same = masks.same_document(t, offset)
-            visible = same & masks.not_after(t, offset) if t.is_causal else same
-            flags.append(torch.stack((same.all(), visible.any())))
+            for sub, seen in _chunk_pairs(t, n):
+                same = masks.same_document(sub, offset)
+                visible = same & masks.not_after(sub, offset) if sub.is_causal else same
+                flags.append(torch.stack((same.all(), visible.any() & seen)))
     decided = iter(torch.stack(flags).tolist() if flags else [])
     kept: list[list[BlockTask]] = []
     for _, tasks in blocks:
         block: list[BlockTask] = []
         for t in tasks:
-            all_same, any_visible = next(decided)
-            if all_same:
+            subs = [(sub, seen, *next(decided)) for sub, seen in _chunk_pairs(t, n)]
+            if all(all_same for _, _, all_same, _ in subs):
                 block.append(t)
-            elif any_visible:
+            elif len(subs) == 1 and subs[0][3]:
                 block.append(BlockTask(t.q0, t.q1, t.k0, t.k1, False, True, t.is_causal))
+            elif len(subs) > 1:
+                for sub, seen, all_same, any_visible in subs:
+                    if seen and all_same:
+                        block.append(sub)
+                    elif any_visible:
+                        block.append(
+                            BlockTask(sub.q0, sub.q1, sub.k0, sub.k1, False, True, sub.is_causal)
+                        )
         kept.append(block)
     return kept
 

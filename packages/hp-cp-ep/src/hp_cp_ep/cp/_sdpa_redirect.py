@@ -77,7 +77,10 @@ def _call_engine(
             f"query has {q.shape[1]} heads and key {k.shape[1]}: pass enable_gqa=True for "
             "grouped-query attention"
         )
-    return engine._call(q, k, a["value"], bool(a["is_causal"]), a["scale"], document_ids, plans)
+    return engine(
+        q, k, a["value"], is_causal=bool(a["is_causal"]), scale=a["scale"],
+        document_ids=document_ids, plan_cache=plans,
+    )  # fmt: skip
 
 
 class _SdpaRouter:

@@ -318,6 +318,7 @@ class ContextParallelAttention:
         is_causal: bool = False,
         scale: float | None = None,
         document_ids: torch.Tensor | None = None,
+        plan_cache: dict[Any, Any] | None = None,
     ) -> torch.Tensor:
         """Attention of the local query shard over the whole sequence.
 
@@ -329,7 +330,12 @@ class ContextParallelAttention:
             scale: Softmax scale (default ``1 / sqrt(D)``).
             document_ids: ``[s]`` or ``[B, s]`` integer document ids of the local positions
                 (sharded like the sequence); a query attends only to keys of its document
-                (packed sequences). Every mode.
+                (packed sequences). Every mode. Planning the blocks for them costs one host
+                synchronisation per call (none in the ring steps).
+            plan_cache: Keyword-only: a dict the caller keeps (empty at first) for as long as
+                ``document_ids`` stay the same, e.g. one batch through every layer: the plan
+                made at the first call is reused, so the batch pays one host synchronisation
+                and one gather of the ids. Every rank must pass its cache in the same calls.
 
         Returns:
             The local shard of the attention output, ``[B, H, s, Dv]``.
@@ -338,7 +344,7 @@ class ContextParallelAttention:
             ValueError: Bad shapes, heads not divisible by the Ulysses degree, a local length
                 not divisible into the layout's chunks, or document ids of the wrong shape.
         """
-        return self._call(query, key, value, is_causal, scale, document_ids, None)
+        return self._call(query, key, value, is_causal, scale, document_ids, plan_cache)
 
     def _call(
         self,
@@ -348,7 +354,7 @@ class ContextParallelAttention:
         is_causal: bool,
         scale: float | None,
         document_ids: torch.Tensor | None,
-        plans: dict[tuple[bool, int], _Plan] | None,
+        plans: dict[Any, Any] | None,
     ) -> torch.Tensor:
         """:meth:`__call__`, reusing and filling ``plans`` (a front's per-batch plan cache).
 
