@@ -121,6 +121,9 @@ for _qualname in (
     "torch.distributed.device_mesh.DeviceMesh._flatten",
     "torch.distributed.tensor.placement_types.Shard._split_tensor",
     "torch.distributed.tensor.placement_types._StridedShard._split_tensor",
+    "torch._C._dispatch_keys",
+    "torch._C._dispatch_keyset_full_after",
+    "torch._C.DispatchKey",
 ):
     require(_PACKAGE, _qualname)
 if "_local_tensor" not in getattr(DTensor, "__slots__", ()):
@@ -163,4 +166,7 @@ PRIVATE_NAMES = (
     "torch.distributed.device_mesh.DeviceMesh._flatten",
     "torch.distributed.tensor.placement_types.Shard._split_tensor",
     "torch.distributed.tensor.placement_types._StridedShard._split_tensor",
+    "torch._C._dispatch_keys",
+    "torch._C._dispatch_keyset_full_after",
+    "torch._C.DispatchKey",
 )

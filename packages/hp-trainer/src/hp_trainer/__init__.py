@@ -54,6 +54,7 @@ from hp_trainer.distributed.activation_checkpoint import (
     swap_wrapper,
 )
 from hp_trainer.distributed.compile import apply_compile
+from hp_trainer.distributed.context_parallel import create_context_parallel_ctx
 from hp_trainer.distributed.fsdp import (
     apply_fsdp_to_decoder,
     disable_fsdp_gradient_division,
@@ -167,6 +168,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_wrapper",
     "clip_grad_norm_",
+    "create_context_parallel_ctx",
     "disable_fsdp_gradient_division",
     "enable_fsdp_symm_mem",
     "get_fsdp_reshard_after_forward_policy",

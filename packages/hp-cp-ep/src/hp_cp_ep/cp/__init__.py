@@ -1,8 +1,9 @@
 """Context parallel attention: ring, Ulysses, all-gather-KV and their 2-D hybrids.
 
-One engine (:class:`ContextParallelAttention`) and three fronts over it: PyTorch's functional
-``context_parallel`` context manager, HyperParallel's ``ContextParallel`` module style and
-TorchTitan's trainer-side ``create_context_parallel_ctx``.
+One engine (:class:`ContextParallelAttention`) and two fronts over it: PyTorch's functional
+``context_parallel`` context manager and HyperParallel's ``ContextParallel`` module style.
+TorchTitan's trainer-side ``create_context_parallel_ctx`` lives in hp-trainer
+(``hp_trainer.distributed.context_parallel``).
 
 See Also:
     :pt:`torch.distributed.tensor.experimental.context_parallel`
@@ -17,7 +18,6 @@ from hp_cp_ep.cp.functional import (
 )
 from hp_cp_ep.cp.load_balance import shard_sequence, unshard_sequence
 from hp_cp_ep.cp.style import AsyncContextParallel, ContextParallel
-from hp_cp_ep.cp.trainer import create_context_parallel_ctx
 
 __all__ = [
     "CP_MODES",
@@ -26,7 +26,6 @@ __all__ = [
     "ContextParallelAttention",
     "context_parallel",
     "context_parallel_unshard",
-    "create_context_parallel_ctx",
     "get_rotate_method",
     "set_rotate_method",
     "shard_sequence",

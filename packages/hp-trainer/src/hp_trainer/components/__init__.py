@@ -2,5 +2,6 @@
 load, validation and profiling. Components import no model family.
 
 See Also:
-    :titan:`torchtitan.components`: TorchTitan's components.
+    :titan:`torchtitan/components/checkpoint.py`, :titan:`torchtitan/components/dataloader.py`,
+    :titan:`torchtitan/components/metrics.py`: TorchTitan's components of the same jobs.
 """
