@@ -50,8 +50,10 @@ napoleon_use_rtype = False
 
 # Private bases and internal state classes are not documented by design.
 nitpick_ignore_regex = [
-    (r"py:.*", r"hp_\w+(\.\w+)*\._\w+"),
+    (r"py:.*", r"hp_\w+(\.\w+)*\._\w+(\.\w+)*"),
     (r"py:class", r"hp_fsdp\.state\.FSDPState"),
+    # ``from hp_dtensor import device as hp_device`` in annotations (autodoc keeps the alias)
+    (r"py:class", r"hp_device\.\w+"),
 ]
 
 if OFFLINE:

@@ -272,7 +272,7 @@ class PipelineExecutor:
                     f"{sorted(self.stages)}"
                 )
         self.events: list[tuple[str, int, int]] = []
-        #: The point-to-point program of the last step: what :func:`hp_pp.p2p_model.replay`
+        #: Point-to-point program of the last step, which :func:`hp_pp.p2p_model.replay`
         #: checks under NCCL's rules.
         self.trace: list[Post | Wait] = []
         self._compute = [a for a in _flat(self.actions) if a.type.is_compute]

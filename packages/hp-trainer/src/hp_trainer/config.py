@@ -280,7 +280,7 @@ class OptimizerConfig:
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
     """Optimizer kernel style, a per-parameter loop, multi-tensor ``foreach`` or ``fused``."""
     muon_gather_dtype: Literal["bf16", "fp32"] = "bf16"
-    """Muon only: dtype of the update shards sent to each matrix's owner rank, ``bf16`` (half
+    """Dtype of the update shards (Muon only) sent to each matrix's owner rank, ``bf16`` (half
     the bytes, as Moonlight does) or ``fp32``. Newton-Schulz rounds its input to bf16 first, so
     both give the same update; the owners return their results in bf16 either way."""
 
