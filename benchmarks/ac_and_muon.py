@@ -131,7 +131,7 @@ def _gather_everywhere(base: type) -> type:
     """Muon as before issue 29: every rank gathers every matrix and orthogonalises it."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    from hp_trainer import muon as muon_module
+    from hp_trainer.components.optimizer import muon as muon_module
 
     class GatherEverywhere(base):  # type: ignore[misc, valid-type]
         def _muon_step(self) -> None:
@@ -160,7 +160,7 @@ def _gather_everywhere(base: type) -> type:
 
 def _muon_part(model: torch.nn.Module, tokens: torch.Tensor, steps: int) -> dict[str, Any]:
     from hp_trainer import Muon, get_hyper_optimizer
-    from hp_trainer.muon import _newton_schulz_flops
+    from hp_trainer.components.optimizer.muon import _newton_schulz_flops
 
     model(tokens).float().logsumexp(-1).mean().backward()
     muon = get_hyper_optimizer(model, lr=1e-3)

@@ -343,8 +343,9 @@ def test_seed_checkpoint_and_bf16_model_only_export(folder: str) -> None:
 @distributed(world_size=2)
 def test_trainer_containers_round_trip(folder: str) -> None:
     """hp-trainer's OptimizersContainer / LRSchedulersContainer / CheckpointConfig plug in."""
+    from hp_trainer.components.lr import build_lr_schedulers
+    from hp_trainer.components.optimizer import build_optimizers
     from hp_trainer.config import CheckpointConfig, LRSchedulerConfig, OptimizerConfig
-    from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
 
     def job(seed: int) -> tuple[nn.Module, Any, Any, CheckpointManager]:
         model, _ = small_manager(Path(folder))

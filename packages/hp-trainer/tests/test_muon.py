@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-import hp_trainer.muon as muon_module
+import hp_trainer.components.optimizer.muon as muon_module
 from hp_dtensor.testing import count_host_syncs, distributed, run_distributed
 from hp_trainer import Muon, get_hyper_optimizer
 

@@ -25,7 +25,14 @@ from hp_trainer.components.data.dataset import (
 from hp_trainer.components.data.streaming import StreamingTextLoader
 from hp_trainer.components.expert_load import ExpertLoadTracker
 from hp_trainer.components.hf_io.adapters import DecoderStateDictAdapter, StateDictAdapter
+from hp_trainer.components.lr import LRSchedulersContainer, build_lr_schedulers, lr_factor
 from hp_trainer.components.metrics import MetricsProcessor, get_peak_flops
+from hp_trainer.components.optimizer import (
+    Muon,
+    OptimizersContainer,
+    build_optimizers,
+    get_hyper_optimizer,
+)
 from hp_trainer.components.tokenizer import HuggingFaceTokenizer, build_tokenizer
 from hp_trainer.config import (
     ActivationCheckpointConfig,
@@ -77,14 +84,6 @@ from hp_trainer.models.deepseek_v3 import (
 from hp_trainer.models.llama3 import Llama3StateDictAdapter, parallelize_llama
 from hp_trainer.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
 from hp_trainer.models.qwen3_moe import Qwen3MoE, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe
-from hp_trainer.muon import Muon, get_hyper_optimizer
-from hp_trainer.optimizer import (
-    LRSchedulersContainer,
-    OptimizersContainer,
-    build_lr_schedulers,
-    build_optimizers,
-    lr_factor,
-)
 from hp_trainer.protocols.model_spec import (
     ModelSpec,
     get_model_spec,

@@ -39,7 +39,9 @@ from hp_trainer.components.data.prepared import PreparedTokenDataset, is_prepare
 from hp_trainer.components.data.streaming import StreamingTextLoader
 from hp_trainer.components.expert_load import ExpertLoadTracker
 from hp_trainer.components.hf_io.config import resolve_model_args
+from hp_trainer.components.lr import build_lr_schedulers
 from hp_trainer.components.metrics import MetricsProcessor, logger
+from hp_trainer.components.optimizer import build_optimizers
 from hp_trainer.components.profiling import StepProfiler
 from hp_trainer.components.tokenizer import HuggingFaceTokenizer, build_tokenizer
 from hp_trainer.components.validation import Validator
@@ -49,7 +51,6 @@ from hp_trainer.distributed.layout_validation import validate_parallel_layout
 from hp_trainer.distributed.parallel_dims import parallel_dims_from_config
 from hp_trainer.distributed.pipeline import PipelinedStep
 from hp_trainer.models.common.document_mask import DocumentBoundaries
-from hp_trainer.optimizer import build_lr_schedulers, build_optimizers
 from hp_trainer.protocols.model_spec import ModelSpec, get_model_spec
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
