@@ -12,5 +12,11 @@ from hp_pp import _planning_api, _runtime_api
 from hp_pp.__about__ import __version__
 from hp_pp._planning_api import *  # noqa: F403
 from hp_pp._runtime_api import *  # noqa: F403
+from hp_pp.stage import PipeliningMetadataError
 
-__all__ = ["__version__", *_planning_api.__all__, *_runtime_api.__all__]
+__all__ = [
+    "PipeliningMetadataError",
+    "__version__",
+    *_planning_api.__all__,
+    *_runtime_api.__all__,
+]

@@ -42,6 +42,58 @@ class TensorChunkSpec:
 
     split_dim: int
 
+    @staticmethod
+    def from_tuple(chunk_dims: tuple[int, ...]) -> Any:
+        """Specs for positional arguments from their chunk dimensions.
+
+        Args:
+            chunk_dims: One dimension per positional argument; nested tuples, lists and dicts
+                of dimensions give the same structure of specs.
+
+        Returns:
+            The same structure with each ``int`` replaced by ``TensorChunkSpec(int)``, e.g.
+            ``TensorChunkSpec.from_tuple((0, 0, 1))`` cuts the third argument along dim 1.
+
+        Raises:
+            TypeError: ``chunk_dims`` holds something other than ints and containers of ints.
+
+        See Also:
+            :pt:`torch.distributed.pipelining.microbatch.TensorChunkSpec`
+        """
+        return _specs_of(chunk_dims, "TensorChunkSpec.from_tuple")
+
+    @staticmethod
+    def from_dict(chunk_dims: dict[str, int]) -> Any:
+        """Specs for keyword arguments from their chunk dimensions.
+
+        Args:
+            chunk_dims: A chunk dimension per keyword, e.g. ``{"ids": 0, "mask": 1}``.
+
+        Returns:
+            A dict with the same keys and ``TensorChunkSpec(dim)`` values.
+
+        Raises:
+            TypeError: ``chunk_dims`` holds something other than ints and containers of ints.
+
+        See Also:
+            :pt:`torch.distributed.pipelining.microbatch.TensorChunkSpec`
+        """
+        return _specs_of(chunk_dims, "TensorChunkSpec.from_dict")
+
+
+def _specs_of(dims: Any, where: str) -> Any:
+    """``dims`` with every int replaced by its :class:`TensorChunkSpec` (same nesting)."""
+    if isinstance(dims, bool) or not isinstance(dims, int | tuple | list | dict):
+        raise TypeError(
+            f"{where}: expected chunk dimensions (ints, or tuples/lists/dicts of them), got "
+            f"{dims!r} of type {type(dims).__name__}"
+        )
+    if isinstance(dims, int):
+        return TensorChunkSpec(dims)
+    if isinstance(dims, dict):
+        return {k: _specs_of(v, where) for k, v in dims.items()}
+    return type(dims)(_specs_of(d, where) for d in dims)
+
 
 def _split_dim_of(spec: Any, where: str) -> int | None:
     """The chunk dimension a spec names; ``None`` for a spec that replicates the value."""

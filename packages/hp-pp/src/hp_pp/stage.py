@@ -12,10 +12,10 @@ message carries a description of its outputs (shape, dtype, ``requires_grad``, D
 placements, which outputs are not tensors) as a fixed-size byte tensor *on the stage's device*
 (JSON, never pickled); the receiving stage allocates its buffers from it and checks it against
 ``input_args`` when those were declared. Later steps reuse it; a stage whose outputs change shape
-raises ``ValueError`` before sending. Non-tensor outputs (Python values) travel per micro-batch
-as a length and a byte tensor on the device, read back with ``weights_only=True`` (plain Python
-values only). Nothing the stage hands to a collective or point-to-point call lives on the CPU
-unless the stage's device is the CPU.
+raises :class:`PipeliningMetadataError` (PyTorch's type, and a ``ValueError``) before sending.
+Non-tensor outputs (Python values) travel per micro-batch as a length and a byte tensor on the
+device, read back with ``weights_only=True`` (plain Python values only). Nothing the stage hands
+to a collective or point-to-point call lives on the CPU unless the stage's device is the CPU.
 
 The last stage keeps each micro-batch's output only when the step was asked to return it
 (``return_outputs=True``, torch's rule): otherwise it keeps nothing beyond the loss.
@@ -46,8 +46,24 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from hp_pp._backward import WeightPass, backward_input, cut_from_graph
 from hp_pp._fsdp_protocol import FSDPControl
+from hp_pp._torch_compat import TorchPipeliningMetadataError
 
-__all__ = ["PipelineStage"]
+__all__ = ["PipelineStage", "PipeliningMetadataError"]
+
+
+class PipeliningMetadataError(TorchPipeliningMetadataError, ValueError):
+    """A stage's outputs do not match what the next stage expects (shape, dtype, kind).
+
+    Raised by the sending stage before it sends (its outputs changed since the description it
+    sent on the first step) and by a stage whose declared ``input_args``/``output_args`` do not
+    match what the pipeline carries. It is PyTorch's exception type (``except`` clauses written
+    for torch's pipelining catch it) and a :class:`ValueError` (hp-pp raised that before).
+
+    See Also:
+        :pt:`torch.distributed.pipelining.stage.PipelineStage`: raises PyTorch's
+        ``PipeliningMetadataError`` for the same mismatches.
+    """
+
 
 #: Bytes of the description message (JSON, space-padded): enough for dozens of outputs.
 _META_BYTES = 8192
@@ -605,7 +621,7 @@ class PipelineStage:
             )
             parts.append(_Part("send", meta, peer, (*ident, "meta")))
         elif metas != self._output_meta and not self._same_without_autograd(metas):
-            raise ValueError(
+            raise PipeliningMetadataError(
                 f"stage {self.stage_index}, micro-batch {mb}: outputs are "
                 f"{[m.describe() for m in metas]} but stage {dst_stage} expects "
                 f"{[m.describe() for m in self._output_meta]} (shapes must not change between "
@@ -637,7 +653,7 @@ class PipelineStage:
         got = [(m.kind, m.shape, m.dtype) for m in metas]
         want = [(m.kind, m.shape, m.dtype) for m in declared]
         if got != want:
-            raise ValueError(
+            raise PipeliningMetadataError(
                 f"stage {self.stage_index}: declared {what} are {[m.describe() for m in declared]}"
                 f" but the pipeline has {[m.describe() for m in metas]}"
             )
