@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import microbatch as torch_mb
 from torch.distributed.pipelining.stage import (  # type: ignore[attr-defined]
@@ -11,7 +15,7 @@ from torch.distributed.pipelining.stage import (  # type: ignore[attr-defined]
 )
 
 import hp_pp
-from hp_dtensor.testing import fake_world
+from hp_dtensor.testing import fake_world, run_distributed
 
 
 def _dims(specs: object) -> object:
@@ -119,3 +123,43 @@ def test_declared_outputs_mismatch_raises_metadata_error() -> None:
         stage.forward_one_chunk(0, (torch.randn(2, 4),))
         with pytest.raises(TorchMetadataError, match=r"declared outputs are .*\(2, 5\)"):
             stage.activation_send_parts(0)
+
+
+def _torch_uneven_step(schedule: str) -> tuple[str, Any]:
+    """torch's own schedule on a batch of 7 rows in 4 micro-batches (2, 2, 2, 1), 2 stages."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mods = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2)]
+    stage = PipelineStage(mods[rank], rank, 2, torch.device("cpu"))
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
+    sched = cls(stage, 4, loss_fn=nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(7, 6, generator=g), torch.randn(7, 6, generator=g)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's mse broadcast warning
+            out = sched.step(x) if rank == 0 else sched.step(target=y)
+    except RuntimeError as exc:
+        return "raised", str(exc)
+    return "returned", None if out is None else tuple(out.shape)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_torch_2_13_cannot_run_uneven_microbatches_across_ranks(schedule: str) -> None:
+    """Why hp-pp's schedules still refuse a batch n_microbatches does not divide: torch's own
+    schedule has no per-micro-batch shapes between stages. Stage 1 receives the short
+    micro-batch into a buffer of the first one's shape (its merged output has 8 rows for a
+    batch of 7) and stage 0's backward fails on the gradient's shape. Recorded on torch 2.13;
+    when this test starts failing, torch supports it and hp-pp should follow."""
+    results = run_distributed(_torch_uneven_step, 2, schedule, timeout=120)
+    assert results[0][0] == "raised"
+    assert "Failed to run stage backward" in results[0][1]
+    assert results[1] == ("returned", (8, 6))
+    # hp-pp refuses the same step before any communication, naming both numbers.
+    with fake_world(2, rank=0):
+        stage = hp_pp.PipelineStage(nn.Linear(6, 6), 0, 2, torch.device("cpu"))
+        sched = getattr(hp_pp, f"Schedule{schedule}")(stage, 4, loss_fn=nn.functional.mse_loss)
+        with pytest.raises(ValueError, match=r"batch size 7 .* n_microbatches=4"):
+            sched.step(torch.zeros(7, 6))
