@@ -13,8 +13,12 @@ Forward for ``T`` tokens (TorchTitan's MoE semantics)::
     y = unpermute_tokens(routed, weights=scores or 1) + shared
 
 The layer is *dropless* by default: every choice is computed. With ``capacity_factor`` set, each
-expert takes at most ``ceil(capacity_factor * T * k / E)`` rows of this rank's batch; the
-choices beyond it (the later tokens) contribute zero and are not sent anywhere.
+expert takes at most ``ceil(capacity_factor * T * k / E)`` rows; the choices beyond it (the later
+tokens) contribute zero and are not sent anywhere. With ``capacity_scope="ep_group"`` (GShard's
+and DeepSeek's definition) ``T`` counts the tokens of the whole expert-parallel group and the
+rows are ranked over the group (lower EP ranks first), so EP drops exactly the choices one
+process holding the group's batch would; ``"local"`` (the default, unchanged) uses each rank's
+own tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ from torch import nn
 
 from hp_cp_ep._torch_compat import in_backward
 from hp_cp_ep.ep.experts import GroupedExperts
-from hp_cp_ep.ep.router import TokenChoiceTopKRouter, count_choices, load_balancing_loss
+from hp_cp_ep.ep.router import (
+    TokenChoiceTopKRouter,
+    count_choices,
+    load_balancing_loss,
+    sequence_balancing_loss,
+)
 from hp_cp_ep.ep.stats import ExpertLoad
 from hp_kernels import permute_tokens, unpermute_tokens
 
@@ -59,6 +68,13 @@ class MoEArgs:
         capacity_factor: Extension: ``None`` for dropless; else per-expert capacity factor.
         aux_loss_coeff: Extension: weight of the auxiliary load-balancing loss added to the
             backward (0: off).
+        capacity_scope: Extension: ``"local"`` (each rank's tokens set the capacity) or
+            ``"ep_group"`` (the expert-parallel group's tokens do, ranked over the group: one
+            all-gather of ``E + 1`` integers per forward; the same as ``"local"`` without EP).
+        aux_loss_type: Extension: ``"batch"`` (:func:`~hp_cp_ep.ep.router.load_balancing_loss`
+            over the routed batch) or ``"sequence"`` (DeepSeek-V3's sequence-wise loss,
+            :func:`~hp_cp_ep.ep.router.sequence_balancing_loss`, averaged over sequences: the
+            input's second-to-last dimension is the sequence, a 2-D input one sequence).
         _debug_force_load_balance: Route round-robin (debugging, benchmarks).
 
     See Also:
@@ -78,6 +94,8 @@ class MoEArgs:
     load_balance_coeff: float | None = 1e-3
     capacity_factor: float | None = None
     aux_loss_coeff: float = 0.0
+    capacity_scope: Literal["local", "ep_group"] = "local"
+    aux_loss_type: Literal["batch", "sequence"] = "batch"
     _debug_force_load_balance: bool = False
 
 
@@ -172,6 +190,14 @@ class MoE(nn.Module):
             raise ValueError(
                 f"capacity_factor must be positive or None, got {moe_args.capacity_factor}"
             )
+        if moe_args.capacity_scope not in ("local", "ep_group"):
+            raise ValueError(
+                f"capacity_scope must be 'local' or 'ep_group', got {moe_args.capacity_scope!r}"
+            )
+        if moe_args.aux_loss_type not in ("batch", "sequence"):
+            raise ValueError(
+                f"aux_loss_type must be 'batch' or 'sequence', got {moe_args.aux_loss_type!r}"
+            )
         self.moe_args = moe_args
         self.num_experts = moe_args.num_experts
         self.top_k = moe_args.top_k
@@ -229,11 +255,26 @@ class MoE(nn.Module):
 
     def _capacity_mask(self, selected: torch.Tensor) -> torch.Tensor:
         """``[T, k]`` bool: choices within their expert's capacity (earlier tokens first)."""
-        assert self.moe_args.capacity_factor is not None
+        factor = self.moe_args.capacity_factor
+        assert factor is not None
         num_tokens = selected.shape[0]
-        capacity = math.ceil(
-            self.moe_args.capacity_factor * num_tokens * self.top_k / self.num_experts
-        )
+        group = getattr(self.experts.token_dispatcher, "ep_group", None)
+        offset: torch.Tensor | None = None
+        capacity: int | torch.Tensor
+        if self.moe_args.capacity_scope == "ep_group" and group is not None:
+            # every rank's choices per expert and token count: [ep, E + 1], no host read
+            mine = count_choices(selected, self.num_experts)
+            mine = torch.cat([mine, mine.new_full((1,), num_tokens)])
+            table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(table, mine, group=group)
+            stacked = torch.stack(table)
+            rank = dist.get_rank(group)
+            offset = stacked[:rank, :-1].sum(dim=0)  # choices of lower ranks, per expert
+            # the float64 operations of the local path's math.ceil, in the same order
+            total = stacked[:, -1].sum().to(torch.float64)
+            capacity = torch.ceil(factor * total * self.top_k / self.num_experts).to(torch.int64)
+        else:
+            capacity = math.ceil(factor * num_tokens * self.top_k / self.num_experts)
         # The rank of each choice within its expert, in (token, choice) order, from one stable
         # sort: O(T k log(T k)) integer work, no [T k, E] one-hot, no host sync.
         flat = selected.reshape(-1)
@@ -241,6 +282,8 @@ class MoE(nn.Module):
         first = torch.searchsorted(ordered.values, ordered.values)  # start of each expert's run
         rank_sorted = torch.arange(flat.numel(), device=flat.device) - first
         position = torch.empty_like(rank_sorted).scatter_(0, ordered.indices, rank_sorted)
+        if offset is not None:
+            position = position + offset[flat]
         return (position < capacity).view_as(selected)
 
     def _aux_loss_share(self, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -259,6 +302,22 @@ class MoE(nn.Module):
         probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         weight = counts * self.num_experts / (top_k * total * total)
         return (weight * probs.sum(dim=0)).sum()
+
+    def _sequence_aux_loss(
+        self, scores: torch.Tensor, selected: torch.Tensor, shape: torch.Size
+    ) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise loss, averaged over the sequences of ``aux_loss_group``.
+
+        Each rank holds whole sequences (data parallel); the number of sequences is summed over
+        the group (one all-reduce of one value) so the ranks' shares add up to the mean over
+        every sequence. A group that splits sequences (context parallel) is not supported.
+        """
+        seq_len = max(shape[-2] if len(shape) > 2 else shape[0], 1)
+        summed = sequence_balancing_loss(scores, selected, self.num_experts, seq_len)
+        num_seqs = scores.new_full((1,), float(selected.shape[0] // seq_len))
+        if self.aux_loss_group is not None:
+            dist.all_reduce(num_seqs, group=self.aux_loss_group)
+        return (summed / num_seqs.clamp_min(1)).sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MoE to ``x`` of shape ``[..., dim]``."""
@@ -301,7 +360,9 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared
         if self.moe_args.aux_loss_coeff > 0 and self.training:
-            if self.aux_loss_group is None:
+            if self.moe_args.aux_loss_type == "sequence":
+                aux = self._sequence_aux_loss(routing.scores, routing.selected_experts, shape)
+            elif self.aux_loss_group is None:
                 aux = load_balancing_loss(
                     routing.scores, routing.selected_experts, self.num_experts
                 )

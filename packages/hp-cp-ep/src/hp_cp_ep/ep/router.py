@@ -23,7 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Router", "Routing", "TokenChoiceTopKRouter", "load_balancing_loss"]
+__all__ = [
+    "Router",
+    "Routing",
+    "TokenChoiceTopKRouter",
+    "load_balancing_loss",
+    "sequence_balancing_loss",
+]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 
@@ -85,6 +91,61 @@ def load_balancing_loss(
     fraction = counts * (num_experts / (top_k * num_tokens))
     probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return (fraction * probs.mean(dim=0)).sum()
+
+
+def sequence_balancing_loss(
+    scores: torch.Tensor, selected_experts: torch.Tensor, num_experts: int, seq_len: int
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, summed (not averaged) over the sequences.
+
+    The ``T`` tokens are ``T / seq_len`` consecutive sequences of ``seq_len`` tokens. For each
+    sequence, with ``N_r = E`` routed experts, ``K_r = k`` choices per token and its ``S =
+    seq_len`` tokens (DeepSeek-V3 technical report, eqs. 17-20)::
+
+        f_i = N_r / (K_r S) * sum_t 1[expert i among token t's top k]
+        s'_{i,t} = s_{i,t} / sum_j s_{j,t}
+        P_i = 1/S * sum_t s'_{i,t}
+        L_seq = sum_i f_i P_i
+
+    This returns ``sum over sequences of L_seq`` so shares over ranks add up; divide by the
+    number of sequences (and multiply by ``alpha``) for DeepSeek-V3's ``L_Bal``. Differentiable
+    in ``scores``; 1.0 per sequence when both factors are uniform.
+
+    Args:
+        scores: ``[T, E]`` router probabilities.
+        selected_experts: ``[T, k]`` chosen expert indices.
+        num_experts: ``E``.
+        seq_len: Tokens per sequence; must divide ``T``.
+
+    Returns:
+        A scalar tensor (0 for an empty batch).
+
+    Raises:
+        ValueError: ``seq_len`` is not positive or does not divide ``T``.
+
+    See Also:
+        :func:`load_balancing_loss`, the batch-wise loss; DeepSeek-V3 technical report,
+        "complementary sequence-wise auxiliary loss".
+    """
+    num_tokens, top_k = selected_experts.shape
+    if seq_len < 1 or num_tokens % seq_len != 0:
+        raise ValueError(
+            f"seq_len={seq_len} must be positive and divide the {num_tokens} routed tokens"
+        )
+    if num_tokens == 0:
+        return scores.sum() * 0.0
+    num_seqs = num_tokens // seq_len
+    # per-sequence choice counts: one scatter-add into [num_seqs * E], no host sync
+    seq_of_choice = torch.arange(num_tokens, device=scores.device) // seq_len
+    flat = (seq_of_choice.unsqueeze(1) * num_experts + selected_experts).reshape(-1)
+    counts = torch.zeros(num_seqs * num_experts, dtype=torch.int64, device=scores.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    fraction = counts.view(num_seqs, num_experts).to(scores.dtype) * (
+        num_experts / (top_k * seq_len)
+    )
+    probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    mean_probs = probs.view(num_seqs, seq_len, num_experts).mean(dim=1)
+    return (fraction * mean_probs).sum()
 
 
 class TokenChoiceTopKRouter(nn.Module):
