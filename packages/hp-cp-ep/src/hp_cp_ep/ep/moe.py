@@ -71,10 +71,11 @@ class MoEArgs:
         capacity_scope: Extension: ``"local"`` (each rank's tokens set the capacity) or
             ``"ep_group"`` (the expert-parallel group's tokens do, ranked over the group: one
             all-gather of ``E + 1`` integers per forward; the same as ``"local"`` without EP).
-        aux_loss_type: Extension: ``"batch"`` (:func:`~hp_cp_ep.ep.router.load_balancing_loss`
-            over the routed batch) or ``"sequence"`` (DeepSeek-V3's sequence-wise loss,
-            :func:`~hp_cp_ep.ep.router.sequence_balancing_loss`, averaged over sequences: the
-            input's second-to-last dimension is the sequence, a 2-D input one sequence).
+        aux_loss_type: Extension: ``"batch"`` (:func:`~hp_cp_ep.load_balancing_loss` over the
+            routed batch) or ``"sequence"`` (DeepSeek-V3's sequence-wise loss,
+            ``hp_cp_ep.ep.router.sequence_balancing_loss``, averaged over sequences: the input's
+            second-to-last dimension is the sequence, a 2-D input one sequence; with
+            ``aux_loss_group`` each rank must hold whole sequences).
         _debug_force_load_balance: Route round-robin (debugging, benchmarks).
 
     See Also:
