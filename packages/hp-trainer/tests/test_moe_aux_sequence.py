@@ -1,0 +1,54 @@
+"""DeepSeek-V3's sequence-wise auxiliary loss through the trainer: dp_shard 4 with ep 2 equals one process.
+
+The loss is selected on the model flavor (``MoEArgs(aux_loss_type="sequence")``); each data
+parallel rank holds whole sequences and the sequence count is summed over the dp group, so the
+sum of the ranks' shares and gradients is the loss of one process over every sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from hp_dtensor.testing import load_test_module, run_distributed
+from hp_trainer import Trainer
+from hp_trainer.protocols.model_spec import get_model_spec
+
+
+def _helpers() -> ModuleType:
+    return load_test_module(
+        Path(__file__).with_name("_parity_helpers.py"), "hp_trainer_tests_parity_helpers"
+    )
+
+
+def _train(folder: str, local_bs: int, par: dict[str, Any], run: str, kind: str) -> Any:
+    config = _helpers().job(Path(folder), par, run=run, local_bs=local_bs, model="qwen3_moe")
+    spec = get_model_spec("qwen3_moe")
+    tiny = spec.flavors["tiny"]
+    moe_args = dataclasses.replace(tiny.moe_args, aux_loss_coeff=0.1, aux_loss_type=kind)
+    spec.flavors["tiny"] = dataclasses.replace(tiny, moe_args=moe_args)
+    try:
+        trainer = Trainer(config)
+    finally:
+        spec.flavors["tiny"] = tiny
+    try:
+        losses = trainer.train()
+        state = _helpers().full_state(trainer.model_parts)
+        return losses, trainer.grad_norms, state
+    finally:
+        trainer.close()
+
+
+def test_sequence_aux_loss_dp4_ep2_matches_single_process(tmp_path: Path) -> None:
+    par = {"data_parallel_shard_degree": 4, "expert_parallel_degree": 2}
+    results = run_distributed(_train, 4, str(tmp_path), 1, par, "dp", "sequence", timeout=180)
+    reference = _train(str(tmp_path), 4, {}, "r", "sequence")
+    _helpers().assert_matches_reference(
+        results, reference, each_rank_whole=True, norm_rtol=1e-5, norm_atol=1e-5
+    )
+    # the sequence-wise loss trains the routers differently from the batch-wise one
+    batch = _train(str(tmp_path), 4, {}, "b", "batch")[2]
+    gate = "layers.0.moe.router.gate.weight"
+    assert (batch[gate] - reference[2][gate]).abs().max() > 1e-6
