@@ -1,4 +1,4 @@
-"""DeepSeek-V3's sequence-wise auxiliary loss through the trainer: dp_shard 4 with ep 2 equals one process.
+"""DeepSeek-V3's sequence-wise aux loss in the trainer: dp_shard 4 x ep 2 equals one process.
 
 The loss is selected on the model flavor (``MoEArgs(aux_loss_type="sequence")``); each data
 parallel rank holds whole sequences and the sequence count is summed over the dp group, so the
