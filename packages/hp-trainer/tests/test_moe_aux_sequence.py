@@ -52,3 +52,26 @@ def test_sequence_aux_loss_dp4_ep2_matches_single_process(tmp_path: Path) -> Non
     batch = _train(str(tmp_path), 4, {}, "b", "batch")[2]
     gate = "layers.0.moe.router.gate.weight"
     assert (batch[gate] - reference[2][gate]).abs().max() > 1e-6
+
+
+def test_sequence_aux_loss_with_context_parallel_is_refused() -> None:
+    from hp_trainer.distributed.parallel_dims import ParallelDims
+    from hp_trainer.models.common.expert_parallel import moe_layout_error
+
+    tiny = get_model_spec("qwen3_moe").flavors["tiny"]
+    seq = dataclasses.replace(
+        tiny,
+        moe_args=dataclasses.replace(tiny.moe_args, aux_loss_coeff=0.1, aux_loss_type="sequence"),
+    )
+    batch = dataclasses.replace(
+        tiny, moe_args=dataclasses.replace(tiny.moe_args, aux_loss_coeff=0.1)
+    )
+    cp2 = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, ep=2, world_size=4)
+    dp4 = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, ep=2, world_size=4)
+    assert moe_layout_error(cp2, seq) == (
+        "the model's aux_loss_type = 'sequence' with context_parallel_degree = 2: the "
+        "sequence-wise auxiliary loss needs whole sequences on each rank; expected "
+        "aux_loss_type = 'batch' or context_parallel_degree = 1"
+    )
+    assert moe_layout_error(cp2, batch) is None
+    assert moe_layout_error(dp4, seq) is None

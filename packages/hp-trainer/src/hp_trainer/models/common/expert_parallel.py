@@ -202,6 +202,13 @@ def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None
             "experts are sharded over tp too, so ep borrows its ranks from FSDP alone and must "
             f"divide data_parallel_shard_degree = {dims.dp_shard}"
         )
+    moe_args = model_args.moe_args
+    if dims.cp > 1 and moe_args.aux_loss_coeff > 0 and moe_args.aux_loss_type == "sequence":
+        return (
+            f"the model's aux_loss_type = 'sequence' with context_parallel_degree = {dims.cp}: "
+            "the sequence-wise auxiliary loss needs whole sequences on each rank; expected "
+            "aux_loss_type = 'batch' or context_parallel_degree = 1"
+        )
     return None
 
 
@@ -247,7 +254,8 @@ def parallelize_moe_decoder(
 
     Raises:
         ValueError: For a layout :func:`moe_layout_error` refuses (degrees not dividing the
-            heads, the experts, their hidden size or ``dp_shard``).
+            heads, the experts, their hidden size or ``dp_shard``; the sequence-wise
+            auxiliary loss with context parallelism).
 
     See Also:
         :titan:`torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` and
