@@ -183,6 +183,17 @@ def test_grouped_experts_match_per_expert_matmuls_with_empty_experts(use_grouped
         assert p.grad[3].abs().max() == 0
     empty = experts(torch.randn(0, DIM), torch.zeros(4, dtype=torch.long))
     assert empty.shape == (0, DIM)
+    # no rows for any local expert: the result still joins the graph, so under EP this rank's
+    # backward reaches the combine all-to-all its peers wait in (a detached result hung there)
+    experts.zero_grad()
+    none = torch.randn(0, DIM, requires_grad=True)
+    out = experts(none, torch.zeros(4, dtype=torch.long))
+    assert out.shape == (0, DIM)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert none.grad is not None
+    assert none.grad.shape == (0, DIM)
+    assert all(p.grad is not None and p.grad.abs().max() == 0 for p in experts.parameters())
 
 
 def test_grouped_mm_fallback_for_unaligned_or_half_dtypes() -> None:

@@ -102,8 +102,20 @@ def _looped_swiglu(
         hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())
         outputs.append(hidden @ w2[expert].t())
     if not outputs:
-        return x.new_zeros((0, w2.shape[1]))
+        return _no_rows(x, w1, w2, w3)
     return torch.cat(outputs, dim=0)
+
+
+def _no_rows(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """The ``[0, dim]`` result for no rows, still linked to ``x`` and the weights.
+
+    Under EP a rank whose experts receive no tokens must still take part in the backward's
+    combine all-to-all: a detached zeros tensor made its backward skip it while the peers waited
+    there (a hang), and ``torch._grouped_mm``'s backward rejects zero rows. An empty product is
+    linked, costs nothing and gives the weights zero gradients.
+    """
+    hidden = F.silu(x @ w1[0].t()) * (x @ w3[0].t())
+    return hidden @ w2[0].t()
 
 
 class GroupedExperts(nn.Module):
@@ -182,6 +194,8 @@ class GroupedExperts(nn.Module):
                 f"rank holds {w1.shape[0]} experts"
             )
         w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
+        if x.shape[0] == 0:  # known on the host (the split sizes): no sync
+            return _no_rows(x, w1, w2, w3)
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):
             return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
         return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert, sizes)
