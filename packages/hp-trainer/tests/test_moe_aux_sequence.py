@@ -12,6 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 from hp_dtensor.testing import load_test_module, run_distributed
 from hp_trainer import Trainer
 from hp_trainer.protocols.model_spec import get_model_spec
@@ -75,3 +77,31 @@ def test_sequence_aux_loss_with_context_parallel_is_refused() -> None:
     )
     assert moe_layout_error(cp2, batch) is None
     assert moe_layout_error(dp4, seq) is None
+
+
+def test_moe_aux_loss_type_option_sets_the_flavor_and_is_checked_at_parse_time() -> None:
+    from hp_trainer.components.hf_io.config import resolve_model_args
+    from hp_trainer.config import ConfigManager
+
+    manager = ConfigManager()
+    base = ["--model.flavor", "tiny", "--training.seq_len", "32"]
+    for model in ("qwen3_moe", "deepseek_v3"):
+        spec = get_model_spec(model)
+        flavor = spec.model_args("tiny")
+        for kind in ("batch", "sequence"):
+            cfg = manager.parse_args(["--model.name", model, *base, "--moe.aux_loss_type", kind])
+            want = dataclasses.replace(
+                flavor, moe_args=dataclasses.replace(flavor.moe_args, aux_loss_type=kind)
+            )
+            assert resolve_model_args(spec, cfg) == want
+        cfg = manager.parse_args(["--model.name", model, *base])
+        assert resolve_model_args(spec, cfg) == flavor  # "model": the flavor's own choice
+    with pytest.raises(ValueError, match=r"moe\.aux_loss_type = 'sequence'.*context_parallel"):
+        manager.parse_args(
+            ["--moe.aux_loss_type", "sequence", "--parallelism.context_parallel_degree", "2"]
+        )
+    with pytest.raises(ValueError, match="expected one of 'model', 'batch', 'sequence'"):
+        manager.parse_args(["--moe.aux_loss_type", "tokens"])
+    cfg = manager.parse_args(["--model.name", "llama3", *base, "--moe.aux_loss_type", "batch"])
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        resolve_model_args(get_model_spec("llama3"), cfg)

@@ -60,8 +60,9 @@ class PipeliningMetadataError(TorchPipeliningMetadataError, ValueError):
     for torch's pipelining catch it) and a :class:`ValueError` (hp-pp raised that before).
 
     See Also:
-        :pt:`torch.distributed.pipelining.stage.PipelineStage`: raises PyTorch's
-        ``PipeliningMetadataError`` for the same mismatches.
+        :pt:`torch.distributed.pipelining.stage.PipelineStage`: raises
+        :pt:`torch.distributed.pipelining._utils.PipeliningMetadataError` for the same
+        mismatches.
     """
 
 

@@ -362,6 +362,25 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """Mixture-of-experts options that override the model flavor's (MoE models only).
+
+    See Also:
+        :titan:`torchtitan.config.job_config.JobConfig`: TorchTitan sets these on the model's
+        MoE arguments.
+    """
+
+    aux_loss_type: Literal["model", "batch", "sequence"] = "model"
+    """The auxiliary load-balancing loss (when the flavor's coefficient is > 0). ``model``
+    keeps the flavor's choice; ``batch`` balances the experts' load over the whole batch;
+    ``sequence`` is DeepSeek-V3's sequence-wise balance loss (each sequence balanced on its own;
+    needs ``parallelism.context_parallel_degree = 1``)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "moe")
+
+
+@dataclass(kw_only=True)
 class CompileConfig:
     """``torch.compile`` of each transformer block.
 
@@ -619,9 +638,20 @@ class JobConfig:
     """Validation loop."""
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     """Profiler traces and memory snapshots."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts overrides."""
 
     def __post_init__(self) -> None:
         self._check_document_masking()
+        if self.moe.aux_loss_type == "sequence" and self.parallelism.context_parallel_degree > 1:
+            _fail(
+                "moe",
+                "aux_loss_type",
+                "sequence",
+                "'batch' or 'model' with parallelism.context_parallel_degree = "
+                f"{self.parallelism.context_parallel_degree} (the sequence-wise loss needs whole "
+                "sequences on each rank)",
+            )
         if self.activation_checkpoint.mode == "memory_budget" and not self.compile.enable:
             _fail(
                 "activation_checkpoint",

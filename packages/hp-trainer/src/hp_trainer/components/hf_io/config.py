@@ -350,7 +350,8 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
         ValueError: ``auto`` without an HF checkpoint, or with a config.json whose
             ``model_type`` is not in ``AUTO_MODEL_TYPES`` or not ``model.name``'s (naming
             its ``architectures``); a flavor that differs from the checkpoint's config.json
-            (naming every field); ``training.seq_len`` over the model's maximum.
+            (naming every field); ``training.seq_len`` over the model's maximum;
+            ``moe.aux_loss_type`` set for a model without MoE layers.
         FileNotFoundError: ``auto`` and the checkpoint has no config.json.
 
     See Also:
@@ -395,6 +396,17 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
                     "(use --model.flavor auto to build it from config.json):\n  "
                     + "\n  ".join(mismatches)
                 )
+    aux_loss_type = job_config.moe.aux_loss_type
+    if aux_loss_type != "model":
+        moe_args = getattr(args, "moe_args", None)
+        if moe_args is None:
+            raise ValueError(
+                f"moe.aux_loss_type = {aux_loss_type!r} with model {spec.name}, which has no "
+                "mixture-of-experts layers: expected moe.aux_loss_type = 'model'"
+            )
+        args = dataclasses.replace(
+            args, moe_args=dataclasses.replace(moe_args, aux_loss_type=aux_loss_type)
+        )
     seq_len = job_config.training.seq_len
     max_seq_len = getattr(args, "max_seq_len", seq_len)
     if seq_len > max_seq_len:
