@@ -83,11 +83,9 @@ def _cast_any(value: object) -> Any:
 
 
 def _torch_policy_classes() -> tuple[type, type, type]:
-    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffload
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-    from torch.distributed.fsdp import OffloadPolicy as TorchOffload
+    import torch.distributed.fsdp as torch_fsdp  # interop: accept torch's policy objects
 
-    return TorchMP, TorchOffload, TorchCPUOffload
+    return torch_fsdp.MixedPrecisionPolicy, torch_fsdp.OffloadPolicy, torch_fsdp.CPUOffloadPolicy
 
 
 def to_mp_policy(policy: object) -> MixedPrecisionPolicy:

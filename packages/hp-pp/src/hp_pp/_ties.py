@@ -69,21 +69,22 @@ class TiedGradients:
         device = self.stages[0].device
         size = dist.get_world_size(self.group)
         ties = sorted(self.local)
-        count = torch.tensor([len(ties)], dtype=torch.int64).to(device)
+        count = torch.tensor([len(ties)], dtype=torch.int64, device=device)
         counts = [torch.empty_like(count) for _ in range(size)]
         dist.all_gather(counts, count, group=self.group)
-        sizes = [int(c.item()) for c in counts]
+        sizes = torch.cat(counts).tolist()  # one host read, once at set-up
         if max(sizes) == 0:
             return
-        rows = torch.zeros(max(sizes), _ROW, dtype=torch.int64).to(device)
-        for i, tie in enumerate(ties):
-            param = self.local[tie][0]
-            rows[i, 0] = _hash(tie)
-            rows[i, 1] = param.numel()
-            rows[i, 2] = _hash(str(param.dtype))
+        # one row per tie (name hash, elements, dtype hash), padded to the longest rank's table;
+        # built on the host and copied once (not one device write per element)
+        local_rows = [
+            [_hash(t), self.local[t][0].numel(), _hash(str(self.local[t][0].dtype))] for t in ties
+        ]
+        local_rows += [[0] * _ROW for _ in range(max(sizes) - len(ties))]
+        rows = torch.tensor(local_rows, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(rows) for _ in range(size)]
         dist.all_gather(gathered, rows, group=self.group)
-        table = [g.cpu().tolist() for g in gathered]
+        table = torch.stack(gathered).tolist()  # one host read
         by_rank = [{row[0]: (row[1], row[2]) for row in table[r][: sizes[r]]} for r in range(size)]
         me = dist.get_rank(self.group)
         # Ties this rank does not hold but that span more than two ranks: it adds zeros there.

@@ -13,7 +13,7 @@ from hp_dtensor._torch_compat import missing_torch_name
 try:
     # torch's error for a shape/dtype mismatch between pipeline stages (defined in a private
     # module, re-exported by ``torch.distributed.pipelining.stage``).
-    from torch.distributed.pipelining._utils import (
+    from torch.distributed.pipelining._utils import (  # interop: torch's exception type
         PipeliningMetadataError as TorchPipeliningMetadataError,
     )
 except ImportError as _exc:  # pragma: no cover - only on an unsupported torch

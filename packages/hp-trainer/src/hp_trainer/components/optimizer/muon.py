@@ -236,7 +236,7 @@ def _build_plan(
         count = torch.tensor([len(params)], dtype=torch.int64, device=device)
         counts = [torch.empty_like(count) for _ in range(size)]
         dist.all_gather(counts, count, group=group)
-        numbers = [int(t.item()) for t in counts]
+        numbers = torch.cat(counts).tolist()  # one host read, when the plan is built
         if len(set(numbers)) != 1:
             raise ValueError(
                 f"Muon: the ranks of one mesh step different numbers of matrices with a "
