@@ -72,7 +72,7 @@ def _worker(folder: str, rounds: int, order: list[str]) -> dict[str, list[float]
 
     torch.set_num_threads(1)
     trainers = {name: Trainer(_job(folder, name, LAYOUTS[name])) for name in order}
-    batches = {name: t._batches() for name, t in trainers.items()}
+    batches = {name: t.data_iterator() for name, t in trainers.items()}
     times: dict[str, list[float]] = {name: [] for name in order}
     for _ in range(rounds + WARMUP):
         for name in order:
