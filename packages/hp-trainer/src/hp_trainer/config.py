@@ -28,9 +28,11 @@ __all__ = [
     "CompileConfig",
     "ConfigManager",
     "DataConfig",
+    "FaultToleranceConfig",
     "JobConfig",
     "JobSection",
     "LRSchedulerConfig",
+    "LoRAConfig",
     "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -123,9 +125,16 @@ class ModelConfig:
     only to earlier positions of its own document in the packed sample; documents are split at
     the tokenizer's BOS/EOS). Under context parallel with the ``allgather`` or ``ulysses``
     rotate method and without pipeline parallel only."""
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied in this order after the model is built and before it is
+    parallelised (comma-separated on the command line): ``float8``, ``mx``, ``lora`` or a name
+    given to ``hp_trainer.register_model_converter``; unknown names are refused here."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "model")
+        from hp_trainer.components.converters import check_converter_names
+
+        check_converter_names(self.converters)
 
 
 @dataclass(kw_only=True)
@@ -378,6 +387,116 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         _check_literals(self, "moe")
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """LoRA fine-tuning (``model.converters`` holding ``lora``): frozen base, trainable adapters.
+
+    Each targeted linear ``y = W x`` becomes ``y = W x + (alpha / rank) * B A dropout(x)``
+    with ``A`` (``rank x in``) drawn like PEFT (Kaiming-uniform) and ``B`` (``out x rank``)
+    zero, so training starts from the base model; only ``A`` and ``B`` train.
+
+    See Also:
+        TorchTitan's ``torchtitan.components.lora.LoRAConverter`` config; PEFT's ``LoraConfig``.
+    """
+
+    rank: int = 8
+    """Rank of the adapters (PEFT's ``r``)."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter output is multiplied by ``alpha / rank`` (PEFT's
+    ``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout probability on the adapter's input (PEFT's ``lora_dropout``)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    )
+    """Linear layers that get adapters: a name matches a module whose fully qualified name
+    equals it or ends with ``.name`` (comma-separated on the command line). A name matching no
+    ``nn.Linear`` is refused, listing the linear layers of the model."""
+    save_adapter_only: bool = True
+    """Checkpoints hold only the adapters (plus the training state); the frozen base weights
+    come from ``checkpoint.initial_load_path`` again on resume."""
+    save_peft_format: bool = True
+    """With ``checkpoint.last_save_in_hf``, also write the adapters in PEFT's format
+    (``adapter_config.json`` + ``adapter_model.safetensors``) next to the merged HF export."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or self.rank < 1:
+            _fail("lora", "rank", self.rank, "an integer >= 1")
+        if self.alpha <= 0:
+            _fail("lora", "alpha", self.alpha, "a number > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("lora", "dropout", self.dropout, "a number in [0, 1)")
+        if not self.target_modules or any(not t.strip() for t in self.target_modules):
+            _fail("lora", "target_modules", self.target_modules, "a non-empty list of names")
+
+
+@dataclass(kw_only=True)
+class FaultToleranceConfig:
+    """Fault tolerance through torchft: replica groups coordinated by a lighthouse.
+
+    Each replica group is an ordinary job (FSDP, TP, PP, CP, EP inside it) started by its own
+    ``hp-train``; the data-parallel replicate dimension across groups is managed by a torchft
+    ``Manager``. See :doc:`/fault_tolerance`.
+
+    See Also:
+        :titan:`torchtitan.config.job_config.FaultTolerance`: TorchTitan's
+        ``[fault_tolerance]`` section (same field names).
+    """
+
+    enable: bool = False
+    """Run this job as one replica group of a torchft fault-tolerant job (needs torchft)."""
+    process_group: Literal["gloo", "nccl"] = "gloo"
+    """Backend of the managed cross-group process group (gloo on CPU)."""
+    process_group_timeout_ms: int = 10000
+    """Timeout of the cross-group collectives, the commit vote and the recovery transfer."""
+    replica_id: int = 0
+    """This replica group's index, in ``[0, group_size)``."""
+    group_size: int = 0
+    """Number of replica groups of the job (the replicate degree across groups)."""
+    min_replica_size: int = 1
+    """Fewest replica groups that may commit a step (``Manager.min_replica_size``)."""
+    semi_sync_method: Literal["none", "local_sgd", "diloco"] = "none"
+    """``none``: gradients all-reduced across groups every step; ``local_sgd`` / ``diloco``:
+    groups train alone and synchronise every ``sync_steps`` steps (torchft's implementations)."""
+    sync_steps: int = 5
+    """Local steps between two synchronisations (LocalSGD / DiLoCo)."""
+    fragment_sync_delay: int = 0
+    """DiLoCo: steps a fragment's synchronisation may overlap before it is applied."""
+    fragment_update_alpha: float = 0.0
+    """DiLoCo: weight of the local parameters when merging a fragment's global update."""
+    num_fragments: int = 1
+    """DiLoCo: number of model fragments synchronised in turn (streaming DiLoCo)."""
+    outer_lr: float = 0.7
+    """Extension: DiLoCo's outer optimizer (Nesterov SGD) learning rate."""
+    outer_momentum: float = 0.9
+    """Extension: DiLoCo's outer optimizer momentum."""
+    lighthouse: str = ""
+    """Extension: lighthouse address ``http://host:port`` (empty: ``$TORCHFT_LIGHTHOUSE``)."""
+    quorum_timeout_ms: int = 60000
+    """Extension: how long a quorum (waiting for ``min_replica_size`` groups) may take."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "fault_tolerance")
+        if not self.enable:
+            return
+        if self.group_size < 1:
+            _fail("fault_tolerance", "group_size", self.group_size, "the number of groups >= 1")
+        if not 0 <= self.replica_id < self.group_size:
+            allowed = f"an index in [0, group_size = {self.group_size})"
+            _fail("fault_tolerance", "replica_id", self.replica_id, allowed)
+        if not 1 <= self.min_replica_size <= self.group_size:
+            allowed = f"a count in [1, group_size = {self.group_size}]"
+            _fail("fault_tolerance", "min_replica_size", self.min_replica_size, allowed)
+        for name in ("process_group_timeout_ms", "quorum_timeout_ms", "sync_steps"):
+            if getattr(self, name) < 1:
+                _fail("fault_tolerance", name, getattr(self, name), "a positive integer")
+        if self.num_fragments < 1:
+            _fail("fault_tolerance", "num_fragments", self.num_fragments, "an integer >= 1")
+        if not 0 <= self.fragment_sync_delay < self.sync_steps:
+            allowed = f"a delay in [0, sync_steps = {self.sync_steps})"
+            _fail("fault_tolerance", "fragment_sync_delay", self.fragment_sync_delay, allowed)
 
 
 @dataclass(kw_only=True)
@@ -640,6 +759,10 @@ class JobConfig:
     """Profiler traces and memory snapshots."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts overrides."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Fault tolerance through torchft (replica groups, live recovery, LocalSGD/DiLoCo)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (with ``model.converters = ["lora"]``)."""
 
     def __post_init__(self) -> None:
         self._check_document_masking()

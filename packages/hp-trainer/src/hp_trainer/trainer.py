@@ -30,6 +30,7 @@ from hp_trainer.callbacks import (
     load_callback_class,
 )
 from hp_trainer.components.checkpoint import CheckpointManager
+from hp_trainer.components.converters import build_model_converters
 from hp_trainer.components.data.dataset import (
     ParallelAwareDataloader,
     TokenizedDataset,
@@ -520,6 +521,9 @@ class LLMTrainer(BaseTrainer):
         if not init_meta:
             torch.manual_seed(self.seed)  # the same draws as the meta path's init below
             model.init_weights()  # type: ignore[operator]
+        # model converters (--model.converters): rewrite the whole model before parallelising
+        self.model_converters = build_model_converters(cfg, dims)
+        self.model_converters.convert(model)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.num_flops_per_token = int(model.num_flops_per_token(training.seq_len))  # type: ignore[operator]
         self.loss_parallel_enabled = dims.tp_enabled and not par.disable_loss_parallel
@@ -855,6 +859,7 @@ class LLMTrainer(BaseTrainer):
         # a background checkpoint stager may still be copying the weights of the previous step
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
+        self.model_converters.post_optimizer_hook(self.model_parts)
         self.expert_load.step()
         self.lr_schedulers.step()
         return loss.detach(), grad_norm.detach()
