@@ -1,12 +1,12 @@
 """Context parallelism for the trainer: shard one step's sequences and run attention CP.
 
-:class:`ContextParallelStep` shards the inputs, the labels and every model part's RoPE table
-along the sequence with head-tail load balancing (rank ``r`` of ``cp`` holds chunks ``r`` and
-``2 * cp - 1 - r``), and routes the models' ``F.scaled_dot_product_attention`` calls to
-hp-cp-ep's engine (ring, Ulysses, all-gather-KV, or the ring x Ulysses hybrid) while the step
-runs. The loss of each rank is its shard's token sum over the step's global token count, so
-summing it over ``dp x cp`` (and FSDP summing gradients over ``dp_shard x cp``) gives the
-numbers of one process.
+:class:`ContextParallelStep` shards the inputs, the labels and every model part's position
+buffers (its sharding table's ``cp`` section: the RoPE table) along the sequence with head-tail
+load balancing (rank ``r`` of ``cp`` holds chunks ``r`` and ``2 * cp - 1 - r``), and routes
+the models' ``F.scaled_dot_product_attention`` calls to hp-cp-ep's engine (ring, Ulysses,
+all-gather-KV, or the ring x Ulysses hybrid) while the step runs. The loss of each rank is its
+shard's token sum over the step's global token count, so summing it over ``dp x cp`` (and FSDP
+summing gradients over ``dp_shard x cp``) gives the numbers of one process.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hp_cp_ep.cp import context_parallel, shard_sequence
+from hp_trainer.distributed.sharding import context_parallel_buffers
 
 if TYPE_CHECKING:
     from hp_trainer.config import ParallelismConfig
@@ -102,11 +103,13 @@ def create_context_parallel_ctx(
 
 
 def supports_context_parallel(spec: ModelSpec) -> bool:
-    """Whether a model family runs its attention through SDPA with a shardable RoPE table.
+    """Whether a model family runs its attention through SDPA with shardable position buffers.
 
-    A spec opts in with ``extra["context_parallel"] = True``: its attention calls
-    ``F.scaled_dot_product_attention`` (causal, no dense mask) and its RoPE table is the
-    buffer ``rope_cache`` indexed by position along dim 0.
+    A spec opts in with a sharding table whose ``cp`` section places its buffers indexed by
+    position (``ModelSpec.sharding``; its parallelize function applies that table), or, for
+    a family without a table, ``extra["context_parallel"] = True`` (its parallelize function
+    then calls :func:`~hp_trainer.distributed.sharding.apply_sharding` with ``cp_mesh``
+    itself). Its attention calls ``F.scaled_dot_product_attention`` (causal, no dense mask).
 
     Args:
         spec: The model family's ``ModelSpec``.
@@ -114,6 +117,9 @@ def supports_context_parallel(spec: ModelSpec) -> bool:
     Returns:
         True when the spec declares it.
     """
+    sharding = getattr(spec, "sharding", None)
+    if sharding is not None and sharding.cp:
+        return True
     return bool(spec.extra.get("context_parallel", False))
 
 
@@ -162,8 +168,10 @@ class ContextParallelStep:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Run a forward/backward on this rank's sequence shard.
 
-        Inside, every part's ``rope_cache`` holds the rows of this rank's positions and SDPA is
-        context-parallel; on exit the RoPE tables are whole again.
+        Inside, every buffer the parts' sharding tables place over the CP mesh (the RoPE
+        tables: :func:`~hp_trainer.distributed.sharding.context_parallel_buffers`) holds the
+        rows of this rank's positions and SDPA is context-parallel; on exit the buffers are
+        whole again.
 
         Args:
             model_parts: The model (parts) whose RoPE tables are sharded.
@@ -175,16 +183,32 @@ class ContextParallelStep:
 
         Yields:
             ``(inputs shard, labels shard)``.
+
+        Raises:
+            ValueError: A part without context-parallel placements (its parallelize function
+                did not apply a table's ``cp`` section).
         """
         seq = inputs.shape[1]
-        tables: list[torch.Tensor] = [part.get_buffer("rope_cache") for part in model_parts]
+        whole: list[tuple[nn.Module, str, torch.Tensor, int]] = []
+        for part in model_parts:
+            placements = context_parallel_buffers(part)
+            if not placements:
+                raise ValueError(
+                    f"model part {type(part).__name__} has no context-parallel placements: its "
+                    "parallelize function must give its sharding table (a cp section naming the "
+                    "buffers indexed by position) to apply_sharding with cp_mesh"
+                )
+            for fqn, placement in placements.items():
+                owner, _, name = fqn.rpartition(".")
+                module = part.get_submodule(owner)
+                whole.append((module, name, module.get_buffer(name), placement.dim))
         try:
-            for part, table in zip(model_parts, tables, strict=True):
-                part.rope_cache = self.shard(table[:seq], 0)
+            for module, name, table, dim in whole:
+                setattr(module, name, self.shard(table.narrow(dim, 0, seq), dim))
             with context_parallel(
                 self.mesh, mode=self.mode, load_balance=True, document_ids=document_ids
             ):
                 yield self.shard(inputs, 1), self.shard(labels, 1)
         finally:
-            for part, table in zip(model_parts, tables, strict=True):
-                part.rope_cache = table
+            for module, name, table, _ in whole:
+                setattr(module, name, table)

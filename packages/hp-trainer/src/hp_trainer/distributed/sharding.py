@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from hp_trainer._parallel_api import ParallelStyle, parallelize_module
-from hp_trainer.protocols.sharding import ShardingConfig
+from hp_trainer.protocols.sharding import EXPERT_LAYOUTS, ShardingConfig
 
-__all__ = ["ComposedStyle", "apply_sharding"]
+__all__ = ["ComposedStyle", "apply_sharding", "context_parallel_buffers"]
+
+_CP_PLAN_ATTR = "_hp_context_parallel_buffers"
 
 
 class ComposedStyle(ParallelStyle):
@@ -31,35 +35,95 @@ class ComposedStyle(ParallelStyle):
 
 
 def apply_sharding(
-    model: nn.Module, config: ShardingConfig, tp_mesh: DeviceMesh, **options: Any
+    model: nn.Module,
+    config: ShardingConfig,
+    tp_mesh: DeviceMesh | None,
+    *,
+    expert_mesh: DeviceMesh | None = None,
+    expert_layout: str = "ep",
+    cp_mesh: DeviceMesh | None = None,
+    dispatcher: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Shard ``model`` over ``tp_mesh`` as ``config`` declares: one ``parallelize_module`` call.
+    """Shard ``model`` as ``config`` declares: one ``parallelize_module`` call per mesh given.
 
-    Every module whose FQN matches a rule gets that rule's style (the first matching rule wins);
-    a rule matching no module is not an error (a pipeline stage holds some modules only).
+    The ``tp`` section over ``tp_mesh``, then the ``ep`` section over ``expert_mesh``, then the
+    ``cp`` section: the placements of the buffers indexed by position, recorded on ``model`` for
+    :class:`~hp_trainer.distributed.context_parallel.ContextParallelStep`, which shards them
+    with the inputs every step (:func:`context_parallel_buffers` reads them back). A section
+    whose mesh is None is skipped. Every module whose FQN matches a rule gets that rule's style
+    (the first matching rule wins); a rule matching no module is not an error (a pipeline stage
+    holds some modules only).
 
     Args:
         model: The model (or a pipeline stage of it).
         config: The model's table.
-        tp_mesh: 1-D tensor-parallel mesh.
-        **options: Passed to the style factories (e.g. ``loss_parallel=True``).
+        tp_mesh: 1-D tensor-parallel mesh (None: no TP).
+        expert_mesh: Keyword-only; the experts' mesh: the EP mesh, the 2-D ``[ep, tp]`` mesh,
+            or the TP mesh, as ``expert_layout`` says (None: the experts are not sharded).
+        expert_layout: Keyword-only; one of
+            :data:`~hp_trainer.protocols.sharding.EXPERT_LAYOUTS` (default ``"ep"``), given to
+            the ``ep`` factories.
+        cp_mesh: Keyword-only; the context-parallel mesh (None: no CP).
+        dispatcher: Keyword-only; the expert dispatcher's options, over the table's
+            ``dispatcher`` key by key, given to the ``ep`` factories as ``dispatcher``.
+        **options: Passed to every style factory (e.g. ``loss_parallel=True``).
 
     Returns:
-        The plan applied, ``{fqn: style}``.
+        The plans applied, ``{fqn: style}`` (``{buffer fqn: placement}`` for CP), all sections.
 
     Raises:
-        ValueError: No module of ``model`` matches any rule (a table for another model).
+        ValueError: A section with a mesh and rules matches no module of ``model`` (a table
+            for another model), an unknown ``expert_layout``, or a module in two sections.
+        TypeError: A ``cp`` rule giving something other than a ``Shard`` placement.
 
     See Also:
-        :func:`hp_tp.parallelize_module`: what the plan is given to.
+        :func:`hp_tp.parallelize_module`: what each plan is given to.
     """
-    fqns = [name for name, _ in model.named_modules() if name]
-    plan = config.plan(fqns, options)
-    if not plan and config.tp:
-        raise ValueError(
-            f"no module of {type(model).__name__} matches the sharding table"
-            + (f" ({config.description})" if config.description else "")
-        )
-    if plan:
-        parallelize_module(model, tp_mesh, plan)
-    return plan
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}; got {expert_layout!r}")
+    modules = [name for name, _ in model.named_modules() if name]
+    expert_options = {
+        **options,
+        "expert_layout": expert_layout,
+        "dispatcher": {**config.dispatcher, **(dispatcher or {})},
+    }
+    applied: dict[str, Any] = {}
+    for section, mesh, names, opts in (
+        ("tp", tp_mesh, modules, options),
+        ("ep", expert_mesh, modules, expert_options),
+        ("cp", cp_mesh, [name for name, _ in model.named_buffers()], options),
+    ):
+        if mesh is None or not getattr(config, section):
+            continue
+        plan = config.plan(names, opts, section)
+        if not plan:
+            raise ValueError(
+                f"no {'buffer' if section == 'cp' else 'module'} of {type(model).__name__} "
+                f"matches the {section} section of the sharding table"
+                + (f" ({config.description})" if config.description else "")
+            )
+        twice = sorted(set(plan) & set(applied))
+        if twice:
+            raise ValueError(f"modules {twice} are in two sections of the sharding table")
+        if section == "cp":
+            wrong = {k: v for k, v in plan.items() if not isinstance(v, Shard)}
+            if wrong:
+                raise TypeError(f"a cp rule places a buffer with Shard(seq_dim); got {wrong}")
+            setattr(model, _CP_PLAN_ATTR, dict(plan))
+        else:
+            parallelize_module(model, mesh, plan)
+        applied.update(plan)
+    return applied
+
+
+def context_parallel_buffers(model: nn.Module) -> dict[str, Shard]:
+    """The buffers :func:`apply_sharding` placed over the CP mesh: ``{fqn: Shard(seq_dim)}``.
+
+    Args:
+        model: A model (part) given to :func:`apply_sharding` with a ``cp_mesh``.
+
+    Returns:
+        The placements (empty when CP was not applied to ``model``).
+    """
+    return dict(getattr(model, _CP_PLAN_ATTR, {}))

@@ -17,6 +17,7 @@ from torch import nn
 if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
     from hp_trainer.distributed.parallel_dims import ParallelDims
+    from hp_trainer.protocols.sharding import ShardingConfig
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -53,8 +54,13 @@ class ModelSpec:
         args_from_hf_config: Keyword-style extension: ``fn(config, source) -> model args``
             building this family's arguments from an HF ``config.json`` (``--model.flavor
             auto``; None: not supported).
-        extra: Further capabilities, e.g. ``{"context_parallel": True}`` when the attention
-            has a context-parallel path (SDPA and a ``rope_cache`` indexed by position).
+        extra: Further capabilities, e.g. ``{"context_parallel": True}`` when a family
+            without a sharding table has a context-parallel path (SDPA attention; its
+            parallelize function applies the CP placements itself).
+        sharding: Keyword-style extension: the family's declarative sharding table (TP, EP
+            and CP sections), the one its parallelize function gives to
+            :func:`~hp_trainer.distributed.sharding.apply_sharding`; a ``cp`` section declares
+            the context-parallel path (None: no table).
 
     See Also:
         :titan:`torchtitan.protocols.model_spec.ModelSpec`: TorchTitan's spec.
@@ -68,6 +74,7 @@ class ModelSpec:
     state_dict_adapter: type | None = None
     args_from_hf_config: Callable[[Mapping[str, Any], str], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    sharding: ShardingConfig | None = None
 
     def model_args(self, flavor: str) -> Any:
         """Return the arguments of one flavor.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,9 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hp_cp_ep import ExpertParallel, ExpertTensorParallel, TensorParallel
-
-# the expert styles implement PyTorch's style protocol; hp-tp's entry point applies them as they are
-from hp_tp import NoParallel, parallelize_module
+from hp_tp import NoParallel
 from hp_trainer._parallel_api import ParallelStyle
 from hp_trainer.distributed.activation_checkpoint import apply_ac
 from hp_trainer.distributed.compile import apply_compile
@@ -22,6 +22,7 @@ from hp_trainer.models.common.parallelize import MIXED_PRECISION_DTYPES
 from hp_trainer.models.common.tensor_parallel import (
     DENSE_FFN_RULES,
     GQA_ATTENTION_RULES,
+    ROPE_CP_RULES,
     TRUNK_RULES,
     check_tp_degree,
 )
@@ -33,13 +34,50 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MOE_DECODER_SHARDING",
+    "MOE_EXPERT_RULES",
     "MOE_RULES",
     "ReplicateTokensForMoE",
     "apply_moe_ep_tp",
     "apply_tp_to_moe_decoder",
+    "expert_style",
     "moe_layout_error",
     "parallelize_moe_decoder",
 ]
+
+
+def expert_style(options: Mapping[str, Any]) -> Any:
+    """The routed experts' style for the layout in ``options`` (the ``ep`` rules' factory).
+
+    ``expert_layout`` ``"ep"``: :class:`hp_cp_ep.ExpertParallel` (experts over the 1-D EP
+    mesh, tokens dispatched by all-to-all); ``"ep_tp"``: :class:`hp_cp_ep.ExpertTensorParallel`
+    on the 2-D ``[ep, tp]`` mesh; ``"tp"``: :class:`hp_cp_ep.TensorParallel` (every rank holds
+    all experts, a slice of their hidden units; no dispatch). The two dispatching styles get
+    ``options["dispatcher"]`` as keyword arguments.
+
+    Args:
+        options: The applier's options (``expert_layout``, ``dispatcher``).
+
+    Returns:
+        A fresh style (PyTorch's style protocol, applied as it is by hp-tp's entry point).
+
+    Raises:
+        ValueError: Dispatcher options with the ``"tp"`` layout (no dispatch).
+    """
+    layout = options["expert_layout"]
+    dispatcher = dict(options.get("dispatcher") or {})
+    if layout == "tp":
+        if dispatcher:
+            raise ValueError(
+                f"dispatcher options {sorted(dispatcher)} need expert parallelism; the experts "
+                "are tensor parallel only (expert_parallel_degree = 1)"
+            )
+        return TensorParallel()
+    style = ExpertTensorParallel if layout == "ep_tp" else ExpertParallel
+    return style(**dispatcher)
+
+
+MOE_EXPERT_RULES = (ShardingRule("layers.*.moe.experts", expert_style),)
+"""The routed experts of every MoE block, over the expert mesh (:func:`expert_style`)."""
 
 
 def apply_moe_ep_tp(
@@ -48,20 +86,27 @@ def apply_moe_ep_tp(
     ep_mesh: DeviceMesh | None,
     ep_etp_mesh: DeviceMesh | None = None,
     etp_enabled: bool = False,
+    *,
+    sharding: ShardingConfig | None = None,
+    dispatcher: Mapping[str, Any] | None = None,
 ) -> None:
     """Shard the routed experts of every MoE block: EP, EP x TP, or TP alone.
 
     ``ep_mesh`` only: :class:`hp_cp_ep.ExpertParallel` (experts over ``ep``, tokens dispatched
     by all-to-all). ``ep_etp_mesh`` with ``etp_enabled``: :class:`hp_cp_ep.ExpertTensorParallel`
     on the 2-D ``[ep, tp]`` mesh. ``tp_mesh`` only: :class:`hp_cp_ep.TensorParallel` (every rank
-    holds all experts, a slice of their hidden units).
+    holds all experts, a slice of their hidden units). The styles come from the ``ep`` section
+    of the table, applied by :func:`~hp_trainer.distributed.sharding.apply_sharding`.
 
     Args:
-        model: A decoder whose blocks have ``moe_enabled`` and ``moe.experts``.
+        model: A decoder whose MoE blocks have ``moe.experts``.
         tp_mesh: Tensor-parallel mesh (None: no TP).
         ep_mesh: Expert-parallel mesh (None: no EP).
         ep_etp_mesh: The 2-D ``[ep, tp]`` mesh for expert tensor parallelism.
         etp_enabled: Shard each expert's hidden units over TP too.
+        sharding: Keyword-only; the table whose ``ep`` section is applied (default
+            :data:`MOE_DECODER_SHARDING`).
+        dispatcher: Keyword-only; options of the expert dispatcher (over the table's).
 
     Raises:
         ValueError: ``etp_enabled`` without ``ep_etp_mesh``; the styles' own errors (experts not
@@ -73,18 +118,18 @@ def apply_moe_ep_tp(
     """
     if etp_enabled and ep_etp_mesh is None:
         raise ValueError("etp_enabled=True needs the 2-D [ep, tp] mesh ep_etp_mesh")
-    layers = model.get_submodule("layers")
-    for block in layers.children():
-        if not getattr(block, "moe_enabled", False):
-            continue
-        experts = block.get_submodule("moe.experts")
-        if ep_mesh is not None and etp_enabled:
-            assert ep_etp_mesh is not None
-            parallelize_module(experts, ep_etp_mesh, ExpertTensorParallel())
-        elif ep_mesh is not None:
-            parallelize_module(experts, ep_mesh, ExpertParallel())
-        elif tp_mesh is not None:
-            parallelize_module(experts, tp_mesh, TensorParallel())
+    if ep_mesh is not None:
+        mesh, layout = (ep_etp_mesh, "ep_tp") if etp_enabled else (ep_mesh, "ep")
+    else:
+        mesh, layout = tp_mesh, "tp"
+    apply_sharding(
+        model,
+        MOE_DECODER_SHARDING if sharding is None else sharding,
+        None,
+        expert_mesh=mesh,
+        expert_layout=layout,
+        dispatcher=dispatcher,
+    )
 
 
 def _replicate_tokens_for_moe(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -115,7 +160,7 @@ class ReplicateTokensForMoE(ParallelStyle):
     """The MoE layer's TP style: it sees every token of the sequence on each TP rank.
 
     The sequence-sharded input is gathered, the MoE computes on plain tensors (its experts are
-    sharded by :func:`apply_moe_ep_tp`), and its output is sharded on the sequence again.
+    sharded by the ``ep`` section), and its output is sharded on the sequence again.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -129,14 +174,17 @@ MOE_RULES = (
     ShardingRule("layers.*.moe.shared_experts", lambda o: NoParallel()),
     ShardingRule("layers.*.moe", lambda o: ReplicateTokensForMoE()),
 )
-"""The MoE layer of every MoE block (the routed experts are EP/ETP's: :func:`apply_moe_ep_tp`)."""
+"""The MoE layer of every MoE block under TP (the routed experts: :data:`MOE_EXPERT_RULES`)."""
 
 MOE_DECODER_SHARDING = ShardingConfig(
     tp=TRUNK_RULES + GQA_ATTENTION_RULES + DENSE_FFN_RULES + MOE_RULES,
+    ep=MOE_EXPERT_RULES,
+    cp=ROPE_CP_RULES,
     description="MoE decoder with grouped-query attention (Qwen 3 MoE)",
 )
-"""TP with sequence parallel for a grouped-query-attention MoE decoder: the dense plan for
-embedding, norms, attention and dense first blocks, and :data:`MOE_RULES` for the MoE layers."""
+"""The grouped-query-attention MoE decoder's table: TP with sequence parallel (the dense plan
+for embedding, norms, attention and dense first blocks, and :data:`MOE_RULES` for the MoE
+layers), the routed experts (:data:`MOE_EXPERT_RULES`) and the RoPE table under CP."""
 
 
 def apply_tp_to_moe_decoder(
@@ -228,9 +276,10 @@ def parallelize_moe_decoder(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     *,
-    tp_sharding: ShardingConfig = MOE_DECODER_SHARDING,
+    sharding: ShardingConfig = MOE_DECODER_SHARDING,
+    tp_sharding: ShardingConfig | None = None,
 ) -> nn.Module:
-    """Apply TP, EP, activation checkpointing, compile and FSDP to an MoE decoder.
+    """Apply TP, EP, CP, activation checkpointing, compile and FSDP to an MoE decoder.
 
     Routed experts: over ``ep`` (:class:`hp_cp_ep.ExpertParallel`), with TP also over ``tp``
     (:class:`hp_cp_ep.ExpertTensorParallel` on ``[ep, tp]``: ep then borrows from
@@ -246,8 +295,10 @@ def parallelize_moe_decoder(
         model: A :class:`~hp_trainer.models.common.moe_decoder.MoEDecoder`.
         parallel_dims: Degrees and meshes (``build_mesh`` done when world size > 1).
         job_config: The job configuration.
-        tp_sharding: Keyword-only; the family's TP table (see
-            :func:`apply_tp_to_moe_decoder`).
+        sharding: Keyword-only; the family's table (TP, EP and CP sections, applied by
+            :func:`~hp_trainer.distributed.sharding.apply_sharding` in one call; default
+            :data:`MOE_DECODER_SHARDING`).
+        tp_sharding: Deprecated name of ``sharding`` (hp-trainer 0.1.4).
 
     Returns:
         The model, parallelized in place.
@@ -265,20 +316,35 @@ def parallelize_moe_decoder(
     problem = moe_layout_error(dims, model.args)
     if problem is not None:
         raise ValueError(problem)
+    if tp_sharding is not None:
+        warnings.warn(
+            "parallelize_moe_decoder(tp_sharding=) is deprecated; pass sharding=",
+            FutureWarning,
+            stacklevel=2,
+        )
+        sharding = tp_sharding
     par = job_config.parallelism
     edp_mesh = dims.get_mesh("efsdp_mesh") if dims.ep_enabled else None
-    if dims.tp_enabled:
-        tp_mesh = dims.get_mesh("tp")
-        apply_tp_to_moe_decoder(
-            model, tp_mesh, loss_parallel=not par.disable_loss_parallel, sharding=tp_sharding
-        )
-        if dims.ep_enabled:
-            ep_tp_mesh, edp_mesh = _expert_tp_meshes(dims)
-            apply_moe_ep_tp(model, tp_mesh, ep_tp_mesh["etp_ep"], ep_tp_mesh, etp_enabled=True)
+    tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
+    expert_mesh, layout = None, "ep"
+    if tp_mesh is not None:
+        check_tp_degree(model, tp_mesh)
+        if dims.ep_enabled:  # experts over [ep, tp]; ep borrows from dp_shard alone
+            expert_mesh, edp_mesh = _expert_tp_meshes(dims)
+            layout = "ep_tp"
         else:
-            apply_moe_ep_tp(model, tp_mesh, None)
+            expert_mesh, layout = tp_mesh, "tp"
     elif dims.ep_enabled:
-        apply_moe_ep_tp(model, None, dims.get_mesh("ep"))
+        expert_mesh = dims.get_mesh("ep")
+    apply_sharding(
+        model,
+        sharding,
+        tp_mesh,
+        expert_mesh=expert_mesh,
+        expert_layout=layout,
+        cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
+        loss_parallel=not par.disable_loss_parallel,
+    )
     if dims.dp_degree * dims.cp > 1:
         # the auxiliary loss counts the tokens of every rank that routes others (dp x cp):
         # each rank's share sums, with the gradients, to the loss of one process

@@ -1,4 +1,4 @@
-"""The generic parallelize recipe of a dense decoder: TP -> AC -> compile -> FSDP."""
+"""The generic parallelize recipe of a dense decoder: TP/CP -> AC -> compile -> FSDP."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from torch import nn
 from hp_trainer.distributed.activation_checkpoint import apply_ac
 from hp_trainer.distributed.compile import apply_compile
 from hp_trainer.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_gradient_division
-from hp_trainer.models.common.tensor_parallel import apply_tp
+from hp_trainer.distributed.sharding import apply_sharding
+from hp_trainer.models.common.tensor_parallel import DENSE_DECODER_SHARDING, check_tp_degree
+from hp_trainer.protocols.sharding import ShardingConfig
 
 if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
@@ -27,17 +29,25 @@ MIXED_PRECISION_DTYPES = {
 
 
 def parallelize_dense_decoder(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    *,
+    sharding: ShardingConfig = DENSE_DECODER_SHARDING,
 ) -> nn.Module:
-    """Apply TP, activation checkpointing, compile and FSDP/HSDP, in that order.
+    """Apply TP and CP, activation checkpointing, compile and FSDP/HSDP, in that order.
 
-    TP only when ``tp > 1``; FSDP/HSDP (with FSDP's gradient division turned off, since the
-    trainer divides the loss by the global token count) when any data parallelism is on.
+    The model's table (TP section when ``tp > 1``, CP section when ``cp > 1``) goes to the
+    generic :func:`~hp_trainer.distributed.sharding.apply_sharding`; FSDP/HSDP (with FSDP's
+    gradient division turned off, since the trainer divides the loss by the global token
+    count) when any data parallelism is on.
 
     Args:
         model: A dense :class:`~hp_trainer.models.common.decoder.Decoder`.
         parallel_dims: Degrees and meshes (``build_mesh`` done when world size > 1).
         job_config: The job configuration.
+        sharding: Keyword-only; the family's table (default
+            :data:`~hp_trainer.models.common.tensor_parallel.DENSE_DECODER_SHARDING`).
 
     Returns:
         The model, parallelized in place.
@@ -46,13 +56,16 @@ def parallelize_dense_decoder(
         :titan:`torchtitan.models.llama3.infra.parallelize.parallelize_llama`: TorchTitan's recipe.
     """
     par = job_config.parallelism
-    if parallel_dims.tp_enabled:
-        apply_tp(
-            model,
-            parallel_dims.get_mesh("tp"),
-            loss_parallel=not par.disable_loss_parallel,
-            enable_async_tp=par.enable_async_tensor_parallel,
-        )
+    tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.tp_enabled else None
+    if tp_mesh is not None:
+        check_tp_degree(model, tp_mesh, enable_async_tp=par.enable_async_tensor_parallel)
+    apply_sharding(
+        model,
+        sharding,
+        tp_mesh,
+        cp_mesh=parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None,
+        loss_parallel=not par.disable_loss_parallel,
+    )
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable:

@@ -19,6 +19,7 @@ __all__ = [
     "DENSE_DECODER_SHARDING",
     "DENSE_FFN_RULES",
     "GQA_ATTENTION_RULES",
+    "ROPE_CP_RULES",
     "TRUNK_RULES",
     "TRUNK_SHARDING",
     "apply_tp",
@@ -85,13 +86,20 @@ DENSE_FFN_RULES = (
 )
 """The SwiGLU feed-forward of every dense block."""
 
+ROPE_CP_RULES = (ShardingRule("rope_cache", lambda o: Shard(0)),)
+"""Context parallel: the RoPE table (one row per position) is sharded along the sequence with
+the inputs, every step; the attention itself runs through SDPA, which the step routes to the
+context-parallel engine."""
+
 DENSE_DECODER_SHARDING = ShardingConfig(
     tp=TRUNK_RULES + GQA_ATTENTION_RULES + DENSE_FFN_RULES,
+    cp=ROPE_CP_RULES,
     description="dense decoder (Llama 3, Qwen 3)",
 )
 """Megatron-style TP with sequence parallel for the dense decoder: norms sequence parallel,
 attention and MLP inputs gathered, ``wq``/``wk``/``wv``/``w1``/``w3`` column-wise,
-``wo``/``w2`` row-wise back to sequence-sharded, QK-norms sharded on the head axis."""
+``wo``/``w2`` row-wise back to sequence-sharded, QK-norms sharded on the head axis; under CP
+the RoPE table (:data:`ROPE_CP_RULES`)."""
 
 
 def apply_tp(
@@ -123,14 +131,12 @@ def apply_tp(
     See Also:
         :titan:`torchtitan.models.llama3.infra.parallelize.apply_tp`: TorchTitan's TP plan.
     """
-    if enable_float8_tensorwise_tp:
-        raise ValueError("float8 tensor parallelism is not available in hp-trainer 0.1")
-    if enable_async_tp:
-        raise ValueError(
-            "async tensor parallelism needs symmetric memory on a CUDA device; it is not "
-            "available in hp-trainer 0.1"
-        )
-    check_tp_degree(model, tp_mesh)
+    check_tp_degree(
+        model,
+        tp_mesh,
+        enable_float8_tensorwise_tp=enable_float8_tensorwise_tp,
+        enable_async_tp=enable_async_tp,
+    )
     apply_sharding(model, DENSE_DECODER_SHARDING, tp_mesh, loss_parallel=loss_parallel)
 
 
@@ -152,17 +158,33 @@ def apply_tp_to_trunk(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool
     apply_sharding(model, TRUNK_SHARDING, tp_mesh, loss_parallel=loss_parallel)
 
 
-def check_tp_degree(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Refuse a TP degree that does not divide the head counts, and tied embeddings.
+def check_tp_degree(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    enable_float8_tensorwise_tp: bool = False,
+    enable_async_tp: bool = False,
+) -> None:
+    """Refuse a TP degree that does not divide the head counts, tied embeddings, and options
+    hp-trainer's TP does not have.
 
     Args:
         model: The decoder (or a stage of it).
         tp_mesh: 1-D tensor-parallel mesh.
+        enable_float8_tensorwise_tp: Keyword-only; float8 TP styles (refused when True).
+        enable_async_tp: Keyword-only; async TP (refused when True).
 
     Raises:
-        ValueError: If a head count is not divisible by the TP degree, or the embedding and LM
-            head are tied.
+        ValueError: If a head count is not divisible by the TP degree, the embedding and LM
+            head are tied, or an unavailable option is requested.
     """
+    if enable_float8_tensorwise_tp:
+        raise ValueError("float8 tensor parallelism is not available in hp-trainer 0.1")
+    if enable_async_tp:
+        raise ValueError(
+            "async tensor parallelism needs symmetric memory on a CUDA device; it is not "
+            "available in hp-trainer 0.1"
+        )
     tp = tp_mesh.size()
     args = getattr(model, "args", None)
     if args is not None:

@@ -12,7 +12,10 @@ from hp_trainer.distributed.pipeline import pipeline_decoder
 from hp_trainer.models.deepseek_v3.flavors import deepseek_v3_flavors
 from hp_trainer.models.deepseek_v3.hf_config import deepseek_v3_args_from_hf_config
 from hp_trainer.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args, MLAttention
-from hp_trainer.models.deepseek_v3.parallelize import parallelize_deepseek_v3
+from hp_trainer.models.deepseek_v3.parallelize import (
+    DEEPSEEK_V3_SHARDING,
+    parallelize_deepseek_v3,
+)
 from hp_trainer.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from hp_trainer.protocols.model_spec import ModelSpec, register_model_spec
 
@@ -34,6 +37,6 @@ register_model_spec(
         state_dict_adapter=DeepSeekV3StateDictAdapter,
         pipelining_fn=pipeline_decoder,
         args_from_hf_config=deepseek_v3_args_from_hf_config,
-        extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
+        sharding=DEEPSEEK_V3_SHARDING,  # TP / EP / CP table (CP: SDPA attention, RoPE table)
     )
 )

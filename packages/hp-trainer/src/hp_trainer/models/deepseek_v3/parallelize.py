@@ -1,5 +1,5 @@
-"""DeepSeek-V3's parallelize function and its TP table (:data:`DEEPSEEK_V3_SHARDING`): the
-latent attention split over its heads (latent shared), the rest as the shared MoE tables
+"""DeepSeek-V3's parallelize function and its sharding table (:data:`DEEPSEEK_V3_SHARDING`):
+the latent attention split over its heads (latent shared), the rest as the shared MoE tables
 (:mod:`hp_trainer.models.common.expert_parallel`)."""
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ from hp_trainer._parallel_api import (
     SequenceParallel,
 )
 from hp_trainer.distributed.sharding import ComposedStyle
-from hp_trainer.models.common.expert_parallel import MOE_RULES, parallelize_moe_decoder
-from hp_trainer.models.common.tensor_parallel import DENSE_FFN_RULES, TRUNK_RULES
+from hp_trainer.models.common.expert_parallel import (
+    MOE_EXPERT_RULES,
+    MOE_RULES,
+    parallelize_moe_decoder,
+)
+from hp_trainer.models.common.tensor_parallel import DENSE_FFN_RULES, ROPE_CP_RULES, TRUNK_RULES
 from hp_trainer.models.deepseek_v3.model import MLAttention
 from hp_trainer.protocols.sharding import ShardingConfig, ShardingRule
 
@@ -113,10 +117,13 @@ row-wise back to the sequence-sharded stream, the shared rotary key's gradient s
 
 DEEPSEEK_V3_SHARDING = ShardingConfig(
     tp=TRUNK_RULES + LATENT_ATTENTION_RULES + DENSE_FFN_RULES + MOE_RULES,
+    ep=MOE_EXPERT_RULES,
+    cp=ROPE_CP_RULES,
     description="DeepSeek-V3 (latent attention, MoE)",
 )
-"""DeepSeek-V3's TP table: the decoder trunk, :data:`LATENT_ATTENTION_RULES`, the dense first
-blocks and the MoE layers."""
+"""DeepSeek-V3's table: TP for the decoder trunk, :data:`LATENT_ATTENTION_RULES`, the dense
+first blocks and the MoE layers; the routed experts over the expert mesh; the RoPE table under
+CP."""
 
 
 def parallelize_deepseek_v3(
@@ -135,6 +142,4 @@ def parallelize_deepseek_v3(
     See Also:
         :titan:`torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3`.
     """
-    return parallelize_moe_decoder(
-        model, parallel_dims, job_config, tp_sharding=DEEPSEEK_V3_SHARDING
-    )
+    return parallelize_moe_decoder(model, parallel_dims, job_config, sharding=DEEPSEEK_V3_SHARDING)

@@ -8,6 +8,7 @@ Registers the ``qwen3`` model spec on import.
 
 from hp_trainer.distributed.pipeline import pipeline_decoder
 from hp_trainer.models.common.decoder import Decoder
+from hp_trainer.models.common.tensor_parallel import DENSE_DECODER_SHARDING
 from hp_trainer.models.qwen3.flavors import qwen3_flavors
 from hp_trainer.models.qwen3.parallelize import parallelize_qwen3
 from hp_trainer.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
@@ -22,7 +23,7 @@ register_model_spec(
         model_cls=Decoder,
         parallelize_fn=parallelize_qwen3,
         pipelining_fn=pipeline_decoder,
-        extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
+        sharding=DENSE_DECODER_SHARDING,  # TP / EP / CP table (CP: SDPA attention, RoPE table)
         state_dict_adapter=Qwen3StateDictAdapter,
     )
 )

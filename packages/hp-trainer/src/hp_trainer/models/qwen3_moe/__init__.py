@@ -7,6 +7,7 @@ Registers the ``qwen3_moe`` model spec on import.
 """
 
 from hp_trainer.distributed.pipeline import pipeline_decoder
+from hp_trainer.models.common.expert_parallel import MOE_DECODER_SHARDING
 from hp_trainer.models.qwen3_moe.flavors import qwen3_moe_flavors
 from hp_trainer.models.qwen3_moe.hf_config import qwen3_moe_args_from_hf_config
 from hp_trainer.models.qwen3_moe.model import Qwen3MoE
@@ -25,6 +26,6 @@ register_model_spec(
         state_dict_adapter=Qwen3MoeStateDictAdapter,
         pipelining_fn=pipeline_decoder,
         args_from_hf_config=qwen3_moe_args_from_hf_config,
-        extra={"context_parallel": True},  # SDPA attention, rope_cache indexed by position
+        sharding=MOE_DECODER_SHARDING,  # TP / EP / CP table (CP: SDPA attention, RoPE table)
     )
 )
