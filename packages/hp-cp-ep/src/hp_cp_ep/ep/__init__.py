@@ -2,14 +2,16 @@
 
 Plain modules usable on one device (:class:`TokenChoiceTopKRouter` / :class:`Router`,
 :class:`GroupedExperts`, :class:`MoE`), the token dispatch (:class:`TokenDispatcher`,
-:func:`all_to_all_tokens`), the parallel styles for experts (:class:`ExpertParallel`,
-:class:`ExpertTensorParallel`, :class:`TensorParallel`), the auxiliary-loss-free bias update
-(:func:`update_expert_bias`) and load statistics (:class:`ExpertLoad`).
+:class:`DedupTokenDispatcher`, :func:`all_to_all_tokens`), the parallel styles for experts
+(:class:`ExpertParallel`, :class:`ExpertTensorParallel`, :class:`TensorParallel`), the
+auxiliary-loss-free bias update (:func:`update_expert_bias`) and load statistics
+(:class:`ExpertLoad`).
 
 See Also:
     :titan:`torchtitan.models.moe` and :titan:`torchtitan.distributed.expert_parallel`.
 """
 
+from hp_cp_ep.ep.dedup import DedupDispatch, DedupTokenDispatcher, DeredundencyTokenDispatcher
 from hp_cp_ep.ep.dispatch import DispatchedTokens, TokenDispatcher, all_to_all_tokens
 from hp_cp_ep.ep.experts import GroupedExperts, grouped_mm_supported
 from hp_cp_ep.ep.load_balance import (
@@ -23,6 +25,9 @@ from hp_cp_ep.ep.stats import ExpertLoad, expert_load
 from hp_cp_ep.ep.style import ExpertParallel, ExpertTensorParallel, TensorParallel
 
 __all__ = [
+    "DedupDispatch",
+    "DedupTokenDispatcher",
+    "DeredundencyTokenDispatcher",
     "DispatchedTokens",
     "ExpertLoad",
     "ExpertParallel",

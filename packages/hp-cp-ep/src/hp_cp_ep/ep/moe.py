@@ -320,6 +320,59 @@ class MoE(nn.Module):
             dist.all_reduce(num_seqs, group=self.aux_loss_group)
         return (summed / num_seqs.clamp_min(1)).sum()
 
+    def _routed_by_rows(
+        self,
+        dispatcher: Any,
+        tokens: torch.Tensor,
+        selected: torch.Tensor,
+        top_scores: torch.Tensor,
+        num_bins: int,
+    ) -> torch.Tensor:
+        """Routed (plus shared) output, one row per choice sent (:class:`TokenDispatcher`)."""
+        rows, sorted_indices, counts = permute_tokens(tokens, selected, num_bins)
+        weights = top_scores.to(tokens.dtype)
+        if self.moe_args.score_before_experts:
+            rows = rows * weights.reshape(-1)[sorted_indices].unsqueeze(-1)
+        expert_counts = counts[: self.num_experts]
+        # Dropped rows sort last and are not sent; the dispatch reads the counts on the host
+        # once (the split sizes under EP, the kept rows otherwise), the layer's only host sync.
+        dispatched = dispatcher.dispatch(rows, expert_counts, drop_tail=num_bins > self.num_experts)
+        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        expert_out = self.experts.compute(
+            dispatched.wait(), dispatched.num_tokens_per_expert, sizes=dispatched.sizes
+        )
+        routed = dispatcher.combine(expert_out, dispatched)
+        kept = routed.shape[0]
+        if kept < rows.shape[0]:
+            routed = torch.cat([routed, routed.new_zeros((rows.shape[0] - kept, tokens.shape[-1]))])
+        if self.moe_args.score_before_experts:
+            out = unpermute_tokens(routed, sorted_indices, topk=self.top_k)
+        else:
+            out = unpermute_tokens(routed, sorted_indices, weights)
+        return out + shared if shared is not None else out
+
+    def _routed_by_tokens(
+        self,
+        dispatcher: Any,
+        tokens: torch.Tensor,
+        selected: torch.Tensor,
+        top_scores: torch.Tensor,
+    ) -> torch.Tensor:
+        """Routed (plus shared) output with a de-duplicating dispatcher (one row per token and
+        destination; the choices are weighted and summed on the experts' rank)."""
+        handle = dispatcher.dispatch_tokens(
+            tokens,
+            selected,
+            top_scores.to(tokens.dtype),
+            score_before_experts=self.moe_args.score_before_experts,
+        )
+        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        expert_out = self.experts.compute(
+            handle.wait(), handle.num_tokens_per_expert, sizes=handle.sizes
+        )
+        out: torch.Tensor = dispatcher.combine_tokens(expert_out, handle)
+        return out + shared if shared is not None else out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MoE to ``x`` of shape ``[..., dim]``."""
         shape = x.shape
@@ -335,31 +388,12 @@ class MoE(nn.Module):
             keep = self._capacity_mask(selected)
             selected = torch.where(keep, selected, self.num_experts)
             num_bins += 1
-        rows, sorted_indices, counts = permute_tokens(tokens, selected, num_bins)
-        weights = routing.top_scores.to(tokens.dtype)
-        if self.moe_args.score_before_experts:
-            rows = rows * weights.reshape(-1)[sorted_indices].unsqueeze(-1)
-        expert_counts = counts[: self.num_experts]
-
         dispatcher = self.experts.token_dispatcher
-        # Dropped rows sort last and are not sent; the dispatch reads the counts on the host
-        # once (the split sizes under EP, the kept rows otherwise), the layer's only host sync.
-        dispatched = dispatcher.dispatch(rows, expert_counts, drop_tail=num_bins > self.num_experts)
-        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
-        expert_out = self.experts.compute(
-            dispatched.wait(), dispatched.num_tokens_per_expert, sizes=dispatched.sizes
-        )
-        routed = dispatcher.combine(expert_out, dispatched)
-        kept = routed.shape[0]
-        if kept < rows.shape[0]:
-            routed = torch.cat([routed, routed.new_zeros((rows.shape[0] - kept, shape[-1]))])
-
-        if self.moe_args.score_before_experts:
-            out = unpermute_tokens(routed, sorted_indices, topk=self.top_k)
+        if getattr(dispatcher, "dispatches_tokens", False):
+            # de-duplicating dispatch: tokens (not one row per choice) go to the experts' ranks
+            out = self._routed_by_tokens(dispatcher, tokens, selected, routing.top_scores)
         else:
-            out = unpermute_tokens(routed, sorted_indices, weights)
-        if shared is not None:
-            out = out + shared
+            out = self._routed_by_rows(dispatcher, tokens, selected, routing.top_scores, num_bins)
         if self.moe_args.aux_loss_coeff > 0 and self.training:
             if self.moe_args.aux_loss_type == "sequence":
                 aux = self._sequence_aux_loss(routing.scores, routing.selected_experts, shape)

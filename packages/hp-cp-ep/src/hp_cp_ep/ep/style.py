@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hp_cp_ep.ep.dedup import DedupTokenDispatcher
 from hp_cp_ep.ep.dispatch import TokenDispatcher
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "TensorParallel"]
@@ -93,8 +94,15 @@ class ExpertParallel(ParallelStyle):
     both are differentiable, and the dispatch overlaps with the shared experts inside
     :class:`~hp_cp_ep.MoE`. Each rank routes its own tokens (EP ranks are data-parallel ranks).
 
+    Args:
+        dedup: Keyword-only extension: install a :class:`~hp_cp_ep.DedupTokenDispatcher` (a
+            token goes once to each rank holding some of its experts). With ``dedup`` the mesh
+            may be 2-D ``[inter, intra]`` (a node axis: EP rank ``inter * intra_size + intra``,
+            two-stage dispatch, once per node then once per rank inside it).
+
     Raises:
-        ValueError: When the mesh is not 1-D or ``num_experts`` is not divisible by its size.
+        ValueError: When the mesh is not 1-D (2-D with ``dedup``) or ``num_experts`` is not
+            divisible by its size.
         TypeError: When the module is not ``GroupedExperts``-like.
 
     Example:
@@ -108,18 +116,34 @@ class ExpertParallel(ParallelStyle):
         :titan:`torchtitan.distributed.expert_parallel.ExpertParallel`.
     """
 
+    def __init__(self, *, dedup: bool = False) -> None:
+        super().__init__()
+        if not isinstance(dedup, bool):
+            raise TypeError(f"dedup must be a bool, got {type(dedup).__name__}")
+        self.dedup = dedup
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
-        if device_mesh.ndim != 1:
+        if device_mesh.ndim != 1 and not (self.dedup and device_mesh.ndim == 2):
             raise ValueError(
-                f"{style} needs a 1-D expert-parallel mesh, got shape {tuple(device_mesh.shape)}"
+                f"{style} needs a 1-D expert-parallel mesh (or a 2-D [inter, intra] mesh with "
+                f"dedup=True), got shape {tuple(device_mesh.shape)}"
             )
         num_experts = _check_experts(module, style)
         ep = device_mesh.size()
         _check_divisible("num_experts", num_experts, ep, style)
         names = [name for name, _ in module.named_parameters(recurse=False)]
-        _distribute(module, device_mesh, {n: (Shard(0),) for n in names}, self.src_data_rank)
-        _install(module, TokenDispatcher(num_experts // ep, ep_group=device_mesh.get_group()))
+        placement = tuple(Shard(0) for _ in range(device_mesh.ndim))  # nested: a-major, then b
+        _distribute(module, device_mesh, {n: placement for n in names}, self.src_data_rank)
+        dispatcher: TokenDispatcher
+        if not self.dedup:
+            dispatcher = TokenDispatcher(num_experts // ep, ep_group=device_mesh.get_group())
+        elif device_mesh.ndim == 1:
+            dispatcher = DedupTokenDispatcher(num_experts // ep, ep_group=device_mesh.get_group())
+        else:
+            groups = (device_mesh.get_group(0), device_mesh.get_group(1))
+            dispatcher = DedupTokenDispatcher(num_experts // ep, node_groups=groups)
+        _install(module, dispatcher)
         return module
 
 
