@@ -306,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         :titan:`torchtitan.train.main`: TorchTitan's entry point (run via ``run_train.sh``).
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--lighthouse"]:  # torchft's lighthouse for fault-tolerant replica groups
+        from hp_trainer.components.ft import run_lighthouse
+
+        return run_lighthouse(args[1:])
     if "--help" in args or "-h" in args:
         print(ConfigManager().help_text())
         print(_LAUNCH_HELP)

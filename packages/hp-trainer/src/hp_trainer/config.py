@@ -125,6 +125,12 @@ class ModelConfig:
     only to earlier positions of its own document in the packed sample; documents are split at
     the tokenizer's BOS/EOS). Under context parallel with the ``allgather`` or ``ulysses``
     rotate method and without pipeline parallel only."""
+    attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
+    """Attention kernel (TorchTitan's ``attn_backend``): ``sdpa`` (PyTorch's fused attention;
+    a dense mask only where the mask needs one), ``flex`` (FlexAttention block masks; compiled
+    on accelerators; no backward on CPU in torch 2.13, so refused here for training on CPU) or
+    ``varlen`` (variable-length attention over the documents' cumulative lengths: torch's
+    kernel on CUDA, a reference elsewhere). Under context parallel: ``sdpa`` only."""
     converters: list[str] = field(default_factory=list)
     """Model converters applied in this order after the model is built and before it is
     parallelised (comma-separated on the command line): ``float8``, ``mx``, ``lora`` or a name
@@ -476,6 +482,9 @@ class FaultToleranceConfig:
     """Extension: lighthouse address ``http://host:port`` (empty: ``$TORCHFT_LIGHTHOUSE``)."""
     quorum_timeout_ms: int = 60000
     """Extension: how long a quorum (waiting for ``min_replica_size`` groups) may take."""
+    trace: bool = False
+    """Extension: write one JSON record per step to ``<run folder>/ft_trace_rank<r>.jsonl``
+    (commit, participants, stream positions read, parameter digest)."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "fault_tolerance")
@@ -766,6 +775,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self._check_document_masking()
+        self._check_attention_backend()
         if self.moe.aux_loss_type == "sequence" and self.parallelism.context_parallel_degree > 1:
             _fail(
                 "moe",
@@ -783,6 +793,22 @@ class JobConfig:
                 "a mode other than memory_budget unless compile.enable = true (the budget is "
                 "applied by torch.compile's partitioner)",
             )
+
+    def _check_attention_backend(self) -> None:
+        """Refuse a backend that cannot run this job's attention, naming the alternative."""
+        from hp_dtensor.device import get_device_type
+        from hp_trainer.models.common.attention import backend_error
+
+        backend = self.model.attn_backend
+        if backend == "sdpa":
+            return
+        reason = backend_error(backend, device_type=get_device_type(), training=True)
+        if reason is not None:
+            _fail("model", "attn_backend", backend, f"a backend that runs here ({reason})")
+        if self.parallelism.context_parallel_degree > 1:
+            _fail("model", "attn_backend", backend,
+                  "'sdpa' with parallelism.context_parallel_degree > 1 (the context-parallel "
+                  "attention takes SDPA's causal path and the documents' ids)")  # fmt: skip
 
     def _check_document_masking(self) -> None:
         """Refuse the layouts that cannot carry the documents' mask to the attention."""

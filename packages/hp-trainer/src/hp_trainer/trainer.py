@@ -163,6 +163,8 @@ class BaseTrainer:
         self._last_saved_step = -1
         self._metrics_callback: MetricsCallback | None = None
         self._profiler_callback: ProfilerCallback | None = None
+        self.ft: Any = None
+        """The :class:`~hp_trainer.components.ft.FTManager` under ``fault_tolerance.enable``."""
         self.stop_status: str | None = None
         """None when the run reached ``training.steps``; after a SIGTERM, ``"saved"`` when a
         checkpoint of the last completed step exists (resume by running again), else
@@ -317,6 +319,8 @@ class BaseTrainer:
             the trainer checks for a stop request after such steps only.
         """
         cfg = self.job_config.training
+        if self.ft is not None:  # the quorum first: a restarted group recovers from a peer here
+            batches = self.ft.begin_step(batches)
         self.step += 1
         step = self.step
         self.callbacks.call("on_step_begin", self, step)
@@ -324,6 +328,9 @@ class BaseTrainer:
             gc.collect(1)
         lr = self.lr_schedulers.get_last_lr()
         loss, norm = self.train_step(batches)
+        if self.ft is not None and not self.ft.end_step():
+            self.step -= 1  # the quorum did not commit it: the next step runs it again
+            return False
         self._pending.append((step, loss, norm))
         self.callbacks.call("on_step_end", self, step)
         last = step == cfg.steps
@@ -614,15 +621,19 @@ class LLMTrainer(BaseTrainer):
             dims.non_data_parallel_size,
         )
         adapter_cls = self.model_spec.state_dict_adapter
+        sd_adapter = adapter_cls(args) if adapter_cls is not None else None
         self.checkpointer = CheckpointManager(
             dataloader=self.dataloader,
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
-            states={"train_state": self},
+            states={"train_state": self, **self.model_converters.checkpoint_states()},
             checkpoint_config=cfg.checkpoint,
-            sd_adapter=adapter_cls(args) if adapter_cls is not None else None,
+            sd_adapter=sd_adapter,
             base_folder=self.run_folder,
+            model_key_filter=self.model_converters.model_key_filter(),
+            hf_export_transform=self.model_converters.hf_export_transform(sd_adapter),
+            preload_states=tuple(self.model_converters.checkpoint_states()),
         )
         if cfg.checkpoint.create_seed_checkpoint:
             if not cfg.checkpoint.enable:
@@ -634,6 +645,10 @@ class LLMTrainer(BaseTrainer):
                     "checkpoint.create_seed_checkpoint = true must run on one process (the seed "
                     f"checkpoint loads into any layout); got world size {self.world_size}"
                 )
+        if cfg.fault_tolerance.enable:  # this job is one replica group (torchft)
+            from hp_trainer.components.ft import FTManager
+
+            self.ft = FTManager(self)
         self.install_callbacks()
         self._log_startup()
 
@@ -853,19 +868,25 @@ class LLMTrainer(BaseTrainer):
                 )
             self.metrics.add_tokens(inputs.numel())
         params = [p for part in self.model_parts for p in part.parameters()]
+        if self.ft is not None:  # the replicate all-reduce across replica groups (torchft)
+            self.ft.reduce_gradients(params)
         pp_mesh = self.parallel_dims.get_mesh("pp") if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(params, self.job_config.training.max_norm, pp_mesh=pp_mesh)
         loss = self._all_reduce_loss(loss_sum)
         # a background checkpoint stager may still be copying the weights of the previous step
         self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()
-        self.model_converters.post_optimizer_hook(self.model_parts)
-        self.expert_load.step()
-        self.lr_schedulers.step()
+        if self.ft is None or self.ft.should_commit():  # the quorum's vote (torchft)
+            self.optimizers.step()
+            self.model_converters.post_optimizer_hook(self.model_parts)
+            self.expert_load.step()
+            self.lr_schedulers.step()
         return loss.detach(), grad_norm.detach()
 
     def data_iterator(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         """The ``gradient_accumulation_steps`` micro-batches of one step after another."""
+        if self.ft is not None:  # drawn after each step's quorum (hp_trainer.components.ft)
+            while True:
+                yield []
         it = iter(self.dataloader)
         while True:
             yield [next(it) for _ in range(self.gradient_accumulation_steps)]
@@ -876,6 +897,8 @@ class LLMTrainer(BaseTrainer):
         See Also:
             :titan:`torchtitan.train.Trainer.close`.
         """
+        if self.ft is not None:
+            self.ft.shutdown()
         self.checkpointer.close()
         self.metrics.close()
         if isinstance(self.dataloader, StreamingTextLoader):
