@@ -21,9 +21,8 @@ import hp_trainer
 ROOT = "hp_trainer"
 SRC = Path(hp_trainer.__file__).resolve().parent
 
-#: Private names imported across modules that this package does not own this release:
-#: ``distributed/swap.py`` belongs to the swap work (its ``_SavedHandle`` is to become public).
-ALLOWED_PRIVATE = {("hp_trainer.distributed.activation_checkpoint", "_SavedHandle")}
+#: Private names imported across modules on purpose: none.
+ALLOWED_PRIVATE: set[tuple[str, str]] = set()
 #: The one module that reaches PyTorch's private names (DESIGN.md: one compat module per package).
 COMPAT_MODULE = "_torch_compat"
 

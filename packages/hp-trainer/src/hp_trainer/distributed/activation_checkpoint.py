@@ -28,7 +28,7 @@ from hp_trainer._torch_compat import (
 )
 from hp_trainer.config import ActivationCheckpointConfig
 from hp_trainer.distributed.swap import CheckpointPolicy as HPCheckpointPolicy
-from hp_trainer.distributed.swap import SwapGroup, SwapManager, _SavedHandle
+from hp_trainer.distributed.swap import SwapGroup, SwapManager
 
 __all__ = ["apply_ac", "checkpoint", "checkpoint_wrapper", "swap", "swap_wrapper"]
 
@@ -209,12 +209,7 @@ class _SwappedOutputRestore(TorchDispatchMode):
         saved = calls[index] if index < len(calls) else None
         if saved is None:
             return func(*args, **kwargs)
-        group = self.outputs.group
-
-        def load(item: Any) -> Any:
-            return group.unpack(item) if isinstance(item, _SavedHandle) else item
-
-        return tree_map(load, saved)
+        return tree_map(self.outputs.group.restore, saved)
 
 
 def _torch_policy_fn(
@@ -273,10 +268,7 @@ class _SwappedInputs:
         return tuple(self._restore(a) for a in self._saved)
 
     def _restore(self, saved: Any) -> Any:
-        if not isinstance(saved, _SavedHandle):
-            return saved
-        t = self.group.unpack(saved)
-        return t.requires_grad_() if saved.requires_grad else t
+        return self.group.restore(saved, requires_grad=True)
 
 
 def checkpoint(

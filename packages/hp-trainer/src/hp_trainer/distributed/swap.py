@@ -265,6 +265,22 @@ class SwapGroup:
             slot.host = None
         self.state = "device"
 
+    def restore(self, item: Any, *, requires_grad: bool = False) -> Any:
+        """``item`` unchanged, unless it is a handle :meth:`add` returned: then its tensor.
+
+        Args:
+            item: Anything a saved-tensor slot holds (a handle, a tensor, ``None``, ...).
+            requires_grad: Keyword-only; give the rebuilt tensor back its ``requires_grad``
+                flag (a checkpoint's saved inputs).
+
+        Returns:
+            The rebuilt tensor (:meth:`unpack`), or ``item``.
+        """
+        if not isinstance(item, _SavedHandle):
+            return item
+        out = self.unpack(item)
+        return out.requires_grad_() if requires_grad and item.requires_grad else out
+
     def unpack(self, handle: _SavedHandle) -> torch.Tensor:
         """Rebuild a saved tensor from its loaded storage (waiting for the load if needed).
 
