@@ -34,7 +34,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +130,8 @@ class ModelWrapper:
 
     Args:
         model: One module or a list of model parts (pipeline stages).
+        key_filter: Keyword-only; when given, only the keys it accepts are saved and loaded
+            (LoRA's adapter-only checkpoints); the other tensors keep their values.
 
     Raises:
         TypeError: If a part is not an ``nn.Module``.
@@ -138,12 +140,18 @@ class ModelWrapper:
         :titan:`torchtitan.components.checkpoint.ModelWrapper`: TorchTitan's wrapper.
     """
 
-    def __init__(self, model: nn.Module | Iterable[nn.Module]) -> None:
+    def __init__(
+        self,
+        model: nn.Module | Iterable[nn.Module],
+        *,
+        key_filter: Callable[[str], bool] | None = None,
+    ) -> None:
         parts = [model] if isinstance(model, nn.Module) else list(model)
         for part in parts:
             if not isinstance(part, nn.Module):
                 raise TypeError(f"model parts must be nn.Modules, got {type(part).__name__}")
         self.model_parts = parts
+        self.key_filter = key_filter
 
     def state_dict(self) -> dict[str, Any]:
         """Return the merged model state dict (DTensors stay sharded).
@@ -157,6 +165,8 @@ class ModelWrapper:
         out: dict[str, Any] = {}
         for part in self.model_parts:
             out.update(get_model_state_dict(part))
+        if self.key_filter is not None:
+            out = {k: v for k, v in out.items() if self.key_filter(k)}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -171,12 +181,14 @@ class ModelWrapper:
         See Also:
             :pt:`torch.distributed.checkpoint.state_dict.set_model_state_dict`.
         """
-        strict = len(self.model_parts) == 1
+        keep = self.key_filter
+        strict = len(self.model_parts) == 1 and keep is None
         for part in self.model_parts:
             own = {k: v for k, v in state_dict.items() if strict or k in _part_keys(part)}
             result = set_model_state_dict(part, own, options=StateDictOptions(strict=strict))
-            if not strict and result.missing_keys:
-                raise RuntimeError(f"checkpoint lacks model keys {sorted(result.missing_keys)}")
+            missing = [k for k in result.missing_keys if keep is None or keep(k)]
+            if not strict and missing:
+                raise RuntimeError(f"checkpoint lacks model keys {sorted(missing)}")
 
 
 def _part_keys(part: nn.Module) -> set[str]:
@@ -495,6 +507,13 @@ class CheckpointManager:
         sd_adapter: The model's HuggingFace state-dict adapter (needed for HF import/export).
         base_folder: The run folder; checkpoints go to ``<base_folder>/<folder>``.
         process_group: Keyword-only; the group taking part in saves and loads (default world).
+        model_key_filter: Keyword-only; the model keys checkpoints hold (None: all). LoRA's
+            adapter-only checkpoints: the other keys come from ``initial_load_path``, which
+            is loaded again (without them) before a step checkpoint on resume.
+        hf_export_transform: Keyword-only; ``fn(full_state, path) -> state`` applied on the
+            first rank to the gathered model before the HF export (LoRA merges its adapters).
+        preload_states: Keyword-only; keys of ``states`` loaded (and checked by their
+            ``load_state_dict``) before anything else, and saved with model-only checkpoints.
 
     Raises:
         ValueError: For invalid options, or a key of ``states`` that collides with a built-in.
@@ -515,6 +534,10 @@ class CheckpointManager:
         base_folder: str | Path = "",
         *,
         process_group: dist.ProcessGroup | None = None,
+        model_key_filter: Callable[[str], bool] | None = None,
+        hf_export_transform: Callable[[dict[str, torch.Tensor], Path], dict[str, torch.Tensor]]
+        | None = None,
+        preload_states: Iterable[str] = (),
     ) -> None:
         self.options = _options(checkpoint_config)
         self.enable = self.options.enable
@@ -523,7 +546,11 @@ class CheckpointManager:
         self.keep_latest_k = self.options.keep_latest_k
         self.sd_adapter = sd_adapter
         self.process_group = process_group
-        self.model = ModelWrapper(model_parts)
+        self.model = ModelWrapper(model_parts, key_filter=model_key_filter)
+        self.hf_export_transform = hf_export_transform
+        # small states checked before the model is read (LoRA's rank/alpha), saved with the
+        # model-only checkpoints too
+        self.preload_states = tuple(preload_states)
         self.states: dict[str, Any] = {MODEL: self.model}
         if optimizers is not None:
             self.states[OPTIMIZER] = OptimizersWrapper(self.model.model_parts, optimizers)
@@ -658,7 +685,7 @@ class CheckpointManager:
                 k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                 for k, v in sd.items()
             }
-        return {MODEL: sd}
+        return {MODEL: sd, **{k: self.states[k].state_dict() for k in self.preload_states}}
 
     def save(self, curr_step: int, last_step: bool = False, *, force: bool = False) -> bool:
         """Save a checkpoint if ``curr_step`` is due (every ``interval`` steps, or the last).
@@ -828,7 +855,16 @@ class CheckpointManager:
                 "(e.g. hp_trainer.components.hf_io.adapters.Llama3StateDictAdapter(model_args))"
             )
         out = Path(path)
-        if hasattr(self.sd_adapter, "hf_source"):  # per-tensor adapter: no rank-0 gather
+        if self.hf_export_transform is not None:  # e.g. LoRA: merge on rank 0, then write
+            full = self._full_model_state(dtype)
+            if _is_group_leader(self.process_group):
+                merged = self.hf_export_transform(full, out)
+                hp_dcp.save_hf_safetensors(
+                    self.sd_adapter.to_hf(merged),
+                    out,
+                    max_shard_size=self.options.hf_max_shard_size,
+                )
+        elif hasattr(self.sd_adapter, "hf_source"):  # per-tensor adapter: no rank-0 gather
             HFShardedWriter(
                 self.sd_adapter,
                 self.process_group,
@@ -870,11 +906,16 @@ class CheckpointManager:
             raise ValueError(
                 "HuggingFace import needs the model's state-dict adapter: pass sd_adapter"
             )
+        keep = self.model.key_filter  # the keys checkpoints hold: not in an HF base model
+        skip = None if keep is None else keep
         if hasattr(self.sd_adapter, "hf_source"):  # each rank reads only its own slices
-            HFShardedReader(self.sd_adapter, self.process_group).load(self.model.model_parts, path)
+            HFShardedReader(self.sd_adapter, self.process_group).load(
+                self.model.model_parts, path, skip=skip
+            )
             return
         sd = self.sd_adapter.from_hf(hp_dcp.load_hf_safetensors(path))
-        opts = StateDictOptions(full_state_dict=True, strict=len(self.model.model_parts) == 1)
+        strict = len(self.model.model_parts) == 1 and skip is None
+        opts = StateDictOptions(full_state_dict=True, strict=strict)
         for part in self.model.model_parts:
             keys = _part_keys(part)
             set_model_state_dict(part, {k: v for k, v in sd.items() if k in keys}, options=opts)
@@ -912,6 +953,9 @@ class CheckpointManager:
         if step == -1 and self.options.load_step != -1:
             step = self.options.load_step
         steps: list[int] = _broadcast(self.list_steps(), self.process_group)
+        if steps and self.model.key_filter is not None and self.options.initial_load_path:
+            # adapter-only checkpoints: the frozen base comes from the initial checkpoint again
+            self._load_initial(self.options.initial_load_path)
         if step != -1:
             if step not in steps:
                 raise FileNotFoundError(
@@ -944,6 +988,23 @@ class CheckpointManager:
         initial = self.options.initial_load_path
         if initial is None:
             return False
+        self._load_initial(initial)
+        self.loaded_step = 0
+        return True
+
+    def _load_initial(self, initial: str) -> None:
+        keep = self.model.key_filter
+        if keep is None:
+            self._load_initial_model(initial)
+            return
+        # checkpoints hold the keys ``keep`` accepts (LoRA adapters): the initial one the rest
+        self.states[MODEL] = ModelWrapper(self.model.model_parts, key_filter=lambda k: not keep(k))
+        try:
+            self._load_initial_model(initial)
+        finally:
+            self.states[MODEL] = self.model
+
+    def _load_initial_model(self, initial: str) -> None:
         if self.options.initial_load_in_hf:
             if not self.options.initial_load_model_only:
                 raise ValueError(
@@ -953,11 +1014,24 @@ class CheckpointManager:
             self.load_hf(initial)
         else:
             self._load_dir(Path(initial), model_only=self.options.initial_load_model_only)
-        self.loaded_step = 0
-        return True
 
     def _load_dir(self, path: Path, *, model_only: bool) -> None:
         keys = _flat_keys(path)
+        first = {
+            k: self.states[k].state_dict()
+            for k in self.preload_states
+            if _has_prefix(keys, k) and k not in self.options.exclude_from_loading
+        }
+        if first:  # a mismatch is reported before any tensor of another shape is read
+            with _single_process_quiet():
+                hp_dcp.load(
+                    first,
+                    checkpoint_id=path,
+                    process_group=self.process_group,
+                    no_dist=not dist.is_initialized(),
+                )
+            for key, value in first.items():
+                self.states[key].load_state_dict(value)
         wanted = [MODEL] if model_only else list(self.states)
         wanted = [k for k in wanted if k not in self.options.exclude_from_loading]
         missing = [k for k in wanted if not _has_prefix(keys, k)]
@@ -974,7 +1048,7 @@ class CheckpointManager:
                     f"checkpoint {path} lacks the states {missing}; list them in "
                     "checkpoint.exclude_from_loading to start them fresh"
                 )
-        wanted = [k for k in wanted if k not in missing]
+        wanted = [k for k in wanted if k not in missing and k not in first]
         to_load: dict[str, Any] = {}
         rng_key = None
         for key in wanted:

@@ -18,8 +18,11 @@ See Also:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -203,6 +206,59 @@ class ModelConvertersContainer:
         """
         for converter in self.converters:
             converter.post_optimizer_hook(model)
+
+    # -- optional converter methods (checkpointing) ---------------------------------------------
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        """The converters that carry checkpoint state (``state_dict``/``load_state_dict``).
+
+        Returns:
+            ``{name: converter}``, for the checkpoint manager's ``states`` (LoRA records its
+            rank and alpha there and refuses a checkpoint saved with others).
+        """
+        return {
+            name: conv
+            for name, conv in zip(self.names, self.converters, strict=True)
+            if hasattr(conv, "state_dict") and hasattr(conv, "load_state_dict")
+        }
+
+    def model_key_filter(self) -> Callable[[str], bool] | None:
+        """The model keys checkpoints hold, from the converters' ``model_key_filter()``.
+
+        Returns:
+            A predicate on state-dict keys (LoRA with ``save_adapter_only``: the adapters), or
+            None when every key is saved.
+        """
+        filters = [
+            f for conv in self.converters if hasattr(conv, "model_key_filter")
+            if (f := conv.model_key_filter()) is not None
+        ]  # fmt: skip
+        if not filters:
+            return None
+        return lambda key: any(f(key) for f in filters)
+
+    def hf_export_transform(
+        self, sd_adapter: Any
+    ) -> Callable[[dict[str, torch.Tensor], Path], dict[str, torch.Tensor]] | None:
+        """What the HF export applies to the full state first (the converters' ``hf_export``).
+
+        Args:
+            sd_adapter: The model's HF state-dict adapter.
+
+        Returns:
+            ``fn(full_state, export_path) -> state`` chaining the converters in order (LoRA
+            merges its adapters and writes the PEFT adapter), or None.
+        """
+        hooks = [conv for conv in self.converters if hasattr(conv, "hf_export")]
+        if not hooks or sd_adapter is None:
+            return None
+
+        def transform(full: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+            for conv in hooks:
+                full = conv.hf_export(full, path, sd_adapter)
+            return full
+
+        return transform
 
     def __len__(self) -> int:
         return len(self.converters)

@@ -11,7 +11,7 @@ a time, and rank 0 writes the index (names -> files, with checksums).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,12 +203,20 @@ class HFShardedReader:
 
         return rows if heads is None else half_to_interleaved_rotary(rows, heads)
 
-    def load(self, model_parts: Sequence[nn.Module], path: str | Path) -> None:
+    def load(
+        self,
+        model_parts: Sequence[nn.Module],
+        path: str | Path,
+        *,
+        skip: Callable[[str], bool] | None = None,
+    ) -> None:
         """Load the parts' weights from the HF checkpoint at ``path`` (a collective).
 
         Args:
             model_parts: This rank's model parts.
             path: The HF checkpoint directory.
+            skip: Keyword-only; keys of the model the checkpoint does not hold (LoRA adapters
+                on an HF base model): left as they are.
 
         Raises:
             KeyError: The checkpoint lacks a tensor of the model.
@@ -222,9 +230,11 @@ class HFShardedReader:
         ckpt.check_unverified()
         self._verify(ckpt)
         where = {key: name for name, keys in ckpt.files.items() for key in keys}
-        strict = len(model_parts) == 1
+        strict = len(model_parts) == 1 and skip is None
         for part in model_parts:
             own = get_model_state_dict(part)
+            if skip is not None:
+                own = {k: v for k, v in own.items() if not skip(k)}
             sd = {k: self._shard(ckpt, where, k, v) for k, v in sorted(own.items())}
             set_model_state_dict(part, sd, options=StateDictOptions(strict=strict))
 
