@@ -79,6 +79,7 @@ from hp_trainer.distributed.fsdp import (
 from hp_trainer.distributed.parallel_dims import ParallelDims
 from hp_trainer.distributed.sharding import apply_sharding
 from hp_trainer.distributed.swap import CheckpointPolicy, HostBufferPool, SwapManager
+from hp_trainer.models.common.attention import AttentionMasks, MaskSpec
 from hp_trainer.models.common.decoder import Decoder, DecoderArgs
 from hp_trainer.models.common.expert_parallel import apply_moe_ep_tp
 from hp_trainer.models.common.moe_decoder import MoEDecoderArgs
@@ -107,6 +108,7 @@ HyperTrainerConfig = JobConfig
 
 __all__ = [
     "ActivationCheckpointConfig",
+    "AttentionMasks",
     "BaseTrainer",
     "Callback",
     "CheckpointConfig",
@@ -133,6 +135,7 @@ __all__ = [
     "LRSchedulersState",
     "Llama3StateDictAdapter",
     "LoRAConfig",
+    "MaskSpec",
     "MetricsCallback",
     "MetricsConfig",
     "MetricsProcessor",

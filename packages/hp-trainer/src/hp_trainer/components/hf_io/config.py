@@ -396,6 +396,8 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
                     "(use --model.flavor auto to build it from config.json):\n  "
                     + "\n  ".join(mismatches)
                 )
+    if hasattr(args, "attn_backend"):
+        args = dataclasses.replace(args, attn_backend=job_config.model.attn_backend)
     aux_loss_type = job_config.moe.aux_loss_type
     if aux_loss_type != "model":
         moe_args = getattr(args, "moe_args", None)

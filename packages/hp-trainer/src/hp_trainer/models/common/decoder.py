@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_trainer.models.common.document_mask import block_causal_mask
+from hp_trainer.models.common.attention import (
+    ATTENTION_BACKENDS,
+    AttentionMasks,
+    MaskSpec,
+    attention,
+)
 
 __all__ = [
     "Attention",
@@ -120,8 +125,15 @@ class DecoderArgs:
     """Share the embedding matrix with the output projection."""
     depth_init: bool = True
     """Scale output-projection init by the layer index (TorchTitan's depth init)."""
+    attn_backend: str = "sdpa"
+    """Attention kernel: ``sdpa``, ``flex`` or ``varlen``
+    (:mod:`hp_trainer.models.common.attention`; TorchTitan's ``attn_backend``)."""
 
     def __post_init__(self) -> None:
+        if self.attn_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attn_backend must be one of {ATTENTION_BACKENDS}, got {self.attn_backend!r}"
+            )
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -191,15 +203,6 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, S, H, D).type_as(x)
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
-) -> torch.Tensor:
-    # no mask: SDPA's own causal path (what context parallelism redirects, documents included)
-    if attention_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learnable scale.
 
@@ -262,6 +265,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        #: which keys a query sees, as the architecture defines it (documents come per batch)
+        self.mask_spec = MaskSpec()
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if args.qk_norm:
@@ -269,16 +274,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, rope: torch.Tensor, masks: AttentionMasks | None = None
     ) -> torch.Tensor:
         """Attend causally over the sequence.
 
         Args:
             x: ``(batch, seq, dim)`` input.
             rope: RoPE table from :func:`precompute_rope`.
-            attention_mask: Optional ``(batch, 1, seq, seq)`` bool mask replacing the causal
-                one (the block-causal mask of packed documents,
-                :func:`~hp_trainer.models.common.document_mask.block_causal_mask`).
+            masks: The batch's masks and backend
+                (:class:`~hp_trainer.models.common.attention.AttentionMasks`: documents of
+                packed samples, ``flex`` / ``varlen``); None: SDPA's causal path.
 
         Returns:
             ``(batch, seq, dim)`` output.
@@ -299,7 +304,13 @@ class Attention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask)
+        out = attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            spec=self.mask_spec,
+            masks=masks,
+        )
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         return result
 
@@ -392,15 +403,14 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, rope: torch.Tensor, masks: AttentionMasks | None = None
     ) -> torch.Tensor:
         """Run attention and the MLP with residual connections.
 
         Args:
             x: ``(batch, seq, dim)`` input.
             rope: RoPE table.
-            attention_mask: Optional bool mask replacing the causal one (see
-                :meth:`Attention.forward`).
+            masks: The batch's attention masks, or None (see :meth:`Attention.forward`).
 
         Returns:
             ``(batch, seq, dim)`` output.
@@ -408,9 +418,7 @@ class TransformerBlock(nn.Module):
         See Also:
             :titan:`torchtitan.models.llama3.model.model.TransformerBlock.forward`.
         """
-        h: torch.Tensor = x + self.attention(
-            self.attention_norm(x), rope, attention_mask=attention_mask
-        )
+        h: torch.Tensor = x + self.attention(self.attention_norm(x), rope, masks=masks)
         out: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
         return out
 
@@ -483,13 +491,18 @@ class Decoder(nn.Module):
         # a pipeline stage holds some of the parts: the others are None (hp-pp's splitter)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cache
-        if document_ids is None:
-            for layer in self.layers.values():
-                h = layer(h, rope)
-        else:
-            mask = block_causal_mask(document_ids)  # one mask for every layer and head
-            for layer in self.layers.values():
-                h = layer(h, rope, attention_mask=mask)
+        masks = None  # SDPA's causal path (what context parallelism redirects)
+        if document_ids is not None or self.args.attn_backend != "sdpa":
+            # one set of masks for the batch, lowered once per spec, shared by every layer
+            masks = AttentionMasks(
+                self.args.attn_backend,
+                h.shape[1],
+                batch_size=h.shape[0],
+                document_ids=document_ids,
+                device=h.device,
+            )
+        for layer in self.layers.values():
+            h = layer(h, rope, masks=masks)
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h  # type: ignore[no-any-return]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hp_cp_ep import MoE, MoEArgs
+from hp_trainer.models.common.attention import AttentionMasks
 from hp_trainer.models.common.decoder import (
     Decoder,
     DecoderArgs,
@@ -78,15 +79,14 @@ class MoEBlock(nn.Module):
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, rope: torch.Tensor, masks: AttentionMasks | None = None
     ) -> torch.Tensor:
         """``h = x + attn(norm(x)); h + ffn(norm(h))`` with the dense or MoE feed-forward.
 
-        ``attention_mask`` (optional bool ``(batch, 1, seq, seq)``) replaces the causal mask.
+        ``masks`` (the batch's :class:`~hp_trainer.models.common.attention.AttentionMasks`, or
+        None for SDPA's causal path) goes to the attention.
         """
-        h: torch.Tensor = x + self.attention(
-            self.attention_norm(x), rope, attention_mask=attention_mask
-        )
+        h: torch.Tensor = x + self.attention(self.attention_norm(x), rope, masks=masks)
         ffn = self.moe if self.moe is not None else self.feed_forward
         assert ffn is not None
         out: torch.Tensor = h + ffn(self.ffn_norm(h))

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_ep import MoEArgs
-from hp_trainer.models.common.decoder import RMSNorm, apply_rope, attend
+from hp_trainer.models.common.attention import AttentionMasks, MaskSpec, attention
+from hp_trainer.models.common.decoder import RMSNorm, apply_rope
 from hp_trainer.models.common.moe_decoder import MoEDecoder, MoEDecoderArgs
 
 __all__ = ["DeepSeekV3", "DeepSeekV3Args", "MLAttention", "deepseek_v3_routing"]
@@ -95,17 +96,20 @@ class MLAttention(nn.Module):
             self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        #: which keys a query sees, as the architecture defines it (documents come per batch)
+        self.mask_spec = MaskSpec()
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, rope: torch.Tensor, masks: AttentionMasks | None = None
     ) -> torch.Tensor:
         """Attend causally over the sequence.
 
         Args:
             x: ``(batch, seq, dim)`` input.
             rope: RoPE table of ``qk_rope_head_dim``.
-            attention_mask: Optional ``(batch, 1, seq, seq)`` bool mask replacing the causal
-                one (packed documents' block-causal mask).
+            masks: The batch's attention masks
+                (:class:`~hp_trainer.models.common.attention.AttentionMasks`), or None for
+                SDPA's causal path.
 
         Returns:
             ``(batch, seq, dim)`` output.
@@ -137,7 +141,13 @@ class MLAttention(nn.Module):
             # fused kernels (the CPU flash kernel context parallelism runs on, flash on GPUs)
             # need one head size: zero value columns add exact zeros, sliced off again
             v = F.pad(v, (0, pad))
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask)
+        out = attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            spec=self.mask_spec,
+            masks=masks,
+        )
         out = out[..., : self.v_head_dim]
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         return result
