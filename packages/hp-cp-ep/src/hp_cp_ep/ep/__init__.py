@@ -12,7 +12,12 @@ See Also:
 """
 
 from hp_cp_ep.ep.dedup import DedupDispatch, DedupTokenDispatcher, DeredundencyTokenDispatcher
-from hp_cp_ep.ep.dispatch import DispatchedTokens, TokenDispatcher, all_to_all_tokens
+from hp_cp_ep.ep.dispatch import (
+    BackwardOverlap,
+    DispatchedTokens,
+    TokenDispatcher,
+    all_to_all_tokens,
+)
 from hp_cp_ep.ep.experts import GroupedExperts, grouped_mm_supported
 from hp_cp_ep.ep.load_balance import (
     moe_layers,
@@ -25,6 +30,7 @@ from hp_cp_ep.ep.stats import ExpertLoad, expert_load
 from hp_cp_ep.ep.style import ExpertParallel, ExpertTensorParallel, TensorParallel
 
 __all__ = [
+    "BackwardOverlap",
     "DedupDispatch",
     "DedupTokenDispatcher",
     "DeredundencyTokenDispatcher",

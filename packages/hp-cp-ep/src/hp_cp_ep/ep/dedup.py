@@ -36,11 +36,13 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_ep.ep.dispatch import (
+    BackwardOverlap,
     TokenDispatcher,
     _AllToAllTokens,
     _CopyToTensorParallel,
     _PendingWork,
     _ReduceFromTensorParallel,
+    _send_back,
 )
 from hp_cp_ep.ep.router import count_choices
 
@@ -130,6 +132,8 @@ class DedupTokenDispatcher(TokenDispatcher):
         node_groups: Keyword-only: ``(inter, intra)`` groups of a node axis (EP rank
             ``inter_rank * intra_size + intra_rank``): two-stage dispatch, one transfer per node
             then one per rank inside it. Exclusive with ``ep_group``.
+        overlap_backward: Keyword-only: as for :class:`~hp_cp_ep.TokenDispatcher` (the gated
+            all-to-all is the combine's last, the inter-node one with a node axis).
 
     Raises:
         ValueError: Both ``ep_group`` and ``node_groups`` given.
@@ -149,13 +153,19 @@ class DedupTokenDispatcher(TokenDispatcher):
         tp_group: dist.ProcessGroup | None = None,
         *,
         node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+        overlap_backward: bool = False,
     ) -> None:
         if node_groups is not None and ep_group is not None:
             raise ValueError(
                 "DedupTokenDispatcher takes ep_group (one stage) or node_groups=(inter, intra) "
                 "(two stages), not both"
             )
-        super().__init__(num_local_experts, ep_group=ep_group, tp_group=tp_group)
+        super().__init__(
+            num_local_experts,
+            ep_group=ep_group,
+            tp_group=tp_group,
+            overlap_backward=overlap_backward,
+        )
         self.node_groups = node_groups
         if node_groups is not None:
             inter, intra = node_groups
@@ -335,13 +345,21 @@ class DedupTokenDispatcher(TokenDispatcher):
         handle._score_before = score_before_experts
         return handle
 
-    def combine_tokens(self, expert_out: torch.Tensor, handle: DedupDispatch) -> torch.Tensor:
+    def combine_tokens(
+        self,
+        expert_out: torch.Tensor,
+        handle: DedupDispatch,
+        *,
+        overlap: BackwardOverlap | None = None,
+    ) -> torch.Tensor:
         """Weight, sum and return the experts' outputs: ``[T, dim]``, each token's choices summed.
 
         Args:
             expert_out: ``[rows, dim]`` outputs of the local experts, in the order of
                 :meth:`DedupDispatch.wait`'s rows.
             handle: The dispatch being undone.
+            overlap: Keyword-only: a :class:`~hp_cp_ep.BackwardOverlap` whose backward runs
+                while the backward all-to-all of the last stage is in flight.
         """
         if self.tp_group is not None:
             expert_out = _ReduceFromTensorParallel.apply(expert_out, self.tp_group)  # type: ignore[no-untyped-call]
@@ -351,9 +369,10 @@ class DedupTokenDispatcher(TokenDispatcher):
         out = out.index_add(0, handle._row_unit, expert_out)
         for stage in reversed(handle._stages):
             if stage.group is not None:
-                out = _AllToAllTokens.apply(  # type: ignore[no-untyped-call]
-                    out, stage.input_splits, stage.output_splits, stage.group, None
-                )
+                gated = overlap if stage is handle._stages[0] else None
+                out = _send_back(out, stage.input_splits, stage.output_splits, stage.group, gated)
+            elif overlap is not None:
+                overlap.attach(None)
             summed = out.new_zeros((stage.num_inputs, out.shape[-1]))
             out = summed.index_add(0, stage.source_rows, out)
         return out

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["DispatchedTokens", "TokenDispatcher", "all_to_all_tokens"]
+__all__ = ["BackwardOverlap", "DispatchedTokens", "TokenDispatcher", "all_to_all_tokens"]
 
 
 class _PendingWork:
@@ -46,11 +46,13 @@ class _PendingWork:
 
     def __init__(self) -> None:
         self.work: dist.Work | None = None
+        self.keep: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        self.keep = None
 
 
 def _all_to_all(
@@ -96,6 +98,154 @@ class _AllToAllTokens(torch.autograd.Function):
         output_splits, input_splits = ctx.splits
         grad_in, _ = _all_to_all(grad, input_splits, output_splits, ctx.group, False)
         return grad_in, None, None, None, None
+
+
+class _AllToAllAsyncBackward(torch.autograd.Function):
+    """:class:`_AllToAllTokens` (synchronous forward) whose backward all-to-all is *issued*.
+
+    The backward starts the all-to-all of the gradient and returns its receive buffer at once;
+    :class:`_WaitInBackward`, placed just before this op in the forward, waits for it before the
+    gradient is read, so whatever autograd runs in between overlaps with the transfer.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        tokens: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup,
+        pending: _PendingWork,
+    ) -> torch.Tensor:
+        ctx.splits = (output_splits, input_splits)  # type: ignore[attr-defined]
+        ctx.group = group  # type: ignore[attr-defined]
+        ctx.pending = pending  # type: ignore[attr-defined]
+        out, _ = _all_to_all(tokens, output_splits, input_splits, group, False)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        output_splits, input_splits = ctx.splits
+        grad = grad.contiguous()
+        grad_in, work = _all_to_all(grad, input_splits, output_splits, ctx.group, True)
+        ctx.pending.work = work
+        ctx.pending.keep = grad  # the send buffer lives until the wait
+        return grad_in, None, None, None, None
+
+
+class _WaitInBackward(torch.autograd.Function):
+    """Identity forward; the backward waits for the pending all-to-all of its gradient.
+
+    Its second output, an empty tensor, is the *gate*: a branch that consumes it (see
+    :class:`BackwardOverlap`) must finish its backward before this wait runs.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, pending: _PendingWork
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.pending = pending  # type: ignore[attr-defined]
+        return x.view_as(x), x.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _gate: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.pending.wait()
+        return grad, None
+
+
+class _SideBranch(torch.autograd.Function):
+    """The output of a branch computed on detached inputs, its backward run when gated.
+
+    The branch's graph hangs off ``detached``; this node's backward runs it (a nested backward,
+    as reentrant activation checkpointing does) and returns the input gradient, then the gate's
+    (empty) gradient releases the :class:`_WaitInBackward` that depends on it.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        gate: torch.Tensor,
+        inputs: torch.Tensor,
+        branch: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        # ``branch`` (detached input, output) is not a tensor argument: autograd must not link
+        # this node to the branch's graph, which only the nested backward below runs.
+        branch_out = branch[1]
+        ctx.branch = branch  # type: ignore[attr-defined]
+        ctx.gate_shape = gate.shape  # type: ignore[attr-defined]
+        return branch_out.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        detached, branch_out = ctx.branch
+        ctx.branch = None
+        if branch_out.requires_grad:
+            torch.autograd.backward(branch_out, grad)
+        grad_in = detached.grad if detached.requires_grad else None
+        gate_grad = grad.new_zeros(ctx.gate_shape)
+        return gate_grad, grad_in, None
+
+
+class BackwardOverlap:
+    """A branch (the shared experts) whose backward overlaps the combine's backward all-to-all.
+
+    Built before the dispatch's wait (its forward overlaps the dispatch all-to-all, as always);
+    the combine attaches it behind the gate of its last all-to-all, so in the backward the
+    order is: the combine's gradient all-to-all is issued, the branch's backward runs, then the
+    wait, then the experts' backward. Without a pending all-to-all (one device) the branch is
+    attached ungated (same values).
+
+    Args:
+        inputs: The branch's input (its gradient is returned through :attr:`output`).
+        branch: The function of ``inputs``, e.g. the shared experts module.
+
+    See Also:
+        HyperParallel's ``_AsyncA2ALazyBwd`` (lazily waited backward all-to-all);
+        :pt:`torch.utils.checkpoint.checkpoint` runs nested backwards the same way (reentrant).
+    """
+
+    def __init__(self, inputs: torch.Tensor, branch: Any) -> None:
+        self.inputs = inputs
+        self._detached = inputs.detach().requires_grad_(inputs.requires_grad)
+        self._raw: torch.Tensor = branch(self._detached)
+        self._output: torch.Tensor | None = None
+
+    def attach(self, gate: torch.Tensor | None) -> None:
+        """Link the branch's output behind ``gate`` (called by the combine, once)."""
+        if gate is None:  # a throwaway leaf: the node must join the graph through the params
+            gate = self.inputs.new_zeros(0).requires_grad_(self._raw.requires_grad)
+        branch = (self._detached, self._raw)
+        self._output = _SideBranch.apply(gate, self.inputs, branch)  # type: ignore[no-untyped-call]
+
+    @property
+    def output(self) -> torch.Tensor:
+        """The branch's output, differentiable in ``inputs`` and the branch's parameters."""
+        if self._output is None:
+            self.attach(None)
+        assert self._output is not None
+        return self._output
+
+
+def _send_back(
+    tokens: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup,
+    overlap: BackwardOverlap | None,
+) -> torch.Tensor:
+    """The combine's all-to-all; with ``overlap``, its backward is issued early and gated."""
+    if overlap is None:
+        plain: torch.Tensor = _AllToAllTokens.apply(  # type: ignore[no-untyped-call]
+            tokens, output_splits, input_splits, group, None
+        )
+        return plain
+    pending = _PendingWork()
+    tokens, gate = _WaitInBackward.apply(tokens, pending)  # type: ignore[no-untyped-call]
+    overlap.attach(gate)
+    out: torch.Tensor = _AllToAllAsyncBackward.apply(  # type: ignore[no-untyped-call]
+        tokens, output_splits, input_splits, group, pending
+    )
+    return out
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -256,6 +406,11 @@ class TokenDispatcher:
         num_local_experts: Experts held by this rank.
         ep_group: Expert-parallel group (tokens exchanged by all-to-all), or ``None``.
         tp_group: Tensor-parallel group over the experts' hidden dimension, or ``None``.
+        overlap_backward: Keyword-only extension: in :class:`~hp_cp_ep.MoE`, issue the
+            combine's backward all-to-all asynchronously and run the shared experts' backward
+            before waiting for it (see :class:`BackwardOverlap`). Off: the light variant (the
+            forward dispatch overlaps the shared experts; the backward all-to-alls block), as
+            TorchTitan's default and ``minimal_async_ep`` paths.
 
     See Also:
         TorchTitan's :titan:`ExpertParallel` / :titan:`ExpertTensorParallel` token dispatch.
@@ -266,7 +421,14 @@ class TokenDispatcher:
         num_local_experts: int,
         ep_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        *,
+        overlap_backward: bool = False,
     ) -> None:
+        if not isinstance(overlap_backward, bool):
+            raise TypeError(
+                f"overlap_backward must be a bool, got {type(overlap_backward).__name__}"
+            )
+        self.overlap_backward = overlap_backward
         self.num_local_experts = num_local_experts
         self.ep_group = ep_group
         self.tp_group = tp_group
@@ -360,12 +522,27 @@ class TokenDispatcher:
         state = _DispatchState(input_splits, output_splits, regroup, pending)
         return DispatchedTokens(out, received.sum(0), state, sizes=sizes)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
-        """Return the experts' outputs to the ranks (and row order) their tokens came from."""
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        dispatched: DispatchedTokens,
+        *,
+        overlap: BackwardOverlap | None = None,
+    ) -> torch.Tensor:
+        """Return the experts' outputs to the ranks (and row order) their tokens came from.
+
+        Args:
+            expert_out: The local experts' outputs, in the order of the dispatched rows.
+            dispatched: The dispatch being undone.
+            overlap: Keyword-only extension: a :class:`BackwardOverlap` (the shared experts)
+                whose backward runs while this combine's backward all-to-all is in flight.
+        """
         if self.tp_group is not None:
             expert_out = _ReduceFromTensorParallel.apply(expert_out, self.tp_group)  # type: ignore[no-untyped-call]
         state = dispatched._state
         if state is None:
+            if overlap is not None:
+                overlap.attach(None)
             return expert_out
         if state.regroup is not None:
             inverse = torch.empty_like(state.regroup)
@@ -374,10 +551,9 @@ class TokenDispatcher:
             )
             expert_out = expert_out.index_select(0, inverse)
         assert self.ep_group is not None
-        out: torch.Tensor = _AllToAllTokens.apply(  # type: ignore[no-untyped-call]
-            expert_out, state.input_splits, state.output_splits, self.ep_group, None
+        return _send_back(
+            expert_out, state.input_splits, state.output_splits, self.ep_group, overlap
         )
-        return out
 
 
 def _regroup_index(received: torch.Tensor, total: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_ep._torch_compat import in_backward
+from hp_cp_ep.ep.dispatch import BackwardOverlap
 from hp_cp_ep.ep.experts import GroupedExperts
 from hp_cp_ep.ep.router import (
     TokenChoiceTopKRouter,
@@ -337,11 +338,15 @@ class MoE(nn.Module):
         # Dropped rows sort last and are not sent; the dispatch reads the counts on the host
         # once (the split sizes under EP, the kept rows otherwise), the layer's only host sync.
         dispatched = dispatcher.dispatch(rows, expert_counts, drop_tail=num_bins > self.num_experts)
-        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        shared, overlap = self._shared(dispatcher, tokens)
         expert_out = self.experts.compute(
             dispatched.wait(), dispatched.num_tokens_per_expert, sizes=dispatched.sizes
         )
-        routed = dispatcher.combine(expert_out, dispatched)
+        if overlap is not None:
+            routed = dispatcher.combine(expert_out, dispatched, overlap=overlap)
+            shared = overlap.output
+        else:
+            routed = dispatcher.combine(expert_out, dispatched)
         kept = routed.shape[0]
         if kept < rows.shape[0]:
             routed = torch.cat([routed, routed.new_zeros((rows.shape[0] - kept, tokens.shape[-1]))])
@@ -366,12 +371,24 @@ class MoE(nn.Module):
             top_scores.to(tokens.dtype),
             score_before_experts=self.moe_args.score_before_experts,
         )
-        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        shared, overlap = self._shared(dispatcher, tokens)
         expert_out = self.experts.compute(
             handle.wait(), handle.num_tokens_per_expert, sizes=handle.sizes
         )
-        out: torch.Tensor = dispatcher.combine_tokens(expert_out, handle)
+        out: torch.Tensor = dispatcher.combine_tokens(expert_out, handle, overlap=overlap)
+        if overlap is not None:
+            shared = overlap.output
         return out + shared if shared is not None else out
+
+    def _shared(
+        self, dispatcher: Any, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor | None, BackwardOverlap | None]:
+        """The shared experts' output, or the branch whose backward the combine overlaps."""
+        if self.shared_experts is None:
+            return None, None
+        if getattr(dispatcher, "overlap_backward", False) and torch.is_grad_enabled():
+            return None, BackwardOverlap(tokens, self.shared_experts)
+        return self.shared_experts(tokens), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MoE to ``x`` of shape ``[..., dim]``."""

@@ -99,6 +99,9 @@ class ExpertParallel(ParallelStyle):
             token goes once to each rank holding some of its experts). With ``dedup`` the mesh
             may be 2-D ``[inter, intra]`` (a node axis: EP rank ``inter * intra_size + intra``,
             two-stage dispatch, once per node then once per rank inside it).
+        overlap_backward: Keyword-only extension: the combine's backward all-to-all is issued
+            before the shared experts' backward and waited for after it (see
+            :class:`~hp_cp_ep.BackwardOverlap`); off, the backward all-to-alls block.
 
     Raises:
         ValueError: When the mesh is not 1-D (2-D with ``dedup``) or ``num_experts`` is not
@@ -116,11 +119,13 @@ class ExpertParallel(ParallelStyle):
         :titan:`torchtitan.distributed.expert_parallel.ExpertParallel`.
     """
 
-    def __init__(self, *, dedup: bool = False) -> None:
+    def __init__(self, *, dedup: bool = False, overlap_backward: bool = False) -> None:
         super().__init__()
-        if not isinstance(dedup, bool):
-            raise TypeError(f"dedup must be a bool, got {type(dedup).__name__}")
+        for name, value in (("dedup", dedup), ("overlap_backward", overlap_backward)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         self.dedup = dedup
+        self.overlap_backward = overlap_backward
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
@@ -137,12 +142,22 @@ class ExpertParallel(ParallelStyle):
         _distribute(module, device_mesh, {n: placement for n in names}, self.src_data_rank)
         dispatcher: TokenDispatcher
         if not self.dedup:
-            dispatcher = TokenDispatcher(num_experts // ep, ep_group=device_mesh.get_group())
+            dispatcher = TokenDispatcher(
+                num_experts // ep,
+                ep_group=device_mesh.get_group(),
+                overlap_backward=self.overlap_backward,
+            )
         elif device_mesh.ndim == 1:
-            dispatcher = DedupTokenDispatcher(num_experts // ep, ep_group=device_mesh.get_group())
+            dispatcher = DedupTokenDispatcher(
+                num_experts // ep,
+                ep_group=device_mesh.get_group(),
+                overlap_backward=self.overlap_backward,
+            )
         else:
             groups = (device_mesh.get_group(0), device_mesh.get_group(1))
-            dispatcher = DedupTokenDispatcher(num_experts // ep, node_groups=groups)
+            dispatcher = DedupTokenDispatcher(
+                num_experts // ep, node_groups=groups, overlap_backward=self.overlap_backward
+            )
         _install(module, dispatcher)
         return module
 
