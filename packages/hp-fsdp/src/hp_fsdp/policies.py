@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.fsdp as _torch_fsdp  # interop: accept torch's policy objects
+
+#: torch's policy classes, taken at import: ``hp_fsdp.integrations.use_hp_fsdp`` rebinds these
+#: names in ``torch.distributed.fsdp`` to ours, and a torch policy made before that still converts.
+_TORCH_POLICY_CLASSES: tuple[type, type, type] = (
+    _torch_fsdp.MixedPrecisionPolicy,
+    _torch_fsdp.OffloadPolicy,
+    _torch_fsdp.CPUOffloadPolicy,
+)
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -83,9 +92,7 @@ def _cast_any(value: object) -> Any:
 
 
 def _torch_policy_classes() -> tuple[type, type, type]:
-    import torch.distributed.fsdp as torch_fsdp  # interop: accept torch's policy objects
-
-    return torch_fsdp.MixedPrecisionPolicy, torch_fsdp.OffloadPolicy, torch_fsdp.CPUOffloadPolicy
+    return _TORCH_POLICY_CLASSES
 
 
 def to_mp_policy(policy: object) -> MixedPrecisionPolicy:
