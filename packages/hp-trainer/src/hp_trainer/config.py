@@ -404,7 +404,7 @@ class LoRAConfig:
     zero, so training starts from the base model; only ``A`` and ``B`` train.
 
     See Also:
-        TorchTitan's ``torchtitan.components.lora.LoRAConverter`` config; PEFT's ``LoraConfig``.
+        :titan:`torchtitan.components.lora.LoRAConverter`; PEFT's ``LoraConfig``.
     """
 
     rank: int = 8

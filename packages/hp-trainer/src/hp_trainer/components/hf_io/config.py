@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hp_trainer.models.common.decoder import DecoderArgs, RopeScaling, compute_ffn_hidden_dim
+from hp_trainer.models.common.decoder import (
+    DecoderArgs,
+    RopeScaling,
+    YarnRopeScaling,
+    compute_ffn_hidden_dim,
+)
 
 if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
@@ -88,7 +93,7 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
     return float(config.get("rope_theta", 10000.0))
 
 
-def rope_scaling_from_hf(config: Mapping[str, Any]) -> RopeScaling | None:
+def rope_scaling_from_hf(config: Mapping[str, Any]) -> RopeScaling | YarnRopeScaling | None:
     """The RoPE scaling an HF config asks for (``rope_scaling``, or ``rope_parameters``).
 
     Args:
@@ -98,7 +103,7 @@ def rope_scaling_from_hf(config: Mapping[str, Any]) -> RopeScaling | None:
         The scaling, or None for plain RoPE.
 
     Raises:
-        ValueError: For a rope type other than ``default`` and ``llama3``.
+        ValueError: For a rope type other than ``default``, ``llama3`` and ``yarn``.
 
     See Also:
         ``transformers.modeling_rope_utils``: HF's rope types.
@@ -109,9 +114,12 @@ def rope_scaling_from_hf(config: Mapping[str, Any]) -> RopeScaling | None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "yarn":
+        return _yarn_from_hf(scaling, config)
     if kind != "llama3":
         raise ValueError(
-            f"rope type {kind!r} is not supported (hp-trainer implements 'default' and 'llama3')"
+            f"rope type {kind!r} is not supported (hp-trainer implements 'default', 'llama3' "
+            "and 'yarn')"
         )
     return RopeScaling(
         factor=float(scaling["factor"]),
@@ -121,20 +129,55 @@ def rope_scaling_from_hf(config: Mapping[str, Any]) -> RopeScaling | None:
     )
 
 
-def rope_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:
+def _yarn_from_hf(scaling: Mapping[str, Any], config: Mapping[str, Any]) -> YarnRopeScaling:
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:  # HF's rule: the ratio of the context lengths
+        factor = float(config["max_position_embeddings"]) / original
+
+    def optional(key: str) -> float | None:
+        value = scaling.get(key)
+        return None if value is None else float(value)
+
+    return YarnRopeScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        truncate=bool(scaling.get("truncate", True)),
+    )
+
+
+def rope_scaling_to_hf(scaling: RopeScaling | YarnRopeScaling | None) -> dict[str, Any] | None:
     """The ``rope_scaling`` entry of ``config.json`` for ``scaling``.
 
     Args:
         scaling: The scaling (None: plain RoPE).
 
     Returns:
-        HF's dictionary (``rope_type: "llama3"``), or None.
+        HF's dictionary (``rope_type: "llama3"`` or ``"yarn"``), or None.
 
     See Also:
         ``transformers.LlamaConfig``: ``rope_scaling``.
     """
     if scaling is None:
         return None
+    if isinstance(scaling, YarnRopeScaling):
+        out: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "truncate": scaling.truncate,
+        }
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(scaling, key) is not None:
+                out[key] = getattr(scaling, key)
+        return out
     return {
         "rope_type": "llama3",
         "factor": scaling.factor,

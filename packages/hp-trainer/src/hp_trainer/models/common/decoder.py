@@ -29,6 +29,7 @@ __all__ = [
     "RMSNorm",
     "RopeScaling",
     "TransformerBlock",
+    "YarnRopeScaling",
     "compute_ffn_hidden_dim",
     "precompute_rope",
 ]
@@ -85,6 +86,100 @@ class RopeScaling:
         return (1 - keep) * freqs / self.factor + keep * freqs
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    # YaRN's magnitude correction for a context ``factor`` times longer (1 when not longer)
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class YarnRopeScaling:
+    """YaRN context extension (HF ``rope_type: "yarn"``): DeepSeek-V3, gpt-oss, Qwen.
+
+    Rotary dimensions that turn many times over the pre-training context keep their frequency
+    (extrapolation), those that turn less than once are divided by ``factor``
+    (interpolation), and a linear ramp over the dimension index blends the two between the
+    dimensions that turn ``beta_fast`` and ``beta_slow`` times. The cosine/sine table is
+    multiplied by :attr:`cos_sin_scale` (the paper's magnitude correction), and models with
+    ``mscale_all_dim`` (DeepSeek's latent attention) also multiply their softmax scale by
+    :attr:`softmax_scale_factor`.
+
+    See Also:
+        ``transformers.modeling_rope_utils``: HF's ``yarn`` rope type (the oracle of the tests).
+    """
+
+    factor: float
+    """How much longer the context is than the one the model was pre-trained on."""
+    original_max_position_embeddings: int
+    """The pre-training context length."""
+    beta_fast: float = 32.0
+    """Dimensions turning more than this many times over the context are kept."""
+    beta_slow: float = 1.0
+    """Dimensions turning fewer than this many times are fully interpolated."""
+    mscale: float | None = None
+    """Magnitude-correction multiplier of the cosine/sine table (with ``mscale_all_dim``)."""
+    mscale_all_dim: float | None = None
+    """The same for every query/key dimension: divides the table's correction and multiplies
+    the softmax scale (squared) of models that apply it (DeepSeek-V3)."""
+    attention_factor: float | None = None
+    """Explicit cosine/sine scale (None: from ``factor``, ``mscale``, ``mscale_all_dim``)."""
+    truncate: bool = True
+    """Round the ramp's ends to whole dimensions (HF's default)."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1.0 or self.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"invalid YarnRopeScaling {self}: expected factor >= 1 and "
+                "original_max_position_embeddings >= 1"
+            )
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """The factor the cosine/sine table is multiplied by."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return _yarn_mscale(self.factor)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """Multiplier of the softmax scale for models that apply ``mscale_all_dim``."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+    def frequencies(self, head_dim: int, theta: float) -> torch.Tensor:
+        """The scaled inverse frequencies of the rotary dimensions.
+
+        Args:
+            head_dim: Rotary size of a head (even).
+            theta: RoPE base frequency.
+
+        Returns:
+            ``(head_dim // 2,)`` float32 inverse frequencies (radians per position).
+        """
+        base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        kept = 1.0 / base
+        scaled = 1.0 / (self.factor * base)
+        context = self.original_max_position_embeddings
+
+        def dim_turning(turns: float) -> float:
+            # the rotary dimension whose wavelength fits ``turns`` times in the context
+            return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_turning(self.beta_fast), dim_turning(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # a step instead of a ramp
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp
+        return scaled * (1 - keep) + kept * keep
+
+
 @dataclass(kw_only=True)
 class DecoderArgs:
     """Shape and options of a :class:`Decoder`.
@@ -115,8 +210,8 @@ class DecoderArgs:
     """RMSNorm epsilon."""
     rope_theta: float = 500000.0
     """RoPE base frequency."""
-    rope_scaling: RopeScaling | None = None
-    """Llama 3.1-style RoPE scaling, or None for plain RoPE (Llama 3.0, Qwen 3)."""
+    rope_scaling: RopeScaling | YarnRopeScaling | None = None
+    """Llama 3.1-style RoPE scaling, YaRN, or None for plain RoPE (Llama 3.0, Qwen 3)."""
     max_seq_len: int = 2048
     """Longest sequence the RoPE table covers."""
     qk_norm: bool = False
@@ -169,7 +264,10 @@ def compute_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float
 
 
 def precompute_rope(
-    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: RopeScaling | YarnRopeScaling | None = None,
 ) -> torch.Tensor:
     """Cosine/sine table for rotary embeddings, shape ``(max_seq_len, head_dim // 2, 2)``.
 
@@ -177,7 +275,7 @@ def precompute_rope(
         head_dim: Per-head size (even).
         max_seq_len: Number of positions.
         theta: Base frequency.
-        scaling: Llama 3.1-style frequency scaling (None: none).
+        scaling: Llama 3.1-style frequency scaling or YaRN (None: none).
 
     Returns:
         ``table[..., 0]`` is cos, ``table[..., 1]`` is sin (float32).
@@ -185,11 +283,17 @@ def precompute_rope(
     See Also:
         :titan:`torchtitan.models.common.rope.precompute_freqs_cis`: TorchTitan's complex table.
     """
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if scaling is not None:
-        freqs = scaling.scale(freqs)
+    if isinstance(scaling, YarnRopeScaling):
+        freqs = scaling.frequencies(head_dim, theta)
+    else:
+        freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if scaling is not None:
+            freqs = scaling.scale(freqs)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    if isinstance(scaling, YarnRopeScaling) and scaling.cos_sin_scale != 1.0:
+        table = table * scaling.cos_sin_scale
+    return table
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -28,5 +28,6 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
 """DeepSeek-V3 sizes: ``tiny`` (tests: one dense and one MoE block, 8 experts in 2 groups),
 ``debugmodel`` (CPU runs) and ``671B`` (the published model at its 4096-token pre-training
 context: 61 blocks, 3 dense, 256 routed experts in 8 groups of which 4 are reachable, top 8,
-1 shared expert, routed scale 2.5, query rank 1536, KV rank 512). YaRN context extension is
-not part of this release."""
+1 shared expert, routed scale 2.5, query rank 1536, KV rank 512). YaRN context extension
+(the released checkpoint's ``rope_scaling``) comes with ``--model.flavor auto`` from its
+config.json, or as ``rope_scaling=YarnRopeScaling(...)``."""

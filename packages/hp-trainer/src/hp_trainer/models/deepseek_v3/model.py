@@ -18,7 +18,7 @@ from torch import nn
 
 from hp_cp_ep import MoEArgs
 from hp_trainer.models.common.attention import AttentionMasks, MaskSpec, attention
-from hp_trainer.models.common.decoder import RMSNorm, apply_rope
+from hp_trainer.models.common.decoder import RMSNorm, YarnRopeScaling, apply_rope
 from hp_trainer.models.common.moe_decoder import MoEDecoder, MoEDecoderArgs
 
 __all__ = ["DeepSeekV3", "DeepSeekV3Args", "MLAttention", "deepseek_v3_routing"]
@@ -98,6 +98,13 @@ class MLAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         #: which keys a query sees, as the architecture defines it (documents come per batch)
         self.mask_spec = MaskSpec()
+        #: softmax scale: SDPA's default (None), times YaRN's ``mscale_all_dim`` correction
+        self.softmax_scale: float | None = None
+        if isinstance(args.rope_scaling, YarnRopeScaling):
+            factor = args.rope_scaling.softmax_scale_factor
+            if factor != 1.0:
+                head = self.qk_nope_head_dim + self.qk_rope_head_dim
+                self.softmax_scale = head**-0.5 * factor
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, masks: AttentionMasks | None = None
@@ -116,7 +123,8 @@ class MLAttention(nn.Module):
 
         See Also:
             :pt:`torch.nn.functional.scaled_dot_product_attention` (scale
-            ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``).
+            ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times YaRN's
+            ``softmax_scale_factor`` with ``mscale_all_dim``).
         """
         B, S, _ = x.shape
         if self.wq is not None:
@@ -147,6 +155,7 @@ class MLAttention(nn.Module):
             v.transpose(1, 2),
             spec=self.mask_spec,
             masks=masks,
+            scale=self.softmax_scale,
         )
         out = out[..., : self.v_head_dim]
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
