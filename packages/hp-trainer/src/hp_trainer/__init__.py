@@ -23,6 +23,7 @@ from hp_trainer.components.converters import (
     build_model_converters,
     register_model_converter,
 )
+from hp_trainer.components.converters.lora import LoRAConverter
 from hp_trainer.components.data.dataset import (
     ParallelAwareDataloader,
     TokenizedDataset,
@@ -30,6 +31,7 @@ from hp_trainer.components.data.dataset import (
 )
 from hp_trainer.components.data.streaming import StreamingTextLoader
 from hp_trainer.components.expert_load import ExpertLoadTracker
+from hp_trainer.components.ft import FTManager
 from hp_trainer.components.hf_io.adapters import DecoderStateDictAdapter, StateDictAdapter
 from hp_trainer.components.lr import LRSchedulersContainer, build_lr_schedulers, lr_factor
 from hp_trainer.components.metrics import MetricsProcessor, get_peak_flops
@@ -46,6 +48,7 @@ from hp_trainer.config import (
     CompileConfig,
     ConfigManager,
     DataConfig,
+    FaultToleranceConfig,
     JobConfig,
     JobSection,
     LoRAConfig,
@@ -124,6 +127,8 @@ __all__ = [
     "DeepSeekV3Args",
     "DeepSeekV3StateDictAdapter",
     "ExpertLoadTracker",
+    "FTManager",
+    "FaultToleranceConfig",
     "HostBufferPool",
     "HuggingFaceTokenizer",
     "HyperTrainerConfig",
@@ -135,6 +140,7 @@ __all__ = [
     "LRSchedulersState",
     "Llama3StateDictAdapter",
     "LoRAConfig",
+    "LoRAConverter",
     "MaskSpec",
     "MetricsCallback",
     "MetricsConfig",

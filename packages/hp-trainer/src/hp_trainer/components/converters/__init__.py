@@ -11,8 +11,7 @@ optional dependencies (torchao, peft) are imported only when a job asks for it.
 :func:`register_model_converter` adds a converter class under a new name.
 
 See Also:
-    TorchTitan's ``torchtitan.protocols.model_converter`` (``ModelConverter``,
-    ``register_model_converter``, ``build_model_converters``): the protocol this follows.
+    :titan:`torchtitan.protocols.model_converter`: TorchTitan's protocol, which this follows.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ class ModelConverter(Protocol):
     after each optimizer step (on every model part under pipeline parallel).
 
     See Also:
-        TorchTitan's ``torchtitan.protocols.model_converter.ModelConverter``.
+        :titan:`torchtitan.protocols.model_converter.ModelConverter`.
     """
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None: ...
@@ -94,7 +93,7 @@ def register_model_converter(cls: type[Any], name: str) -> None:
         ValueError: When ``name`` is empty, holds a comma, or is already taken.
 
     See Also:
-        TorchTitan's ``torchtitan.protocols.model_converter.register_model_converter``.
+        :titan:`torchtitan.protocols.model_converter.register_model_converter`.
     """
     if not isinstance(cls, type):
         raise TypeError(f"register_model_converter expects a class, got {cls!r}")
@@ -176,7 +175,7 @@ class ModelConvertersContainer:
         ValueError: For an unknown converter name (the parser refuses it earlier).
 
     See Also:
-        TorchTitan's ``torchtitan.protocols.model_converter.ModelConvertersContainer``.
+        :titan:`torchtitan.protocols.model_converter.ModelConvertersContainer`.
     """
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -283,6 +282,6 @@ def build_model_converters(
         ValueError: For an unknown converter name.
 
     See Also:
-        TorchTitan's ``torchtitan.protocols.model_converter.build_model_converters``.
+        :titan:`torchtitan.protocols.model_converter.build_model_converters`.
     """
     return ModelConvertersContainer(job_config, parallel_dims)

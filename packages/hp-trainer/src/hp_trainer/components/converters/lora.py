@@ -22,7 +22,7 @@ export of the last step is the merged model, and the adapters are also written i
 (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 See Also:
-    TorchTitan's ``torchtitan.components.lora.LoRAConverter``; PEFT's ``LoraConfig`` and
+    :titan:`torchtitan.components.lora.LoRAConverter`; PEFT's ``LoraConfig`` and
     ``get_peft_model`` (the initialisation and file format followed here).
 """
 
@@ -237,7 +237,7 @@ def apply_lora(
             or a model that already has adapters.
 
     See Also:
-        PEFT's ``get_peft_model``; TorchTitan's ``LoRAConverter.convert``.
+        PEFT's ``get_peft_model``; :titan:`torchtitan.components.lora.LoRAConverter.convert`.
     """
     if any(isinstance(m, _LoRALinearMixin) for m in model.modules()):
         raise ValueError("the model already has LoRA adapters: convert it once")
@@ -292,7 +292,7 @@ class LoRAConverter:
             real weights' device before parallelisation).
 
     See Also:
-        TorchTitan's ``torchtitan.components.lora.LoRAConverter``.
+        :titan:`torchtitan.components.lora.LoRAConverter`.
     """
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
