@@ -144,6 +144,25 @@ def test_signatures_match_torch() -> None:
         (hp_pp.ScheduleDualPipeV.__init__, tpp.ScheduleDualPipeV.__init__),
         (hp_pp.PipelineScheduleRuntime.step, tsched.PipelineScheduleMulti.step),
         (hp_pp.PipelineScheduleRuntime.eval, tsched.PipelineScheduleMulti.eval),
+        (hp_pp.PipelineStage.forward_one_chunk, tpp.PipelineStage.forward_one_chunk),
+        (hp_pp.PipelineStage.backward_one_chunk, tpp.PipelineStage.backward_one_chunk),
+        (
+            hp_pp.PipelineStage.backward_weight_one_chunk,
+            tpp.PipelineStage.backward_weight_one_chunk,
+        ),
+        (hp_pp.build_stage, tpp.build_stage),
+        (
+            hp_pp.PipelineScheduleRuntime.register_custom_function,
+            tsched._PipelineScheduleRuntime.register_custom_function,
+        ),
+        (
+            hp_pp.PipelineScheduleRuntime._prepare_schedule_with_comms,
+            tsched._PipelineScheduleRuntime._prepare_schedule_with_comms,
+        ),
+        (
+            hp_pp.PipelineScheduleRuntime._load_csv,
+            tsched._PipelineScheduleRuntime._load_csv,
+        ),
     ]
     for ours, theirs in pairs:
         assert params(ours) == params(theirs), ours

@@ -23,8 +23,10 @@ from hp_pp.split import (
     split_module_by_fqns,
 )
 from hp_pp.stage import PipelineStage
+from hp_pp.traced import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 
 __all__ = [
+    "Pipe",
     "PipelineExecutor",
     "PipelineScheduleMulti",
     "PipelineScheduleRuntime",
@@ -38,11 +40,15 @@ __all__ = [
     "ScheduleLoopedBFS",
     "ScheduleMPipe",
     "ScheduleZBVZeroBubble",
+    "SplitPoint",
     "TensorChunkSpec",
     "TransposedPreprocess",
+    "build_stage",
     "generate_llm_fqn_per_model_part",
     "get_schedule_class",
     "merge_chunks",
+    "pipe_split",
+    "pipeline",
     "pipeline_llm",
     "pipeline_module_split",
     "split_args_kwargs_into_chunks",

@@ -311,6 +311,11 @@ class PipelineExecutor:
                     )
         self._batches: list[_Batch] = []
         self._pending_recv: dict[tuple[str, int, int], list[_Batch]] = {}
+        #: ``{action type: fn(action, context)}``: run instead of the built-in work of those
+        #: actions (the schedule's ``register_custom_function``).
+        self.custom_functions: dict[ActionType, Callable[..., None]] = {}
+        #: What a custom function gets as its second argument (set by the schedule per step).
+        self.context: Any = None
 
     @property
     def compute_actions(self) -> list[Action]:
@@ -355,9 +360,20 @@ class PipelineExecutor:
             elif step.type is ActionType.OVERLAP_F_B:
                 # DualPipeV's overlapped pair: its sub-actions, in order.
                 assert step.sub_actions is not None
-                for sub in step.sub_actions:
-                    self._run_compute(sub, pos)
-                    pos += 1
+                custom = self.custom_functions.get(ActionType.OVERLAP_F_B)
+                if custom is not None:
+                    # The pair's receives are waited for before, its hand-overs done after.
+                    for k, sub in enumerate(step.sub_actions):
+                        self._before_compute(sub, pos + k)
+                    self.events.append(("OVERLAP_F_B", step.stage_index, -1))
+                    custom(step, self.context)
+                    for sub in step.sub_actions:
+                        self._after_compute(sub, None)
+                    pos += len(step.sub_actions)
+                else:
+                    for sub in step.sub_actions:
+                        self._run_compute(sub, pos)
+                        pos += 1
                 self._reap()
             elif step.type.is_compute:
                 self._run_compute(step, pos)
@@ -550,6 +566,11 @@ class PipelineExecutor:
         if action.type in _PRE_KINDS:
             self._run_preprocess(action)
             return
+        custom = self.custom_functions.get(action.type)
+        if custom is not None:
+            self.events.append((action.type.value, action.stage_index, -1))
+            custom(action, self.context)
+            return
         stage = self.stages[action.stage_index]
         kind = action.type
         if kind is ActionType.UNSHARD:
@@ -566,6 +587,37 @@ class PipelineExecutor:
     # -- compute ----------------------------------------------------------------------------
 
     def _run_compute(self, action: Action, pos: int) -> None:
+        if action.type is not _F and not self._backward:
+            return
+        self._before_compute(action, pos)
+        custom = self.custom_functions.get(action.type)
+        if custom is not None:
+            custom(action, self.context)
+            self._after_compute(action, None)
+            return
+        stage = self.stages[action.stage_index]
+        mb = action.microbatch_index
+        assert mb is not None
+        if action.type is _F:
+            args = self._args[mb] if stage.is_first else ()
+            pre = self.preprocess
+            if stage.is_first and pre is not None and mb in pre.runner_of:
+                if stage.received_parts("PRE", mb):
+                    self._wait_recv("PRE", stage, mb)
+                    pre.put_received(mb, stage.take_received_preprocess(mb))
+                with pre.shipped(stage, mb):
+                    output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
+            else:
+                output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
+            self._after_compute(action, output)
+        elif action.type in (_B, _I):
+            stage.backward_one_chunk(mb, full_backward=action.type is _B)
+            self._after_compute(action, None)
+        elif action.type is _W:
+            stage.backward_weight_one_chunk(mb)
+
+    def _before_compute(self, action: Action, pos: int) -> None:
+        """Wait for the receives ``action`` needs and mark the stage's last backward."""
         stage = self.stages[action.stage_index]
         mb = action.microbatch_index
         assert mb is not None
@@ -581,47 +633,44 @@ class PipelineExecutor:
                 self._wait_recv("F", stage, mb)
                 stage.take_received_activations(mb)
             self.events.append(("F", s, mb))
-            args = self._args[mb] if stage.is_first else ()
-            pre = self.preprocess
-            if stage.is_first and pre is not None and mb in pre.runner_of:
-                if stage.received_parts("PRE", mb):
-                    self._wait_recv("PRE", stage, mb)
-                    pre.put_received(mb, stage.take_received_preprocess(mb))
-                with pre.shipped(stage, mb):
-                    output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
-            else:
-                output = stage.forward_one_chunk(mb, args, self._kwargs[mb])
+            return
+        if action.type in (_B, _I) and not stage.is_last and not stage.is_local(s + 1):
+            if stage.has_posted_recv_grads(mb):
+                self.events.append(("wait_recv_b", s, mb))
+                self._wait_recv("B", stage, mb)
+                stage.take_received_grads(mb)
+            elif not stage.has_output_grads(mb):
+                raise ValueError(
+                    f"action {action}: stage {s} backward of micro-batch {mb} has no "
+                    f"{s}RECV_B{mb} before it in the table"
+                )
+        if stage.fsdp is not None:
+            stage.fsdp.set_last_backward(self._last_weight_action.get(s) == pos)
+        self.events.append((action.type.value, s, mb))
+
+    def _after_compute(self, action: Action, output: Any) -> None:
+        """Hand ``action``'s results on: a forward's outputs to a next stage on this rank or
+        to the loss; a backward's input gradients to a previous stage on this rank."""
+        stage = self.stages[action.stage_index]
+        mb = action.microbatch_index
+        assert mb is not None
+        s = stage.stage_index
+        if action.type is _F:
+            if not stage.has_forward(mb):
+                raise RuntimeError(
+                    f"action {action}: stage {s} kept no output of micro-batch {mb} (a custom "
+                    "forward must run stage.forward_one_chunk or its equivalent)"
+                )
             if stage.is_last:
+                if output is None:
+                    flat = stage.outputs_of(mb)
+                    output = flat[0] if len(flat) == 1 else flat
                 self._maybe_loss(stage, mb, output)
             elif stage.is_local(s + 1):
                 self.stages[s + 1].set_local_inputs(mb, stage.outputs_of(mb))
-            return
-        if not self._backward:
-            return
-        if action.type in (_B, _I):
-            if not stage.is_last and not stage.is_local(s + 1):
-                if stage.has_posted_recv_grads(mb):
-                    self.events.append(("wait_recv_b", s, mb))
-                    self._wait_recv("B", stage, mb)
-                    stage.take_received_grads(mb)
-                elif not stage.has_output_grads(mb):
-                    raise ValueError(
-                        f"action {action}: stage {s} backward of micro-batch {mb} has no "
-                        f"{s}RECV_B{mb} before it in the table"
-                    )
-            if stage.fsdp is not None:
-                stage.fsdp.set_last_backward(self._last_weight_action.get(s) == pos)
-            self.events.append((action.type.value, s, mb))
-            stage.backward_one_chunk(mb, full_backward=action.type is _B)
-            if not stage.is_first and stage.is_local(s - 1):
-                self.stages[s - 1].set_local_output_grads(mb, stage.input_grads_of(mb))
-                stage.drop_input_grads(mb)
-            return
-        if action.type is _W:
-            if stage.fsdp is not None:
-                stage.fsdp.set_last_backward(self._last_weight_action.get(s) == pos)
-            self.events.append(("W", s, mb))
-            stage.backward_weight_one_chunk(mb)
+        elif action.type in (_B, _I) and not stage.is_first and stage.is_local(s - 1):
+            self.stages[s - 1].set_local_output_grads(mb, stage.input_grads_of(mb))
+            stage.drop_input_grads(mb)
 
     def _maybe_loss(self, stage: PipelineStage, mb: int, output: Any) -> None:
         if self._loss_fn is None:

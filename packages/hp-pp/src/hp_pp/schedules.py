@@ -21,6 +21,7 @@ See Also:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,6 +40,7 @@ from hp_pp.transport import defer_receives
 from hp_pp.validate import check_schedule
 
 __all__ = [
+    "PipelineContext",
     "PipelineScheduleMulti",
     "PipelineScheduleRuntime",
     "PipelineScheduleSingle",
@@ -132,6 +134,10 @@ class PipelineScheduleRuntime:
         self._preprocess_module: nn.Module | None = None
         self._preprocess_fqn = ""
         self._preprocess_trainable = True
+        self._pipeline_order: dict[int, list[Action | None]] = {}
+        self._pipeline_order_with_comms: dict[int, list[Action | None]] = {}
+        self._loaded: tuple[Any, Any] | None = None
+        self._custom_functions: dict[ActionType, Callable[[Action, PipelineContext], None]] = {}
         if actions is not None:
             self.load_actions(actions)
 
@@ -225,10 +231,153 @@ class PipelineScheduleRuntime:
                 f"per stage and micro-batch: {sorted(want)} (n_microbatches="
                 f"{self._n_microbatches})"
             )
-        self.pipeline_order: dict[int, list[Action | None]] = dict(actions)
-        #: The table as it runs, transfers included (``pipeline_order_with_comms`` in torch).
-        self.pipeline_order_with_comms: dict[int, list[Action | None]] = dict(runs)
+        executor.custom_functions = self._custom_functions
+        self._pipeline_order = {r: list(row) for r, row in actions.items()}
+        self._pipeline_order_with_comms = {r: list(row) for r, row in runs.items()}
+        self._loaded = (_frozen(self._pipeline_order), _frozen(self._pipeline_order_with_comms))
         self._executor = executor
+
+    @property
+    def pipeline_order(self) -> dict[int, list[Action | None]]:
+        """The compute table ``{rank: [Action | None, ...]}`` (torch's ``pipeline_order``).
+
+        Setting it (or changing it in place, as a ``PipelineScheduleMulti`` subclass with a
+        hand-written schedule does) makes it the schedule from the next step on: its entries
+        may be hp-pp :class:`~hp_pp.Action` objects, torch's ``_Action`` objects or their
+        compact notation (``"0F1"``); the stage placement is read from the table.
+        """
+        return self._pipeline_order
+
+    @pipeline_order.setter
+    def pipeline_order(self, table: dict[int, list[Any]]) -> None:
+        self._pipeline_order = _as_table(table, "pipeline_order")
+
+    @property
+    def pipeline_order_with_comms(self) -> dict[int, list[Action | None]]:
+        """The table as it runs, transfers included (torch's ``pipeline_order_with_comms``).
+
+        Setting it (or changing it in place) runs that table, transfers as written, from the
+        next step on.
+        """
+        return self._pipeline_order_with_comms
+
+    @pipeline_order_with_comms.setter
+    def pipeline_order_with_comms(self, table: dict[int, list[Any]]) -> None:
+        self._pipeline_order_with_comms = _as_table(table, "pipeline_order_with_comms")
+
+    def _sync_tables(self) -> None:
+        """Load ``pipeline_order`` / ``pipeline_order_with_comms`` when a caller set or
+        changed them since the last load (the compute table wins when both changed)."""
+        order = _as_table(self._pipeline_order, "pipeline_order")
+        with_comms = _as_table(self._pipeline_order_with_comms, "pipeline_order_with_comms")
+        loaded = self._loaded or ((), ())
+        if order and _frozen(order) != loaded[0]:
+            self._prepare_schedule_with_comms(order, format=_format_of(order))
+        elif with_comms and _frozen(with_comms) != loaded[1]:
+            self._prepare_schedule_with_comms(with_comms, format="compute_comms")
+
+    def _prepare_schedule_with_comms(
+        self, actions: dict[int, list[Any]], format: str = "compute_only"
+    ) -> None:
+        """Make ``actions`` the schedule, torch's way: ``format="compute_only"`` lowers a
+        compute table (transfers added), ``"compute_comms"`` runs a table whose transfers are
+        written out. The stage placement (loop or V) is read from the table.
+
+        Raises:
+            ValueError: a transfer in a ``"compute_only"`` table, a table whose stages sit
+                neither in the loop nor in the V placement, or any reason of
+                :meth:`load_actions`.
+            NotImplementedError: another ``format`` (as torch).
+
+        See Also:
+            :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
+        """
+        if format not in ("compute_only", "compute_comms"):
+            raise NotImplementedError(
+                f"format={format!r} is not implemented; expected 'compute_only' or 'compute_comms'"
+            )
+        table = _as_table(actions, "actions")
+        if format == "compute_only":
+            for rank, row in table.items():
+                for i, a in enumerate(row):
+                    if a is not None and a.type.is_communication:
+                        raise ValueError(
+                            f"format='compute_only' but rank {rank}'s action {i} is the "
+                            f"transfer {a} (use format='compute_comms' for a table with "
+                            "transfers)"
+                        )
+        self.load_actions(table, style=self._style_of(table))
+
+    def _load_csv(self, filename: str | Path, format: str = "compute_only") -> None:
+        """Read a schedule from a CSV file (one row per rank, torch's compact notation) and
+        make it the schedule (:meth:`_prepare_schedule_with_comms` with ``format``).
+
+        See Also:
+            :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
+        """
+        if format not in ("compute_only", "compute_comms"):
+            raise NotImplementedError(
+                f"format={format!r} is not implemented; expected 'compute_only' or 'compute_comms'"
+            )
+        self._prepare_schedule_with_comms(read_csv(filename), format=format)
+
+    def _style_of(self, table: dict[int, list[Action | None]]) -> str:
+        """The stage placement a table implies (the current one when it fits)."""
+        placed = {
+            (a.stage_index, rank)
+            for rank, row in table.items()
+            for a in row
+            if a is not None and not a.type.is_preprocess
+        }
+        candidates = [self._style] + [s for s in ("loop", "v") if s != self._style]
+        for style in candidates:
+            if style == "v" and self._num_stages != 2 * self._pp_size:
+                continue
+            if all(
+                generators.stage_to_rank(stage, self._pp_size, style) == rank
+                for stage, rank in placed
+            ):
+                return style
+        raise ValueError(
+            f"the table puts stages on ranks {sorted(placed)}, which is neither the loop "
+            f"placement (stage s on rank s % {self._pp_size}) nor the V placement"
+        )
+
+    def register_custom_function(
+        self,
+        computation_type: Any,
+        custom_function: Callable[[Action, PipelineContext], None],
+    ) -> None:
+        """Run ``custom_function(action, ctx)`` instead of the built-in work of every action
+        of ``computation_type``.
+
+        ``computation_type`` is an :class:`~hp_pp.ActionType` or torch's ``_ComputationType``
+        (``FORWARD``, ``FULL_BACKWARD``, ``BACKWARD_INPUT``, ``BACKWARD_WEIGHT``,
+        ``OVERLAP_F_B``, ``UNSHARD``, ``RESHARD`` or ``REDUCE_GRAD``). ``ctx`` is a
+        :class:`PipelineContext` (this schedule and the step's micro-batches). The executor
+        still waits for the action's receives before the call and hands its results on after
+        it: the stage's kept outputs to a next stage on this rank (and to ``loss_fn`` on the
+        last stage), the input gradients to a previous stage on this rank; so a custom
+        forward calls ``stage.forward_one_chunk`` (or does the same work) itself.
+
+        Raises:
+            ValueError: another computation type (transfers are the executor's).
+
+        See Also:
+            :pt:`torch.distributed.pipelining.schedules._PipelineScheduleRuntime`
+        """
+        kind = _action_type(computation_type)
+        if kind not in _CUSTOMIZABLE:
+            raise ValueError(
+                f"Invalid computation type {computation_type}: only FORWARD, FULL_BACKWARD, "
+                "BACKWARD_INPUT, BACKWARD_WEIGHT, OVERLAP_F_B, UNSHARD, RESHARD and REDUCE_GRAD "
+                "take a custom function"
+            )
+        if not callable(custom_function):
+            raise TypeError(
+                f"custom_function must be callable(action, ctx), got {custom_function!r}"
+            )
+        self._custom_functions[kind] = custom_function
 
     def _preprocess_for(
         self, actions: dict[int, list[Action | None]]
@@ -263,8 +412,12 @@ class PipelineScheduleRuntime:
     @property
     def executor(self) -> PipelineExecutor:
         """The executor of this rank's row (its ``events`` list shows the issue/wait order)."""
+        self._sync_tables()
         if self._executor is None:
-            raise ValueError("no action table loaded: call load_actions() or load_csv() first")
+            raise ValueError(
+                "no action table loaded: call load_actions() or load_csv(), or set "
+                "pipeline_order, first"
+            )
         return self._executor
 
     # -- running ----------------------------------------------------------------------------
@@ -361,11 +514,12 @@ class PipelineScheduleRuntime:
         if last_stage.is_last:
             # torch's rule: the last stage keeps its outputs only when they are returned.
             last_stage.save_forward_output = return_outputs
+        executor.context = PipelineContext(self, arg_chunks, kwarg_chunks, target_chunks, losses)
         mb_losses = executor.run(
             arg_chunks,
             kwarg_chunks,
             target_chunks,
-            self._loss_fn,
+            self._loss_fn if backward or target_chunks is not None else None,
             backward=backward,
             loss_kwargs=loss_kwargs,
         )
@@ -383,6 +537,83 @@ class PipelineScheduleRuntime:
             last.output_chunks.clear()
             return merge_chunks(chunks, self._output_merge_spec)
         return None
+
+
+@dataclass
+class PipelineContext:
+    """What a custom function registered with
+    :meth:`PipelineScheduleRuntime.register_custom_function` sees of the running step.
+
+    Attributes:
+        schedule_ref: The schedule running the step.
+        arg_mbs: The first stage's positional inputs per micro-batch.
+        kwarg_mbs: The keyword inputs per micro-batch.
+        target_mbs: The targets per micro-batch (``None`` without a target).
+        losses: The list given to ``step(losses=...)``, if any.
+
+    See Also:
+        :pt:`torch.distributed.pipelining.schedules._PipelineContext`
+    """
+
+    schedule_ref: PipelineScheduleRuntime
+    arg_mbs: list[tuple[Any, ...]] | None = None
+    kwarg_mbs: list[dict[str, Any]] | None = None
+    target_mbs: list[Any] | None = None
+    losses: list[Any] | None = None
+
+
+_CUSTOMIZABLE = frozenset(
+    {
+        ActionType.FORWARD,
+        ActionType.FULL_BACKWARD,
+        ActionType.BACKWARD_INPUT,
+        ActionType.BACKWARD_WEIGHT,
+        ActionType.OVERLAP_F_B,
+        ActionType.UNSHARD,
+        ActionType.RESHARD,
+        ActionType.REDUCE_GRAD,
+    }
+)
+
+
+def _action_type(kind: Any) -> ActionType:
+    """hp-pp's action type for an ``ActionType``, torch's ``_ComputationType`` or a suffix."""
+    if isinstance(kind, ActionType):
+        return kind
+    name = getattr(kind, "name", None)
+    if isinstance(name, str) and name in ActionType.__members__:
+        return ActionType[name]
+    if isinstance(kind, str):
+        try:
+            return ActionType(kind)
+        except ValueError:
+            pass
+    raise ValueError(f"unknown computation type {kind!r}")
+
+
+def _as_action(entry: Any) -> Action | None:
+    """An entry of a table: hp-pp's ``Action``, torch's ``_Action`` (read through its compact
+    notation), a string in that notation, or ``None``."""
+    if entry is None or isinstance(entry, Action):
+        return entry
+    return Action.parse(str(entry))
+
+
+def _as_table(table: Any, what: str) -> dict[int, list[Action | None]]:
+    if not isinstance(table, dict):
+        raise TypeError(f"{what} must be a dict {{rank: [actions]}}, got {type(table).__name__}")
+    return {int(r): [_as_action(a) for a in row] for r, row in table.items()}
+
+
+def _frozen(table: dict[int, list[Any]]) -> tuple[Any, ...]:
+    return tuple(
+        (r, tuple(None if a is None else str(a) for a in row)) for r, row in sorted(table.items())
+    )
+
+
+def _format_of(table: dict[int, list[Action | None]]) -> str:
+    explicit = any(a is not None and a.type.is_communication for row in table.values() for a in row)
+    return "compute_comms" if explicit else "compute_only"
 
 
 def _detached(output: Any) -> Any:
@@ -444,6 +675,11 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
     ``defer_pp_recv=True`` posts each receive only when its compute needs it (less memory for
     receive buffers, no receive posted ahead).
 
+    A custom schedule, torch's way: subclass it, call ``super().__init__(...)`` and set
+    ``self.pipeline_order = {rank: [actions]}`` (hp-pp ``Action`` objects, torch's ``_Action``
+    objects or strings such as ``"0F1"``), for every rank; the table is checked (NCCL's
+    point-to-point rules, missing work) and lowered with its transfers at the first step.
+
     See Also:
         :pt:`torch.distributed.pipelining.schedules.PipelineScheduleMulti`
     """
@@ -485,7 +721,10 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
             style=style,
             lookahead=0 if defer_pp_recv else 1,
         )
-        self.load_actions(self._generate(n_microbatches))
+        if self._schedule_name:
+            self.load_actions(self._generate(n_microbatches))
+        # A subclass without a built-in name writes its own table: it sets (or fills in
+        # place) ``pipeline_order``, torch's way, and the first step loads it.
 
     def _generate(self, n_microbatches: int) -> dict[int, list[Action | None]]:
         return generators.generate(
@@ -494,6 +733,36 @@ class PipelineScheduleMulti(PipelineScheduleRuntime):
             num_stages=self._num_stages,
             n_microbatches=n_microbatches,
         )
+
+
+class _ScheduleForwardOnly(PipelineScheduleSingle):
+    """Forward only: every micro-batch through the stages, no loss and no backward.
+
+    ``step`` takes the inputs (first stage) and returns the merged output (last stage), like
+    :meth:`PipelineScheduleRuntime.eval` without a target.
+
+    Raises:
+        RuntimeError: ``step`` got ``target=`` or ``losses=`` (as torch: no loss here).
+
+    See Also:
+        :pt:`torch.distributed.pipelining.schedules._ScheduleForwardOnly`
+    """
+
+    _schedule_name = "GPipe"
+
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Forward of the whole batch (see the class); returns the last stage's output."""
+        if target is not None or losses is not None:
+            raise RuntimeError("Forward-only schedule does not support loss computation")
+        return self._run(args, kwargs, None, None, return_outputs, loss_kwargs, backward=False)
 
 
 class ScheduleGPipe(PipelineScheduleSingle):

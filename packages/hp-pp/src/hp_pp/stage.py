@@ -564,19 +564,29 @@ class PipelineStage:
         )
 
     def forward_one_chunk(
-        self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
     ) -> Any:
-        """Run the submodule on micro-batch ``mb`` and keep what backward needs.
+        """Run the submodule on micro-batch ``fwd_chunk_id`` and keep what backward needs.
 
         Args:
-            mb: Micro-batch index.
+            fwd_chunk_id: Micro-batch index.
             args: The step's arguments for this micro-batch (first stage only; other stages
                 use what they received).
             kwargs: Keyword arguments for this micro-batch (every stage).
+            save_forward_output: Whether the last stage keeps the output for the step to
+                merge and return (it also needs the schedule's ``return_outputs``).
 
         Returns:
             The submodule's output.
+
+        See Also:
+            :pt:`torch.distributed.pipelining.stage._PipelineStageBase.forward_one_chunk`
         """
+        mb = fwd_chunk_id
         state = self._state(mb)
         inputs = args if self.is_first else state.inputs
         if inputs is None:
@@ -584,7 +594,7 @@ class PipelineStage:
                 f"stage {self.stage_index}: forward of micro-batch {mb} has no inputs (the "
                 "schedule has no receive or local hand-over before it)"
             )
-        output = self.submod(*inputs, **(kwargs or {}))
+        output = self._forward_submodule(tuple(inputs), kwargs or {})
         flat = _normalize_output(output)
         state.inputs = None
         state.input_leaves = [
@@ -593,10 +603,14 @@ class PipelineStage:
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
         ]
         state.outputs = flat
-        if self.is_last and self.save_forward_output:
+        if self.is_last and self.save_forward_output and save_forward_output:
             # Merged for the user after the step; detached so the graph does not outlive backward.
             self.output_chunks[mb] = _detach_output(output)
         return output
+
+    def _forward_submodule(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The submodule's forward on one micro-batch's inputs (a traced stage maps them)."""
+        return self.submod(*inputs, **kwargs)
 
     def outputs_of(self, mb: int) -> tuple[Any, ...]:
         """The flattened outputs of micro-batch ``mb``."""
@@ -688,17 +702,34 @@ class PipelineStage:
         self._state(mb).loss = loss
 
     def backward_one_chunk(
-        self, mb: int, loss: torch.Tensor | None = None, full_backward: bool = True
+        self,
+        bwd_chunk_id: int,
+        loss: torch.Tensor | None = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
     ) -> None:
-        """Backward of micro-batch ``mb``: all gradients, or (``full_backward=False``) only
-        the gradients of the inputs, leaving the weight gradients to
-        :meth:`backward_weight_one_chunk`.
+        """Backward of micro-batch ``bwd_chunk_id``: all gradients, or
+        (``full_backward=False``) only the gradients of the inputs, leaving the weight
+        gradients to :meth:`backward_weight_one_chunk`.
 
         The input-only backward splits the graph once (see :mod:`hp_pp._backward`): it
         computes the input gradients and records the gradients arriving at every node that
         feeds a weight, so the weight pass starts there and never walks the activation chain
         again (FLOPs of input + weight = one full backward).
+
+        Args:
+            bwd_chunk_id: Micro-batch index.
+            loss: The micro-batch's loss (last stage; default: the one its forward recorded).
+            full_backward: ``False``: input gradients only.
+            last_backward: ``True`` marks the stage's last backward of the step, so an FSDP
+                submodule reduces its gradients in it (the schedules mark it themselves).
+
+        See Also:
+            :pt:`torch.distributed.pipelining.stage._PipelineStageBase.backward_one_chunk`
         """
+        mb = bwd_chunk_id
+        if last_backward and self.fsdp is not None:
+            self.fsdp.set_last_backward(True)
         if loss is not None:
             self.set_loss(mb, loss)
         state = self._state(mb)
@@ -732,10 +763,26 @@ class PipelineStage:
             cut_from_graph([*roots, *(state.outputs or ())])
         self._release(mb, keep_for_weight=self.fsdp is not None)
 
-    def backward_weight_one_chunk(self, mb: int) -> None:
-        """Weight gradients of micro-batch ``mb`` (after a backward-input), accumulated into
-        the parameters' ``.grad``, from the gradients the backward-input recorded.
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """Weight gradients of micro-batch ``bwd_chunk_id`` (after a backward-input),
+        accumulated into the parameters' ``.grad``, from the gradients the backward-input
+        recorded.
+
+        Args:
+            bwd_chunk_id: Micro-batch index.
+            last_backward: ``True`` marks the stage's last weight pass of the step (an FSDP
+                submodule reduces its gradients in it; the schedules mark it themselves).
+
+        Raises:
+            RuntimeError: no ``backward_one_chunk(..., full_backward=False)`` of this
+                micro-batch before it.
+
+        See Also:
+            :pt:`torch.distributed.pipelining.stage._PipelineStageBase.backward_weight_one_chunk`
         """
+        mb = bwd_chunk_id
+        if last_backward and self.fsdp is not None:
+            self.fsdp.set_last_backward(True)
         state = self._state(mb)
         if not state.weight_pending:
             raise RuntimeError(
