@@ -108,7 +108,7 @@ def supports_context_parallel(spec: ModelSpec) -> bool:
     A spec opts in with a sharding table whose ``cp`` section places its buffers indexed by
     position (``ModelSpec.sharding``; its parallelize function applies that table), or, for
     a family without a table, ``extra["context_parallel"] = True`` (its parallelize function
-    then calls :func:`~hp_trainer.distributed.sharding.apply_sharding` with ``cp_mesh``
+    then calls :func:`hp_trainer.apply_sharding` with ``cp_mesh``
     itself). Its attention calls ``F.scaled_dot_product_attention`` (causal, no dense mask).
 
     Args:

@@ -49,8 +49,8 @@ def apply_sharding(
 
     The ``tp`` section over ``tp_mesh``, then the ``ep`` section over ``expert_mesh``, then the
     ``cp`` section: the placements of the buffers indexed by position, recorded on ``model`` for
-    :class:`~hp_trainer.distributed.context_parallel.ContextParallelStep`, which shards them
-    with the inputs every step (:func:`context_parallel_buffers` reads them back). A section
+    the trainer's context-parallel step, which shards them with the inputs every step
+    (:func:`hp_trainer.distributed.sharding.context_parallel_buffers` reads them back). A section
     whose mesh is None is skipped. Every module whose FQN matches a rule gets that rule's style
     (the first matching rule wins); a rule matching no module is not an error (a pipeline stage
     holds some modules only).
@@ -62,7 +62,7 @@ def apply_sharding(
         expert_mesh: Keyword-only; the experts' mesh: the EP mesh, the 2-D ``[ep, tp]`` mesh,
             or the TP mesh, as ``expert_layout`` says (None: the experts are not sharded).
         expert_layout: Keyword-only; one of
-            :data:`~hp_trainer.protocols.sharding.EXPERT_LAYOUTS` (default ``"ep"``), given to
+            ``hp_trainer.protocols.sharding.EXPERT_LAYOUTS`` (default ``"ep"``), given to
             the ``ep`` factories.
         cp_mesh: Keyword-only; the context-parallel mesh (None: no CP).
         dispatcher: Keyword-only; the expert dispatcher's options, over the table's
@@ -118,12 +118,16 @@ def apply_sharding(
 
 
 def context_parallel_buffers(model: nn.Module) -> dict[str, Shard]:
-    """The buffers :func:`apply_sharding` placed over the CP mesh: ``{fqn: Shard(seq_dim)}``.
+    """The buffers placed over the CP mesh by :func:`hp_trainer.apply_sharding`.
 
     Args:
-        model: A model (part) given to :func:`apply_sharding` with a ``cp_mesh``.
+        model: A model (part) given to :func:`hp_trainer.apply_sharding` with a ``cp_mesh``.
 
     Returns:
-        The placements (empty when CP was not applied to ``model``).
+        ``{buffer fqn: Shard(seq_dim)}`` (empty when CP was not applied to ``model``).
+
+    See Also:
+        :pt:`context_parallel <torch.distributed.tensor.experimental.context_parallel>`:
+        PyTorch's CP takes the buffers to shard per call (``buffers``, ``buffer_seq_dims``).
     """
     return dict(getattr(model, _CP_PLAN_ATTR, {}))

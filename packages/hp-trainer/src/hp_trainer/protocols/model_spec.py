@@ -59,7 +59,7 @@ class ModelSpec:
             parallelize function applies the CP placements itself).
         sharding: Keyword-style extension: the family's declarative sharding table (TP, EP
             and CP sections), the one its parallelize function gives to
-            :func:`~hp_trainer.distributed.sharding.apply_sharding`; a ``cp`` section declares
+            :func:`hp_trainer.apply_sharding`; a ``cp`` section declares
             the context-parallel path (None: no table).
 
     See Also:

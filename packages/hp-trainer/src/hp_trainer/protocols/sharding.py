@@ -2,7 +2,7 @@
 
 A family declares, per FQN pattern, what each matching module (or buffer) gets, in three
 sections applied by the one generic applier
-(:func:`hp_trainer.distributed.sharding.apply_sharding`):
+(:func:`hp_trainer.apply_sharding`):
 
 * ``tp``: tensor / sequence parallel styles over the TP mesh;
 * ``ep``: the routed experts' styles over the expert mesh (expert parallel, expert x tensor
@@ -76,7 +76,7 @@ class ShardingConfig:
         tp: The rules applied over the tensor-parallel mesh, in order.
         description: What the table shards (for error messages and docs).
         ep: Keyword-only; the routed experts' rules, applied over the expert mesh;
-            their factories receive ``expert_layout`` (one of :data:`EXPERT_LAYOUTS`) and
+            their factories receive ``expert_layout`` (one of ``EXPERT_LAYOUTS``) and
             ``dispatcher`` among the options.
         cp: Keyword-only; the buffers indexed by position (RoPE tables) and their
             placement over the context-parallel mesh (``Shard(seq_dim)``).

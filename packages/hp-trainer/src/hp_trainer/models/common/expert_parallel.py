@@ -62,6 +62,10 @@ def expert_style(options: Mapping[str, Any]) -> Any:
 
     Raises:
         ValueError: Dispatcher options with the ``"tp"`` layout (no dispatch).
+
+    See Also:
+        :titan:`torchtitan.distributed.expert_parallel`: TorchTitan's expert styles, chosen
+        in its parallelize code.
     """
     layout = options["expert_layout"]
     dispatcher = dict(options.get("dispatcher") or {})
