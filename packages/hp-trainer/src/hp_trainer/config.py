@@ -29,12 +29,15 @@ __all__ = [
     "ConfigManager",
     "DataConfig",
     "FaultToleranceConfig",
+    "Float8Config",
     "JobConfig",
     "JobSection",
     "LRSchedulerConfig",
     "LoRAConfig",
+    "MXConfig",
     "MetricsConfig",
     "ModelConfig",
+    "OffloadConfig",
     "OptimizerConfig",
     "ParallelismConfig",
     "ProfilingConfig",
@@ -238,6 +241,12 @@ class ParallelismConfig:
     (which frees them unless pipeline parallel is on)."""
     enable_symm_mem: bool = False
     """Use symmetric memory for FSDP collectives (CUDA with SM >= 9.0 only)."""
+    auto: bool = False
+    """Let the planner (:mod:`hp_trainer.planner`, ``hp-plan``) choose the degrees, pipeline
+    schedule, micro-batch size and AC mode for this world size; the degrees given are ignored."""
+    auto_device: str = ""
+    """Device profile the planner uses with ``auto`` (``h100``, ``h200``, ``ascend910b``,
+    ``cpu`` or a ``.toml`` path); empty: ``cpu`` on a CPU run, else named by the device."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "parallelism")
@@ -377,6 +386,24 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class OffloadConfig:
+    """Hyper-offload: optimizer state in host memory with the optimizer step run there.
+
+    See Also:
+        :pt:`torch.distributed.fsdp.CPUOffloadPolicy`: FSDP2's offload policy (parameters and
+        gradients as well, only under FSDP).
+    """
+
+    optimizer: bool = False
+    """Keep the optimizer state (and fp32 master weights) on the host and step there, group by
+    group; the device keeps the parameters it computes with (AdamW, Adam, SGD)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, bool):
+            _fail("offload", "optimizer", self.optimizer, "true or false")
+
+
+@dataclass(kw_only=True)
 class MoEConfig:
     """Mixture-of-experts options that override the model flavor's (MoE models only).
 
@@ -439,6 +466,80 @@ class LoRAConfig:
 
 
 @dataclass(kw_only=True)
+class Float8Config:
+    """Float8 training through torchao (``model.converters`` holding ``float8``).
+
+    Every ``nn.Linear`` not matched by :attr:`filter_fqns` becomes torchao's ``Float8Linear``
+    (its matmuls in float8 with dynamic scales); with FSDP, tensorwise weights can be
+    all-gathered in float8 (a quarter of the fp32 bytes). Needs ``hp-trainer[float8]``
+    (torchao); runs on CPU too (``torch._scaled_mm``).
+
+    See Also:
+        TorchTitan's ``Float8`` converter config (``recipe_name``,
+        ``enable_fsdp_float8_all_gather``, ``precompute_float8_dynamic_scale_for_fsdp``,
+        ``filter_fqns``, ``emulate``); torchao's ``Float8LinearConfig``.
+    """
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao's scaling recipe: ``tensorwise`` (one scale per tensor), ``rowwise`` (one scale
+    per row) or ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision)."""
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather the FSDP-sharded weights in float8 (tensorwise only; ignored without FSDP)."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """After each optimizer step, compute every float8 weight's scale in one all-reduce
+    (needs ``enable_fsdp_float8_all_gather``); otherwise each all-gather reduces its own."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Linear layers left in high precision: a layer is skipped when one of these strings
+    occurs in its fully qualified name (comma-separated on the command line; the default keeps
+    the output head, TorchTitan's ``output``). Layers whose dimensions are not divisible by 16
+    must be listed here, or the conversion is refused."""
+    emulate: bool = False
+    """Emulate the float8 matmuls in high precision (testing without float8 kernels)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "float8")
+        if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
+            _fail("float8", "enable_fsdp_float8_all_gather", True,
+                  f"false with recipe_name = {self.recipe_name!r} (the float8 all-gather needs "
+                  "the tensorwise recipe)")  # fmt: skip
+        if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
+            _fail("float8", "precompute_float8_dynamic_scale_for_fsdp", True,
+                  "false unless enable_fsdp_float8_all_gather = true (the precomputed scales are "
+                  "those of the float8 all-gather)")  # fmt: skip
+        if any(not isinstance(f, str) or not f.strip() for f in self.filter_fqns):
+            _fail("float8", "filter_fqns", self.filter_fqns, "a list of non-empty names")
+
+
+@dataclass(kw_only=True)
+class MXConfig:
+    """MXFP8 training through torchao (``model.converters`` holding ``mx``).
+
+    Every ``nn.Linear`` not matched by :attr:`filter_fqns` gets torchao's MXFP8 training weight
+    (32-element blocks sharing one power-of-two scale). The MXFP8 kernels need a CUDA device of
+    compute capability 10.0 or newer and Triton; elsewhere the converter refuses them, and the
+    emulated recipe (PyTorch-native quantization, high-precision matmuls) runs anywhere.
+
+    See Also:
+        TorchTitan's ``MXFP8`` converter config; torchao's ``MXFP8TrainingOpConfig``.
+    """
+
+    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil"] = (
+        "mxfp8_rceil"
+    )
+    """torchao's MXFP8 recipe: ``mxfp8_rceil`` (MXFP8 kernels), ``mxfp8_rceil_wgrad_with_hp``
+    (weight gradient in high precision) or ``mxfp8_emulated_rceil`` (emulated, any device)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Linear layers left in high precision (substring of the fully qualified name). Layers
+    whose dimensions are not divisible by 32 must be listed here, or the conversion is
+    refused."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "mx")
+        if any(not isinstance(f, str) or not f.strip() for f in self.filter_fqns):
+            _fail("mx", "filter_fqns", self.filter_fqns, "a list of non-empty names")
+
+
+@dataclass(kw_only=True)
 class FaultToleranceConfig:
     """Fault tolerance through torchft: replica groups coordinated by a lighthouse.
 
@@ -447,8 +548,8 @@ class FaultToleranceConfig:
     ``Manager``. See :doc:`/fault_tolerance`.
 
     See Also:
-        :titan:`torchtitan.config.job_config.FaultTolerance`: TorchTitan's
-        ``[fault_tolerance]`` section (same field names).
+        TorchTitan's ``[fault_tolerance]`` section (``FaultTolerance`` in its job config, the
+        same field names); torchft's ``Manager``.
     """
 
     enable: bool = False
@@ -768,10 +869,16 @@ class JobConfig:
     """Profiler traces and memory snapshots."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts overrides."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Hyper-offload of the optimizer to host memory."""
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     """Fault tolerance through torchft (replica groups, live recovery, LocalSGD/DiLoCo)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters (with ``model.converters = ["lora"]``)."""
+    float8: Float8Config = field(default_factory=Float8Config)
+    """Float8 training (with ``model.converters = ["float8"]``)."""
+    mx: MXConfig = field(default_factory=MXConfig)
+    """MXFP8 training (with ``model.converters = ["mx"]``)."""
 
     def __post_init__(self) -> None:
         self._check_document_masking()
