@@ -67,12 +67,14 @@ def _torch_engines(objects: dict[str, Any]) -> Iterator[None]:
     """Point every hp-trainer module's binding of an engine name at torch's object."""
     from hp_trainer import _parallel_api
 
+    # hp's objects read before anything is swapped (``_parallel_api`` itself is swapped too)
+    hp_objects = {name: getattr(_parallel_api, name) for name in objects}
     swapped: list[tuple[Any, str, Any]] = []
     for module in list(sys.modules.values()):
         if module is None or not getattr(module, "__name__", "").startswith("hp_trainer"):
             continue
         for name, torch_object in objects.items():
-            hp_object = getattr(_parallel_api, name)
+            hp_object = hp_objects[name]
             if getattr(module, name, None) is hp_object:
                 swapped.append((module, name, hp_object))
                 setattr(module, name, torch_object)
