@@ -25,6 +25,7 @@ from hp_cp_ep.ep.load_balance import (
     update_expert_bias,
 )
 from hp_cp_ep.ep.moe import MoE, MoEArgs, SharedExperts
+from hp_cp_ep.ep.replication import plan_hot_expert_replicas, update_hot_experts
 from hp_cp_ep.ep.router import Router, Routing, TokenChoiceTopKRouter, load_balancing_loss
 from hp_cp_ep.ep.stats import ExpertLoad, expert_load
 from hp_cp_ep.ep.style import ExpertParallel, ExpertTensorParallel, TensorParallel
@@ -52,6 +53,8 @@ __all__ = [
     "grouped_mm_supported",
     "load_balancing_loss",
     "moe_layers",
+    "plan_hot_expert_replicas",
     "register_expert_bias_update",
     "update_expert_bias",
+    "update_hot_experts",
 ]

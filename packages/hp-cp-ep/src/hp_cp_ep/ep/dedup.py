@@ -175,6 +175,17 @@ class DedupTokenDispatcher(TokenDispatcher):
         else:
             self.inter_size, self.intra_size = self.ep_size, 1
 
+    def replicate_hot_experts(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported with de-duplicated dispatch (use :class:`~hp_cp_ep.TokenDispatcher`).
+
+        Raises:
+            ValueError: Always.
+        """
+        raise ValueError(
+            "hot-expert replication is implemented for the plain TokenDispatcher; "
+            "DedupTokenDispatcher does not split a token's rows between expert copies"
+        )
+
     def _groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
         if self.node_groups is not None:
             return self.node_groups

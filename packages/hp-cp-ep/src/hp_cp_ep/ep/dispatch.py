@@ -31,12 +31,15 @@ See Also:
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
+
+from hp_dtensor import device as hp_device
 
 __all__ = ["BackwardOverlap", "DispatchedTokens", "TokenDispatcher", "all_to_all_tokens"]
 
@@ -358,6 +361,7 @@ class _DispatchState:
     output_splits: list[int]
     regroup: torch.Tensor | None  # (source, expert) -> (expert, source) row order
     pending: _PendingWork
+    order: torch.Tensor | None = None  # hot-expert replication: sent row -> source row
 
 
 class DispatchedTokens:
@@ -434,6 +438,9 @@ class TokenDispatcher:
         self.tp_group = tp_group
         self.ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         self._checked_peers = False
+        self._replicas: Any = None
+        self.last_received_rows = 0
+        """Rows this rank's experts received in the last dispatch (read on the host anyway)."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TokenDispatcher:
         # Process groups cannot be copied: a deep copy of a parallelized model (EMA weights,
@@ -500,7 +507,13 @@ class TokenDispatcher:
         if not self._checked_peers:
             self._check_peers(tokens.shape[-1], tokens.device)
         ep, local = self.ep_size, self.num_local_experts
-        counts = num_tokens_per_expert.to(torch.int64).view(ep, local)
+        replicas = self._replicas
+        if replicas is not None:  # rows of hot experts split between owner and replica slots
+            slot_counts, source_start = replicas.slot_counts(num_tokens_per_expert)
+            local = replicas.slots
+            counts = slot_counts.view(ep, local)
+        else:
+            counts = num_tokens_per_expert.to(torch.int64).view(ep, local)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts.contiguous(), group=self.ep_group)
         # The one host sync: rows sent to each peer, and rows received per (peer, local expert).
@@ -516,10 +529,15 @@ class TokenDispatcher:
                 + ("" if drop_tail else " (pass drop_tail=True to leave trailing rows unsent)")
             )
         tokens = tokens[:sent]
+        order = None
+        if replicas is not None:
+            order = _regroup_index_from(slot_counts, source_start, sent)
+            tokens = tokens.index_select(0, order)
+        self.last_received_rows = sum(output_splits)
         pending = _PendingWork()
         out = _AllToAllTokens.apply(tokens, output_splits, input_splits, self.ep_group, pending)  # type: ignore[no-untyped-call]
         regroup = _regroup_index(received, sum(output_splits)) if local > 1 else None
-        state = _DispatchState(input_splits, output_splits, regroup, pending)
+        state = _DispatchState(input_splits, output_splits, regroup, pending, order)
         return DispatchedTokens(out, received.sum(0), state, sizes=sizes)
 
     def combine(
@@ -551,8 +569,112 @@ class TokenDispatcher:
             )
             expert_out = expert_out.index_select(0, inverse)
         assert self.ep_group is not None
-        return _send_back(
+        out = _send_back(
             expert_out, state.input_splits, state.output_splits, self.ep_group, overlap
+        )
+        if state.order is not None:  # back to the rows' original (global expert) order
+            out = out.new_zeros(out.shape).index_copy(0, state.order, out)
+        return out
+
+    def replicate_hot_experts(
+        self, tokens_per_expert: torch.Tensor | Sequence[float], num_replicas: int
+    ) -> list[tuple[int, int]]:
+        """Give the ``num_replicas`` most loaded experts a copy on the least loaded ranks.
+
+        From then on each rank splits its rows for a hot expert evenly between the owner and
+        the replica (the owner takes the odd row), the replica's weights are fetched from the
+        owner in each forward (one all-to-all of ``K`` experts' weights, differentiable: the
+        replica's gradient is summed into the owner's in the backward), so training is the
+        same as without replication. The plan is computed on the host from ``tokens_per_expert``,
+        which must be the same on every rank (the group's load, as
+        :func:`hp_cp_ep.update_expert_bias` returns it); it is checked collectively (one small
+        all-gather). ``num_replicas=0`` removes the replicas.
+
+        Args:
+            tokens_per_expert: ``[E]`` load of every expert (e.g. ``ExpertLoad.tokens_per_expert``).
+            num_replicas: ``K`` experts to replicate, ``0 <= K <= E``.
+
+        Returns:
+            The plan: ``(expert, replica rank)`` pairs, most loaded expert first.
+
+        Raises:
+            ValueError: No expert-parallel group, ``K`` out of range, a load of the wrong length,
+                or ranks that computed different plans (on every rank).
+
+        See Also:
+            :func:`hp_cp_ep.plan_hot_expert_replicas`: the placement rule.
+        """
+        from hp_cp_ep.ep.replication import HotExpertReplicas, plan_hot_expert_replicas
+
+        if self.ep_group is None:
+            raise ValueError("replicate_hot_experts needs an expert-parallel group (ep > 1)")
+        loads = (
+            [float(v) for v in tokens_per_expert.tolist()]  # a host read, once per re-plan
+            if isinstance(tokens_per_expert, torch.Tensor)
+            else [float(v) for v in tokens_per_expert]
+        )
+        plan = plan_hot_expert_replicas(loads, self.ep_size, num_replicas)
+        _check_same_plan(plan, len(loads), self.ep_group)
+        self._replicas = None
+        if plan:  # its index tables built now, outside the step (no host sync in the forward)
+            replicas = HotExpertReplicas(plan, self.num_local_experts, self.ep_size, self.ep_group)
+            replicas._device_tables(_group_device(self.ep_group))
+            self._replicas = replicas
+        return plan
+
+    @property
+    def hot_expert_replicas(self) -> list[tuple[int, int]]:
+        """The current replication plan: ``(expert, replica rank)`` pairs (empty: none)."""
+        return [] if self._replicas is None else list(self._replicas.plan)
+
+    def local_weights(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's expert weights for the experts' compute: its own, then its replicas'.
+
+        Without replication the weights as given (``[E_local, ...]`` each); with it
+        ``[E_local + R, ...]`` where the ``R`` replica slots hold the hot experts' weights
+        fetched from their owners (differentiably) and zeros in unused slots.
+        """
+        if self._replicas is None:
+            return weights
+        fetched: tuple[torch.Tensor, ...] = self._replicas.fetch(weights)
+        return fetched
+
+
+def _regroup_index_from(
+    counts: torch.Tensor, source_start: torch.Tensor, total: int
+) -> torch.Tensor:
+    """Gather index laying out blocks of ``counts[i]`` rows from ``source_start[i]``, in order.
+
+    ``total`` (``counts.sum()``, known on the host) sizes the expansion: no host sync.
+    """
+    starts = torch.cumsum(counts, 0) - counts
+    positions = torch.arange(total, device=counts.device)
+    shift = source_start - starts
+    return positions + torch.repeat_interleave(shift, counts, output_size=total)
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device whose tensors ``group``'s collectives take (host for gloo)."""
+    if str(dist.get_backend(group)) == hp_device.BACKEND_GLOO:
+        return torch.device(hp_device.DEVICE_TYPE_CPU)
+    return hp_device.get_device()
+
+
+def _check_same_plan(
+    plan: list[tuple[int, int]], num_experts: int, group: dist.ProcessGroup
+) -> None:
+    """Every rank of ``group`` computed the same replication plan, or all raise."""
+    device = _group_device(group)
+    flat = [len(plan), *(v for pair in plan for v in pair)]
+    mine = torch.full((2 * num_experts + 1,), -1, dtype=torch.int64, device=device)
+    mine[: len(flat)] = torch.tensor(flat, dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    rows = [tuple(row) for row in torch.stack(table).tolist()]  # once per re-plan
+    if any(row != rows[0] for row in rows):
+        raise ValueError(
+            "replicate_hot_experts: ranks computed different plans (give every rank the same "
+            "tokens_per_expert, e.g. the group's ExpertLoad)"
         )
 
 

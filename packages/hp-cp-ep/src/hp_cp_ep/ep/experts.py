@@ -188,6 +188,9 @@ class GroupedExperts(nn.Module):
                 per-expert loop then splits the rows without a host sync.
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        local_weights = getattr(self.token_dispatcher, "local_weights", None)
+        if local_weights is not None:  # hot-expert replicas: own experts, then the replicas
+            w1, w2, w3 = local_weights(w1, w2, w3)
         if num_tokens_per_expert.numel() != w1.shape[0]:
             raise ValueError(
                 f"num_tokens_per_expert has {num_tokens_per_expert.numel()} entries but this "
