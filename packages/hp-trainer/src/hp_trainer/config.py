@@ -417,9 +417,21 @@ class MoEConfig:
     keeps the flavor's choice; ``batch`` balances the experts' load over the whole batch;
     ``sequence`` is DeepSeek-V3's sequence-wise balance loss (each sequence balanced on its own;
     needs ``parallelism.context_parallel_degree = 1``)."""
+    hot_expert_replicas: int = 0
+    """Extension: the ``K`` most loaded experts of each MoE layer get a copy on the least loaded
+    expert-parallel ranks (``hp_cp_ep.TokenDispatcher.replicate_hot_experts``; their rows split
+    between the copies, the replica's gradient summed into the owner's: training is unchanged).
+    0: off. Needs ``parallelism.expert_parallel_degree > 1``."""
+    hot_expert_update_interval: int = 10
+    """Extension: re-plan the replicas from the global expert load every this many steps."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "moe")
+        if self.hot_expert_replicas < 0 or self.hot_expert_update_interval < 1:
+            raise ValueError(
+                "moe.hot_expert_replicas must be >= 0 and moe.hot_expert_update_interval >= 1, "
+                f"got {self.hot_expert_replicas} and {self.hot_expert_update_interval}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -49,6 +49,7 @@ from hp_trainer.components.validation import Validator
 from hp_trainer.config import JobConfig
 from hp_trainer.distributed.context_parallel import ContextParallelStep
 from hp_trainer.distributed.layout_validation import validate_parallel_layout
+from hp_trainer.distributed.offload import offload_optimizers
 from hp_trainer.distributed.parallel_dims import parallel_dims_from_config
 from hp_trainer.distributed.pipeline import PipelinedStep
 from hp_trainer.models.common.document_mask import DocumentBoundaries
@@ -457,6 +458,10 @@ class LLMTrainer(BaseTrainer):
     """
 
     def __init__(self, job_config: JobConfig) -> None:
+        if job_config.parallelism.auto:  # the planner's layout for this world size
+            from hp_trainer.planner.auto import resolve_auto_layout
+
+            job_config = resolve_auto_layout(job_config, dist.get_world_size() if dist.is_initialized() else None)  # fmt: skip
         super().__init__(job_config)
         cfg = job_config
         par = cfg.parallelism
@@ -568,12 +573,16 @@ class LLMTrainer(BaseTrainer):
 
         # -- optimizer, schedule, data, metrics -------------------------------------------------
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
+        if cfg.offload.optimizer:  # hyper-offload: optimizer state and step in host memory
+            self.optimizers = offload_optimizers(self.optimizers, job_config=cfg)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, training.steps, cfg.lr_scheduler)
         # MoE: routing-bias update and expert-load metrics, counts summed over dp x cp
         self.expert_load = ExpertLoadTracker(
             self.model_parts,
             dims.get_mesh("dp_cp").get_group() if self.world_size > 1 else None,
             pipeline_group=dims.get_mesh("pp").get_group() if self.pipeline is not None else None,
+            hot_expert_replicas=cfg.moe.hot_expert_replicas,
+            hot_expert_update_interval=cfg.moe.hot_expert_update_interval,
         )
         self.dataset: TokenizedDataset | PreparedTokenDataset | None = None  # None: streamed
         self.dataloader: ParallelAwareDataloader | StreamingTextLoader

@@ -1,0 +1,201 @@
+"""What the cost model needs to know about a model: parameters by kind, FLOPs, activation sizes.
+
+Counted from the model itself, built on the meta device (no memory, a fraction of a second even
+for a 671B model), so every registered family is covered the same way the trainer builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModelStats", "model_stats"]
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Sizes of one model, per layer where layers differ (dense and MoE blocks).
+
+    Attributes:
+        name: ``model/flavor``.
+        n_layers: Transformer blocks.
+        dim: Hidden size.
+        n_heads: Query heads.
+        n_kv_heads: Key/value heads.
+        vocab_size: Vocabulary size.
+        tied: Whether the embedding and the LM head share a matrix.
+        embed_params: Parameters of the token embedding.
+        head_params: Parameters of the final norm and the LM head (0 for the head when tied).
+        layer_dense_params: Per block: parameters that every token uses (attention, dense FFN,
+            router, shared experts, norms).
+        layer_expert_params: Per block: parameters of the routed experts (all of them).
+        num_experts: Routed experts of a MoE block (0: dense model).
+        top_k: Experts per token.
+        layer_act_elems: Per block: activation elements per token kept for the backward
+            (inputs of the matmuls and of the nonlinearities), before any TP split.
+        layer_tp_split_elems: The part of ``layer_act_elems`` that tensor parallel splits (the
+            rest is the sequence-parallel part, split as well: TP shards the sequence there).
+        flops_per_token: Training FLOPs per token at ``seq_len`` (the trainer's MFU formula:
+            ``6 * active non-embedding params + 12 * layers * heads * head_dim * seq``).
+        seq_len: The sequence length ``flops_per_token`` is for.
+        kernels_per_layer: Operators one block's forward launches (the per-launch overhead).
+    """
+
+    name: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    tied: bool
+    embed_params: int
+    head_params: int
+    layer_dense_params: tuple[int, ...]
+    layer_expert_params: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    layer_act_elems: tuple[float, ...]
+    flops_per_token: float
+    seq_len: int
+    kernels_per_layer: int
+
+    @property
+    def total_params(self) -> int:
+        """All parameters."""
+        return (
+            self.embed_params
+            + self.head_params
+            + sum(self.layer_dense_params)
+            + sum(self.layer_expert_params)
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some block has routed experts."""
+        return self.num_experts > 0
+
+    def flops_per_token_at(self, seq_len: int) -> float:
+        """``flops_per_token`` for another sequence length (the attention term scales)."""
+        head_dim = self.dim // self.n_heads
+        attn = 12 * self.n_layers * self.n_heads * head_dim
+        return self.flops_per_token + attn * (seq_len - self.seq_len)
+
+
+def _linear_out(module: nn.Module) -> int:
+    """Output features of the linear layers under ``module`` (what each produces per token)."""
+    return sum(int(m.weight.shape[0]) for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int, float, int]:
+    """(dense params, expert params, experts, activation elements per token, kernels)."""
+    dense = expert = n_experts = 0
+    act = 0.0
+    kernels = 0
+    for name, child in block.named_children():
+        params = sum(p.numel() for p in child.parameters())
+        linears = sum(1 for m in child.modules() if isinstance(m, nn.Linear))
+        if params == 0:
+            continue
+        if sum(p.numel() for p in child.parameters(recurse=False)) == params and params <= 4 * dim:
+            # a norm: its input (and fp32 statistics) are kept
+            dense += params
+            act += 2 * dim
+            kernels += 4
+            continue
+        experts = getattr(child, "experts", None)
+        if isinstance(experts, nn.Module) and hasattr(child, "num_experts"):
+            n_experts = int(child.num_experts)
+            e_params = sum(p.numel() for p in experts.parameters())
+            expert += e_params
+            dense += params - e_params
+            hidden = e_params // (3 * n_experts * dim)
+            # per routed copy: gathered input, two projections, their SwiGLU product, output
+            act += top_k * (2 * dim + 4 * hidden)
+            rest = params - e_params
+            shared = getattr(child, "shared_experts", None)
+            if isinstance(shared, nn.Module):
+                sh = _linear_out(shared)
+                act += dim + sh + sh // 2  # SwiGLU: w1, w3 outputs and their product
+            act += n_experts + dim  # router scores, combined output
+            kernels += 30 + 3 * linears
+            del rest
+            continue
+        dense += params
+        out = _linear_out(child)
+        if "attention" in name or "attn" in name:
+            act += out + dim  # projections' outputs and the attention output
+            kernels += 12 + 3 * linears
+        else:
+            # SwiGLU: w1 and w3 outputs (= 2/3 of the outputs that are not the w2 output) and
+            # the gated product
+            inner = max(out - dim, 0)
+            act += out + inner // 2
+            kernels += 4 + 3 * linears
+    return dense, expert, n_experts, act, kernels
+
+
+def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
+    """Count a registered model's parameters, FLOPs and activation sizes.
+
+    Args:
+        model_name: A registered model (``llama3``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``).
+        flavor: A flavor name, or model arguments.
+        seq_len: The training sequence length.
+
+    Returns:
+        The statistics.
+
+    Raises:
+        ValueError: An unknown model or flavor (the message lists the known ones).
+
+    See Also:
+        :titan:`torchtitan.models.utils.get_dense_model_nparams_and_flops`: TorchTitan's count.
+    """
+    from hp_trainer.protocols.model_spec import get_model_spec
+
+    spec = get_model_spec(model_name)
+    args = spec.model_args(flavor) if isinstance(flavor, str) else flavor
+    flavor_name = flavor if isinstance(flavor, str) else "custom"
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    moe_args = getattr(args, "moe_args", None)
+    top_k = int(moe_args.top_k) if moe_args is not None else 0
+    dim = int(args.dim)
+    dense: list[int] = []
+    expert: list[int] = []
+    acts: list[float] = []
+    n_experts = 0
+    kernels = 0
+    for block in model.layers.values():  # type: ignore[operator]
+        d, e, n, a, k = _block_stats(block, dim, top_k)
+        dense.append(d)
+        expert.append(e)
+        acts.append(a)
+        n_experts = max(n_experts, n)
+        kernels = max(kernels, k)
+    tied = bool(getattr(args, "enable_weight_tying", False))
+    embed = sum(p.numel() for p in model.tok_embeddings.parameters())  # type: ignore[union-attr]
+    total = sum(p.numel() for p in model.parameters())
+    head = total - embed - sum(dense) - sum(expert)
+    return ModelStats(
+        name=f"{model_name}/{flavor_name}",
+        n_layers=int(args.n_layers),
+        dim=dim,
+        n_heads=int(args.n_heads),
+        n_kv_heads=int(getattr(args, "n_kv_heads", None) or args.n_heads),
+        vocab_size=int(args.vocab_size),
+        tied=tied,
+        embed_params=int(embed),
+        head_params=int(head),
+        layer_dense_params=tuple(dense),
+        layer_expert_params=tuple(expert),
+        num_experts=n_experts,
+        top_k=top_k,
+        layer_act_elems=tuple(acts),
+        flops_per_token=float(model.num_flops_per_token(seq_len)),  # type: ignore[operator]
+        seq_len=seq_len,
+        kernels_per_layer=kernels,
+    )
