@@ -132,6 +132,8 @@ def _train(folder: str, par: dict[str, Any], local_bs: int) -> Any:
             for n in names
             if "layers.0.attention.wq" in n or "layers.0.feed_forward.w2" in n
         }
+        if "tensor_parallel_degree" in par:  # the merged + PEFT export from FSDP x TP shards
+            trainer.checkpointer.export_hf(Path(folder) / "hf")
         return losses, trainer.grad_norms, final, frozen_same, grads, opt_states, opt_params, tp
     finally:
         trainer.close()
@@ -182,4 +184,32 @@ def test_lora_layouts_match_one_process(tmp_path: Path, case: str) -> None:
             assert tp["layers.0.feed_forward.w2_lora.lora_b.weight"][tp_dim] == Replicate()
     if pp > 1:
         assert sum(r[5] for r in results) == N_ADAPTER_PARAMS  # the stages hold all, once
+    if "tensor_parallel_degree" in par:
+        _check_export(tmp_path / "hf", ref_state)
     assert seen == set(ref_state)
+
+
+def _check_export(folder: Path, ref_state: dict[str, torch.Tensor]) -> None:
+    """The export written from FSDP x TP shards: merged weights == the one-process model's
+    base + scaling * B A; the PEFT adapter holds its A and B (B's rows in HF's rotary order)."""
+    from safetensors.torch import load_file
+
+    import hp_dcp
+    from hp_trainer import Llama3StateDictAdapter
+    from hp_trainer.components.converters.lora import (
+        merge_lora_state_dict,
+        peft_adapter_state_dict,
+    )
+
+    adapter = Llama3StateDictAdapter(_tiny_model().args)  # type: ignore[arg-type]
+    expected = adapter.to_hf(merge_lora_state_dict(ref_state, ALPHA / RANK))
+    exported = hp_dcp.load_hf_safetensors(folder)
+    assert set(exported) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-6, atol=1e-5)
+    peft_tensors = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+    expected_peft = peft_adapter_state_dict(ref_state, adapter)
+    assert len(peft_tensors) == N_ADAPTER_PARAMS
+    assert set(peft_tensors) == set(expected_peft)
+    for key, value in expected_peft.items():
+        torch.testing.assert_close(peft_tensors[key], value, rtol=1e-6, atol=1e-5)
