@@ -85,9 +85,9 @@ def _peak(trainer: Any, batch: Any) -> dict[str, int]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    class Live(TorchDispatchMode):
+    class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]
             self.live = 0
             self.peak = 0
             self.seen: set[int] = set()

@@ -66,7 +66,7 @@ def test_converted_model_starts_as_the_base_and_trains_adapters_only() -> None:
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(trainable) == N_ADAPTER_PARAMS
     assert all(is_lora_key(n) for n in trainable)
-    adapter = model.layers["0"].attention.wq_lora  # type: ignore[index]
+    adapter: Any = model.get_submodule("layers.0.attention.wq_lora")
     assert adapter.scaling == ALPHA / RANK
     assert torch.count_nonzero(adapter.lora_b.weight) == 0
     bound = 1.0 / math.sqrt(64)  # kaiming_uniform(a=sqrt(5)) on fan_in 64
@@ -75,7 +75,7 @@ def test_converted_model_starts_as_the_base_and_trains_adapters_only() -> None:
     assert a.abs().max() > 0.8 * bound
     model(x).sum().backward()
     assert all(p.grad is None for n, p in model.named_parameters() if not is_lora_key(n))
-    assert model.layers["0"].attention.wq_lora.lora_a.weight.grad is not None  # type: ignore[index]
+    assert adapter.lora_a.weight.grad is not None
 
 
 def test_bad_targets_and_meta_init_are_refused(tmp_path: Path) -> None:
@@ -88,6 +88,7 @@ def test_bad_targets_and_meta_init_are_refused(tmp_path: Path) -> None:
     cfg.model.init_device = "meta"
     with pytest.raises(ValueError, match=r"model\.init_device = 'meta' with the lora converter"):
         Trainer(cfg)
+    bad: dict[str, Any]
     for bad in ({"rank": 0}, {"alpha": 0}, {"dropout": 1.0}, {"target_modules": []}):
         with pytest.raises(ValueError, match="invalid config value lora"):
             ConfigManager().from_dict({"lora": bad})
@@ -163,7 +164,7 @@ def test_lora_layouts_match_one_process(tmp_path: Path, case: str) -> None:
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=0)
         for key, value in state.items():
             torch.testing.assert_close(
-                value, ref_state[key], rtol=1e-6, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+                value, ref_state[key], rtol=1e-6, atol=1e-5, msg=f"{key} differs"
             )
         seen |= set(state)
         assert frozen_same  # the base never moves

@@ -39,7 +39,7 @@ def _base_hf(folder: Path) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)  # not the seeded init the trainer would draw
-    adapter = Llama3StateDictAdapter(model.args)  # type: ignore[arg-type]
+    adapter = Llama3StateDictAdapter(model.args)
     hp_dcp.save_hf_safetensors(adapter.to_hf(model.state_dict()), out)
     (out / "config.json").write_text(json.dumps(adapter.hf_config()) + "\n")
     return out
