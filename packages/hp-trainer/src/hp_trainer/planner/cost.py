@@ -59,7 +59,6 @@ class LayoutCandidate:
         ac: Activation checkpointing: ``none``, ``selective`` (every second block), ``full``
             or ``swap`` (activations to host memory).
         offload_optimizer: Optimizer state on the host, the step run there.
-        offload_params: Parameters on the host, prefetched block by block.
         compute_dtype_bytes: Bytes per element of the compute dtype (2: bf16, 4: fp32).
     """
 
@@ -75,7 +74,6 @@ class LayoutCandidate:
     seq_len: int = 2048
     ac: ACMode = "none"
     offload_optimizer: bool = False
-    offload_params: bool = False
     compute_dtype_bytes: int = 2
 
     @property
@@ -250,9 +248,6 @@ def estimate_layout(
     if c.offload_optimizer:
         host += opt + 4 * rank_params  # moments + the fp32 master copy the host step updates
         opt = 0.0
-    if c.offload_params:
-        host += 4 * rank_params
-        mem["parameters"] = 4 * (2 * layer_params / shard)  # two blocks resident
     mem["optimizer"] = opt
     # gathered parameters / autocast copies in the compute dtype
     if fs > 1:
@@ -344,12 +339,9 @@ def estimate_layout(
         )
     else:
         t["optimizer"] = touched / profile.memory_bandwidth
-    if c.offload_params:
-        t["param_prefetch"] = max(0.0, 3 * 4 * rank_params * shard / c.tp / profile.host_bandwidth
-                                  - busy)  # fmt: skip
     if c.ac == "swap":
         t["swap"] = max(0.0, 2 * host / profile.host_bandwidth - busy)
-    step = busy + exposed + sum(t.get(k, 0.0) for k in ("optimizer", "param_prefetch", "swap"))
+    step = busy + exposed + sum(t.get(k, 0.0) for k in ("optimizer", "swap"))
 
     # ---- memory ---------------------------------------------------------------------------
     last_stage = True
