@@ -1,8 +1,8 @@
 """LoRA (``--model.converters lora``): adapters train, the base stays frozen, in every layout.
 
 - One process: the converted model computes exactly the base model's logits (B starts at 0);
-  A is Kaiming-uniform with PEFT's bound; only adapters are trainable; bad targets and meta
-  init are refused naming what exists.
+  A is Kaiming-uniform with PEFT's bound; only adapters are trainable; bad targets are refused
+  naming the linear layers that exist; a meta-built model gets its adapters initialised.
 - FSDP 2 and 3, FSDP x TP 2x2, PP 2: 3 steps equal one process (losses, gradient norms, every
   parameter at 1e-6 relative / 1e-5 absolute); the frozen base is bitwise unchanged; only
   adapters have gradients and optimizer state (counted); under TP each adapter is sharded as
@@ -78,20 +78,31 @@ def test_converted_model_starts_as_the_base_and_trains_adapters_only() -> None:
     assert adapter.lora_a.weight.grad is not None
 
 
-def test_bad_targets_and_meta_init_are_refused(tmp_path: Path) -> None:
+def test_bad_targets_are_refused() -> None:
     with pytest.raises(ValueError, match=r"'q_proj' matches no linear layer of Decoder; its linear "
                        r"layers are layers\.\*\.attention\.wk, .*, lm_head"):  # fmt: skip
         apply_lora(_tiny_model(), ["wq", "q_proj"])
     with pytest.raises(ValueError, match="'attention' matches no linear layer"):
         apply_lora(_tiny_model(), ["attention"])
-    cfg = lora_job(tmp_path, {}, run="meta")
-    cfg.model.init_device = "meta"
-    with pytest.raises(ValueError, match=r"model\.init_device = 'meta' with the lora converter"):
-        Trainer(cfg)
     bad: dict[str, Any]
     for bad in ({"rank": 0}, {"alpha": 0}, {"dropout": 1.0}, {"target_modules": []}):
         with pytest.raises(ValueError, match="invalid config value lora"):
             ConfigManager().from_dict({"lora": bad})
+
+
+def test_meta_init_initialises_the_adapters(tmp_path: Path) -> None:
+    cfg = lora_job(tmp_path, {}, run="meta", steps=2)
+    cfg.model.init_device = "meta"
+    trainer = Trainer(cfg)
+    adapter: Any = trainer.model.get_submodule("layers.1.feed_forward.w2_lora")
+    assert not adapter.lora_a.weight.is_meta
+    assert torch.count_nonzero(adapter.lora_b.weight) == 0
+    bound = 1.0 / math.sqrt(adapter.lora_a.in_features)
+    assert 0.8 * bound < adapter.lora_a.weight.abs().max() <= bound
+    losses = trainer.train()
+    trainer.close()
+    assert len(losses) == 2
+    assert torch.count_nonzero(adapter.lora_b.weight) > 0
 
 
 # -- parity ------------------------------------------------------------------------------------

@@ -555,6 +555,7 @@ class LLMTrainer(BaseTrainer):
                 part.to_empty(device=self.device)
                 torch.manual_seed(self.seed)
                 part.init_weights(buffer_device=self.device)  # type: ignore[operator]
+                self.model_converters.init_weights(part)  # e.g. LoRA's adapters
             else:
                 part.to(self.device)
             part.train()

@@ -206,7 +206,20 @@ class ModelConvertersContainer:
         for converter in self.converters:
             converter.post_optimizer_hook(model)
 
-    # -- optional converter methods (checkpointing) ---------------------------------------------
+    # -- optional converter methods (meta init, checkpointing) ----------------------------------
+
+    def init_weights(self, part: nn.Module) -> None:
+        """Initialise what the converters added, after a meta-built part got real storage.
+
+        ``model.init_device = "meta"``: the model's own ``init_weights`` knows nothing of the
+        converters' modules; each converter with an ``init_weights(part)`` method is called.
+
+        Args:
+            part: A model part after ``to_empty`` and its own ``init_weights``.
+        """
+        for conv in self.converters:
+            if hasattr(conv, "init_weights"):
+                conv.init_weights(part)
 
     def checkpoint_states(self) -> dict[str, Any]:
         """The converters that carry checkpoint state (``state_dict``/``load_state_dict``).

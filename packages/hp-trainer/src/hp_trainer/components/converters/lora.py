@@ -219,7 +219,8 @@ def apply_lora(
     """Add LoRA adapters to the targeted linear layers and freeze everything else (in place).
 
     Args:
-        model: The model, on a real device (not meta).
+        model: The model (on meta, the adapters are created on meta too: initialise them with
+            :meth:`LoRAConverter.init_weights` once the model has storage).
         target_modules: Names; a name matches a linear layer whose FQN equals it or ends with
             ``.name``.
         rank: Keyword-only; adapter rank.
@@ -233,8 +234,8 @@ def apply_lora(
 
     Raises:
         ValueError: A name matching no linear layer (the linear layers are listed), a parent
-            that is a container (``ModuleList``/``ModuleDict``/``Sequential``), a meta model,
-            or a model that already has adapters.
+            that is a container (``ModuleList``/``ModuleDict``/``Sequential``), or a model that
+            already has adapters.
 
     See Also:
         PEFT's ``get_peft_model``; :titan:`torchtitan.components.lora.LoRAConverter.convert`.
@@ -255,11 +256,6 @@ def apply_lora(
             )
         base = parent.get_submodule(leaf)
         assert isinstance(base, nn.Linear)
-        if base.weight.is_meta:
-            raise ValueError(
-                "LoRA needs the model's weights on a real device (model.init_device = 'cpu'); "
-                f"{fqn}.weight is on meta"
-            )
         adapter = LoRAAdapter(
             base.in_features,
             base.out_features,
@@ -287,21 +283,11 @@ class LoRAConverter:
         job_config: The configuration (``[lora]``, ``model.init_device``).
         parallel_dims: The job's parallel dimensions (the TP mesh, when TP is on).
 
-    Raises:
-        ValueError: With ``model.init_device = 'meta'`` (the adapters are initialised on the
-            real weights' device before parallelisation).
-
     See Also:
         :titan:`torchtitan.components.lora.LoRAConverter`.
     """
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        if job_config.model.init_device == "meta":
-            raise ValueError(
-                "invalid config value model.init_device = 'meta' with the lora converter: "
-                "expected 'cpu' (adapters are added to the initialised model before it is "
-                "parallelised)"
-            )
         self.config: LoRAConfig = job_config.lora
         self.tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.tp_enabled else None
         self.targets: list[str] = []
@@ -336,6 +322,20 @@ class LoRAConverter:
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing to do after a step: the adapters are ordinary parameters."""
+
+    def init_weights(self, part: nn.Module) -> None:
+        """Initialise the adapters of a meta-built part (``model.init_device = "meta"``).
+
+        Called after the part got real storage and its own ``init_weights``: ``A``
+        Kaiming-uniform, ``B`` zero, on whatever layout the parameters have (sharded DTensors
+        draw through DTensor's random-number tracker).
+
+        Args:
+            part: The model part.
+        """
+        for module in part.modules():
+            if isinstance(module, LoRAAdapter):
+                module.reset_parameters()
 
     # -- checkpoint state ---------------------------------------------------------------------
 
