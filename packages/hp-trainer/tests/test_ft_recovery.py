@@ -38,10 +38,11 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _lighthouse(procs: list[subprocess.Popen[str]]) -> str:
+def _lighthouse(procs: list[subprocess.Popen[str]], min_replicas: int = 1) -> str:
     cmd = [
         sys.executable, "-m", "hp_trainer.cli", "--lighthouse", "--bind", "[::]:0",
-        "--min_replicas", "1", "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "1500",
+        "--min_replicas", str(min_replicas), "--join_timeout_ms", "10000",
+        "--heartbeat_timeout_ms", "1500",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

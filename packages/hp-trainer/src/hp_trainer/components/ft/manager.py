@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -176,8 +177,8 @@ class FTManager:
             ``process_group_timeout_ms`` (the message names the address).
 
     See Also:
-        :titan:`torchtitan.components.ft.FTManager`: TorchTitan's wrapper of the torchft
-        ``Manager``.
+        TorchTitan's ``FTManager`` (``torchtitan.components.ft``), its wrapper of torchft's
+        ``Manager``; :pt:`torch.distributed.ProcessGroup` (what the managed group stands in for).
     """
 
     def __init__(self, trainer: Any) -> None:
@@ -244,6 +245,8 @@ class FTManager:
         )
         self.fields, self.fingerprint = config_fingerprint(job_config)
         self.manager.register_state_dict_fn("hp", self._load_state, self._state)
+        # on-disk checkpoints carry the manager's step and committed batches too
+        trainer.checkpointer.states["fault_tolerance"] = self
         self.committed = False
         self.healed_from_peer = 0
         """Times this group received the state of a live peer."""
@@ -252,6 +255,7 @@ class FTManager:
         self._checked_quorum: int | None = None
         self._positions: list[list[int]] = []
         self._cursor = 0
+        self._quorum_s = 0.0
         self._step_start_healed = 0
         self._trace: Path | None = None
         if cfg.trace:
@@ -335,11 +339,8 @@ class FTManager:
         """
         t = self.trainer
         manager = self.manager
-        if manager.current_step() < t.step:  # resumed from a checkpoint on disk
-            manager.load_state_dict(
-                {"step": t.step, "batches_committed": manager.batches_committed()}
-            )
         healed = self.healed_from_peer
+        started = time.perf_counter()
         if not self.semi_sync:
             manager.start_quorum()
             rank = manager.participating_rank()
@@ -347,6 +348,7 @@ class FTManager:
             self.num_replicas = max(manager.num_participants(), 1)
             self._check_quorum_config()
         self._step_start_healed = self.healed_from_peer - healed
+        self._quorum_s = time.perf_counter() - started
         micro = t.gradient_accumulation_steps
         loader = t.dataloader
         self._cursor = loader.samples_consumed
@@ -435,6 +437,8 @@ class FTManager:
                 "healed": self._step_start_healed,
                 "params": self.param_digest(),
                 "manager_step": self.manager.current_step(),
+                "quorum_s": round(self._quorum_s, 4),
+                "time": time.time(),
             }
             with self._trace.open("a") as f:
                 f.write(json.dumps(record) + "\n")

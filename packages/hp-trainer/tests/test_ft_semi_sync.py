@@ -1,0 +1,70 @@
+"""LocalSGD and DiLoCo through torchft: 2 replica groups x FSDP 2 (real hp-train launches)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+
+_spec = importlib.util.spec_from_file_location(
+    "hp_trainer_tests_ft_procs", Path(__file__).with_name("test_ft_recovery.py")
+)
+assert _spec is not None
+assert _spec.loader is not None
+_procs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_procs)
+_cleanup, _env, _lighthouse, _wait = _procs._cleanup, _procs._env, _procs._lighthouse, _procs._wait
+
+
+def _traces(tmp: Path, replica: int, rank: int) -> list[dict[str, Any]]:
+    path = tmp / f"g{replica}" / f"ft_trace_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
+def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
+    steps, sync = 6, 3
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        lighthouse = _lighthouse(procs, min_replicas=2)
+        groups = []
+        for replica in (0, 1):
+            cmd = [
+                sys.executable, "-m", "hp_trainer.cli", "--config", "debug_ft",
+                "--parallelism.data_parallel_shard_degree", "2",
+                "--training.steps", str(steps), "--metrics.log_freq", "1000",
+                "--metrics.enable_plot", "false",
+                "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2",
+                "--fault_tolerance.replica_id", str(replica),
+                "--fault_tolerance.lighthouse", lighthouse,
+                "--fault_tolerance.trace", "true",
+                "--fault_tolerance.semi_sync_method", method,
+                "--fault_tolerance.sync_steps", str(sync),
+                "--job.dump_folder", str(tmp_path), "--job.run_name", f"g{replica}",
+            ]  # fmt: skip
+            log = (tmp_path / f"g{replica}.log").open("w")
+            proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            procs.append(proc)  # type: ignore[arg-type]
+            groups.append(proc)
+        for replica, proc in enumerate(groups):
+            assert _wait(proc, 240, tmp_path, replica) == 0  # type: ignore[arg-type]
+    finally:
+        _cleanup(procs)
+    for rank in (0, 1):  # FSDP rank r of group 0 against FSDP rank r of group 1
+        a, b = _traces(tmp_path, 0, rank), _traces(tmp_path, 1, rank)
+        assert [r["step"] for r in a] == list(range(1, steps + 1))
+        for ra, rb in zip(a, b, strict=True):
+            if ra["step"] % sync == 0:  # after a sync: bitwise equal
+                assert ra["params"] == rb["params"], (rank, ra["step"])
+            else:  # between syncs each group trains on its own data
+                assert ra["params"] != rb["params"], (rank, ra["step"])
+        assert a[-1]["manager_step"] == steps // sync  # one committed sync each
+    # the two FSDP ranks of one group hold different shards
+    assert _traces(tmp_path, 0, 0)[-1]["params"] != _traces(tmp_path, 0, 1)[-1]["params"]
