@@ -153,7 +153,7 @@ def test_no_feasible_layout_lists_the_closest() -> None:
 
 
 def test_bad_input() -> None:
-    with pytest.raises(ValueError, match="unknown device profile 'tpu9'.*h100, h200"):
+    with pytest.raises(ValueError, match=r"unknown device profile 'tpu9'.*h100, h200"):
         plan_layouts("llama3", "8B", 8, "tpu9")
     assert {"h100", "h200", "ascend910b", "cpu"} <= set(available_device_profiles())
     with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):

@@ -23,7 +23,9 @@ from hp_trainer.components.converters import (
     build_model_converters,
     register_model_converter,
 )
+from hp_trainer.components.converters.float8 import Float8Converter
 from hp_trainer.components.converters.lora import LoRAConverter
+from hp_trainer.components.converters.mx import MXConverter
 from hp_trainer.components.data.dataset import (
     ParallelAwareDataloader,
     TokenizedDataset,
@@ -56,6 +58,7 @@ from hp_trainer.config import (
     MetricsConfig,
     ModelConfig,
     MoEConfig,
+    OffloadConfig,
     OptimizerConfig,
     ParallelismConfig,
     ProfilingConfig,
@@ -79,6 +82,7 @@ from hp_trainer.distributed.fsdp import (
     enable_fsdp_symm_mem,
     get_fsdp_reshard_after_forward_policy,
 )
+from hp_trainer.distributed.offload import OffloadedOptimizersContainer, offload_optimizers
 from hp_trainer.distributed.parallel_dims import ParallelDims
 from hp_trainer.distributed.sharding import apply_sharding
 from hp_trainer.distributed.swap import CheckpointPolicy, HostBufferPool, SwapManager
@@ -96,6 +100,14 @@ from hp_trainer.models.deepseek_v3 import (
 from hp_trainer.models.llama3 import Llama3StateDictAdapter, parallelize_llama
 from hp_trainer.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
 from hp_trainer.models.qwen3_moe import Qwen3MoE, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe
+from hp_trainer.planner import (
+    DeviceProfile,
+    LayoutCandidate,
+    LayoutEstimate,
+    estimate_layout,
+    load_device_profile,
+    plan_layouts,
+)
 from hp_trainer.protocols.model_spec import (
     ModelSpec,
     get_model_spec,
@@ -126,9 +138,11 @@ __all__ = [
     "DeepSeekV3",
     "DeepSeekV3Args",
     "DeepSeekV3StateDictAdapter",
+    "DeviceProfile",
     "ExpertLoadTracker",
     "FTManager",
     "FaultToleranceConfig",
+    "Float8Converter",
     "HostBufferPool",
     "HuggingFaceTokenizer",
     "HyperTrainerConfig",
@@ -138,9 +152,12 @@ __all__ = [
     "LRSchedulerConfig",
     "LRSchedulersContainer",
     "LRSchedulersState",
+    "LayoutCandidate",
+    "LayoutEstimate",
     "Llama3StateDictAdapter",
     "LoRAConfig",
     "LoRAConverter",
+    "MXConverter",
     "MaskSpec",
     "MetricsCallback",
     "MetricsConfig",
@@ -153,6 +170,8 @@ __all__ = [
     "ModelSpec",
     "ModelWrapper",
     "Muon",
+    "OffloadConfig",
+    "OffloadedOptimizersContainer",
     "OptimizerConfig",
     "OptimizersContainer",
     "OptimizersWrapper",
@@ -192,18 +211,22 @@ __all__ = [
     "create_context_parallel_ctx",
     "disable_fsdp_gradient_division",
     "enable_fsdp_symm_mem",
+    "estimate_layout",
     "get_fsdp_reshard_after_forward_policy",
     "get_hyper_optimizer",
     "get_model_spec",
     "get_peak_flops",
     "list_model_specs",
+    "load_device_profile",
     "load_documents",
     "lr_factor",
+    "offload_optimizers",
     "parallelize_deepseek_v3",
     "parallelize_llama",
     "parallelize_qwen3",
     "parallelize_qwen3_moe",
     "parse_args",
+    "plan_layouts",
     "register_model_converter",
     "register_model_spec",
     "register_spec",

@@ -107,7 +107,7 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
             continue
         experts = getattr(child, "experts", None)
         if isinstance(experts, nn.Module) and hasattr(child, "num_experts"):
-            n_experts = int(child.num_experts)
+            n_experts = int(getattr(child, "num_experts"))  # noqa: B009
             e_params = sum(p.numel() for p in experts.parameters())
             expert += e_params
             dense += params - e_params
@@ -177,7 +177,8 @@ def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
         n_experts = max(n_experts, n)
         kernels = max(kernels, k)
     tied = bool(getattr(args, "enable_weight_tying", False))
-    embed = sum(p.numel() for p in model.tok_embeddings.parameters())  # type: ignore[union-attr]
+    embedding: Any = model.tok_embeddings
+    embed = sum(p.numel() for p in embedding.parameters())
     total = sum(p.numel() for p in model.parameters())
     head = total - embed - sum(dense) - sum(expert)
     return ModelStats(

@@ -73,7 +73,7 @@ def write_overlay(
         The path written.
 
     See Also:
-        :titan:`torchtitan.config.manager.ConfigManager`: TorchTitan's TOML configs.
+        :titan:`torchtitan.config.ConfigManager`: TorchTitan's TOML configs.
     """
     lines = [f"# {line}" for line in header.splitlines()]
     for section, values in layout_overlay(model, flavor, estimate).items():

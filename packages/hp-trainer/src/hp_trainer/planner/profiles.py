@@ -7,6 +7,7 @@ sources of the published figures). ``hp-plan calibrate`` writes one measured on 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,10 +138,10 @@ def load_device_profile(name_or_path: str | Path) -> DeviceProfile:
                 "(hp-plan calibrate writes one)"
             )
         path = shipped
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
     with path.open("rb") as fh:
         data = tomllib.load(fh)
     known = {f.name for f in dataclasses.fields(DeviceProfile)} - {"source"}

@@ -7,7 +7,7 @@ exposed, so a cross-node TP never wins); HSDP whose shard group does not fill wh
 replicas would share a node's links); more pipeline stages than the model has parts; layouts
 whose parameters, gradients and optimizer state alone exceed the memory limit (a lower bound no
 schedule or AC mode can reduce; they are kept as "closest" candidates for the report). Every
-structure left is checked by the trainer's own :func:`~hp_trainer.validate_parallel_layout`
+structure left is checked by the trainer's own ``validate_parallel_layout``
 (the message of a refusal becomes the candidate's "why"), then expanded over the pipeline
 schedules, micro-batch sizes, AC modes and optimizer offload and estimated.
 """
@@ -196,7 +196,7 @@ def plan_layouts(
 
     Returns:
         The ranked estimates and the refused layouts (never empty when nothing fits: see
-        :meth:`PlanResult.closest`).
+        :meth:`~hp_trainer.planner.PlanResult.closest`).
 
     Raises:
         ValueError: An unknown device profile, model or flavor, or a non-positive size.
@@ -309,7 +309,7 @@ def _expand(result: PlanResult, base: LayoutCandidate, base_job: Any, args: Any,
         done = False
         for off in (False, True) if offload else (False,):
             for ac in ac_modes:
-                c = dataclasses.replace(cand, ac=ac, offload_optimizer=off)
+                c = dataclasses.replace(cand, ac=ac, offload_optimizer=off)  # type: ignore[arg-type]
                 e = estimate_layout(stats, c, profile, memory_limit=limit, optimizer=optimizer)
                 result.estimates.append(e)
                 if e.fits:
