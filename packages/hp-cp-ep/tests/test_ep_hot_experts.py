@@ -94,7 +94,7 @@ def _equal_training(num_experts: int, replicas: int) -> tuple[list[float], list[
     plain, plain_losses, plain_peaks = _train(num_experts, 0)
     replicated, losses, peaks = _train(num_experts, replicas)
     dispatcher = replicated.experts.token_dispatcher
-    assert len(dispatcher.hot_expert_replicas) == replicas
+    assert 1 <= len(dispatcher.hot_expert_replicas) <= replicas  # copies that help only
     assert dispatcher.hot_expert_replicas[0][0] == 0  # the skewed expert is the hottest
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), **EXACT)
     for name, param in replicated.named_parameters():
@@ -138,8 +138,9 @@ def test_plan_puts_hot_experts_on_least_loaded_ranks() -> None:
     assert plan_hot_expert_replicas(loads, 4, 0) == []
     assert plan_hot_expert_replicas(loads, 4, 1) == [(0, 1)]
     assert plan_hot_expert_replicas(loads, 4, 2) == [(0, 1), (1, 2)]
-    # one replica slot per rank: expert 6 (rank 3) gets the only free slot left, rank 0's
-    assert plan_hot_expert_replicas(loads, 4, 3) == [(0, 1), (1, 2), (6, 0)]
+    # expert 6 (rank 3, load 16) could only go to rank 0 (40 after two moves): skipped
+    assert plan_hot_expert_replicas(loads, 4, 3) == [(0, 1), (1, 2)]
+    assert plan_hot_expert_replicas([5.0, 1.0, 1.0, 4.0], 2, 1) == []  # 5 + 2.5 >= 6: no help
     assert plan_hot_expert_replicas(loads, 1, 2) == []  # one rank: nowhere to copy to
     with pytest.raises(ValueError, match=r"num_replicas must be in \[0, 8\], got 9"):
         plan_hot_expert_replicas(loads, 4, 9)

@@ -36,9 +36,11 @@ def plan_hot_expert_replicas(
 ) -> list[tuple[int, int]]:
     """Where the ``num_replicas`` most loaded experts get their copy: the least loaded ranks.
 
-    Experts are taken by load (ties: lower id first); each goes to the rank, other than its
-    owner and with a free replica slot, whose estimated load is lowest (ties: lower rank); the
-    estimate then moves half the expert's load from the owner to that rank.
+    The ``K`` most loaded experts are taken in load order (ties: lower id first); each goes
+    to the rank, other than its owner and with a free replica slot, whose estimated load is
+    lowest (ties: lower rank), and the estimate moves half the expert's load from the owner to
+    that rank. An expert whose copy would not leave both ranks below the owner's current load
+    is skipped, so the plan may hold fewer than ``K`` replicas.
 
     Args:
         tokens_per_expert: ``[E]`` loads; expert ``e`` lives on rank ``e // (E / ep_size)``.
@@ -75,6 +77,8 @@ def plan_hot_expert_replicas(
             (q for q in range(ep_size) if q != owner and free[q] > 0),
             key=lambda q: (rank_load[q], q),
         )
+        if rank_load[target] + loads[expert] / 2 >= rank_load[owner]:
+            continue  # a copy there would not lower the busier of the two ranks
         free[target] -= 1
         rank_load[owner] -= loads[expert] / 2
         rank_load[target] += loads[expert] / 2

@@ -9,7 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_cp_ep import ExpertLoad, expert_load, moe_layers, update_expert_bias
+from hp_cp_ep import (
+    ExpertLoad,
+    expert_load,
+    moe_layers,
+    update_expert_bias,
+    update_hot_experts,
+)
 from hp_dtensor import device as hp_device
 
 __all__ = ["ExpertLoadTracker", "collective_device", "format_expert_load"]
@@ -71,6 +77,14 @@ class ExpertLoadTracker:
         pipeline_group: Keyword-only extension: the pipeline group whose stages' loads are
             gathered (None: this rank holds every layer). Creating the tracker is then
             collective over it (a stage without MoE layers still joins the gathers).
+        hot_expert_replicas: Keyword-only extension: every ``hot_expert_update_interval``
+            steps, give the ``K`` most loaded experts of each layer a replica on the least
+            loaded EP ranks (:func:`hp_cp_ep.update_hot_experts`, from the step's global load).
+        hot_expert_update_interval: Keyword-only extension: steps between two re-plans.
+
+    Raises:
+        ValueError: ``hot_expert_replicas > 0`` and some MoE layer's experts are not expert
+            parallel (no EP group: nowhere to copy to).
 
     See Also:
         TorchTitan's :titan:`build_optimizers_with_moe_load_balancing` (its optimizer hook).
@@ -82,8 +96,23 @@ class ExpertLoadTracker:
         process_group: dist.ProcessGroup | None,
         *,
         pipeline_group: dist.ProcessGroup | None = None,
+        hot_expert_replicas: int = 0,
+        hot_expert_update_interval: int = 10,
     ) -> None:
         self.model_parts = list(model_parts)
+        self.hot_expert_replicas = hot_expert_replicas
+        self.hot_expert_update_interval = hot_expert_update_interval
+        self._steps = 0
+        if hot_expert_replicas:
+            for part in self.model_parts:
+                for name, layer in moe_layers(part).items():
+                    dispatcher = layer.experts.token_dispatcher
+                    if getattr(dispatcher, "ep_group", None) is None:
+                        raise ValueError(
+                            f"moe.hot_expert_replicas = {hot_expert_replicas} needs expert "
+                            f"parallelism, but the experts of {name!r} are not expert parallel "
+                            "(set parallelism.expert_parallel_degree > 1)"
+                        )
         self.process_group = process_group
         self.pipeline_group = pipeline_group
         self.enabled = any(moe_layers(part) for part in self.model_parts)
@@ -115,6 +144,10 @@ class ExpertLoadTracker:
         loads: dict[str, ExpertLoad] = {}
         for part in self.model_parts:
             loads.update(update_expert_bias(part, self.process_group))
+        self._steps += 1
+        if self.hot_expert_replicas and self._steps % self.hot_expert_update_interval == 0:
+            for part in self.model_parts:  # this rank's layers, from their global load
+                update_hot_experts(part, loads, self.hot_expert_replicas)
         if self.pipeline_group is not None:
             loads = self._gather_stages(loads, self.pipeline_group)
         self.loads = loads
