@@ -100,21 +100,29 @@ def _stage0(**kw: object) -> hp_pp.PipelineStage:
     return hp_pp.PipelineStage(nn.Linear(4, 4), 0, 2, torch.device("cpu"), **kw)  # type: ignore[arg-type]
 
 
-def test_output_shape_change_between_microbatches_raises_metadata_error() -> None:
+def test_smaller_microbatch_travels_padded_larger_or_other_dtype_raises() -> None:
     with fake_world(2, rank=0):
         stage = _stage0()
         stage.forward_one_chunk(0, (torch.randn(2, 4),))
         first = stage.activation_send_parts(0)
-        assert [p.ident[-1] for p in first] == ["meta", "data0"]
+        assert [p.ident[-1] for p in first] == ["meta", "shape", "data0"]
+        assert first[1].tensor.tolist() == [2, 4]
         stage.forward_one_chunk(1, (torch.randn(2, 4),))
-        assert [p.ident[-1] for p in stage.activation_send_parts(1)] == ["data0"]
-        stage.forward_one_chunk(2, (torch.randn(1, 4),))  # a shorter micro-batch
-        with pytest.raises(TorchMetadataError, match=r"micro-batch 2: outputs are .*\(1, 4\)"):
-            stage.activation_send_parts(2)
-        stage.submod.double()
-        stage.forward_one_chunk(3, (torch.randn(2, 4, dtype=torch.float64),))
-        with pytest.raises(hp_pp.PipeliningMetadataError, match="float64"):
+        assert [p.ident[-1] for p in stage.activation_send_parts(1)] == ["shape", "data0"]
+        short = torch.randn(1, 4)
+        out = stage.forward_one_chunk(2, (short,))  # a shorter micro-batch (uneven split)
+        parts = stage.activation_send_parts(2)
+        assert parts[0].tensor.tolist() == [1, 4]
+        assert parts[1].tensor.shape == (2, 4)  # padded to the described buffer
+        assert torch.equal(parts[1].tensor[:1], out.detach())
+        assert torch.equal(parts[1].tensor[1:], torch.zeros(1, 4))
+        stage.forward_one_chunk(3, (torch.randn(3, 4),))  # larger than the description
+        with pytest.raises(TorchMetadataError, match=r"micro-batch 3: outputs are .*\(3, 4\)"):
             stage.activation_send_parts(3)
+        stage.submod.double()
+        stage.forward_one_chunk(4, (torch.randn(2, 4, dtype=torch.float64),))
+        with pytest.raises(hp_pp.PipeliningMetadataError, match="float64"):
+            stage.activation_send_parts(4)
 
 
 def test_declared_outputs_mismatch_raises_metadata_error() -> None:
@@ -146,20 +154,106 @@ def _torch_uneven_step(schedule: str) -> tuple[str, Any]:
     return "returned", None if out is None else tuple(out.shape)
 
 
+def _hp_uneven_steps(schedule: str, stages_per_rank: int, batches: list[int]) -> Any:
+    """hp-pp's schedule on batches that 4 micro-batches do not divide (and one that it does):
+    per step, the losses and gradients (sum-reduced loss, scale_grads=False: the full
+    batch's gradients exactly) and the output, plus each step's point-to-point trace."""
+    from hp_pp import generators
+    from hp_pp.p2p_model import program_to_json
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    num_stages = ws * stages_per_rank
+    style = generators.STYLE[schedule]
+    indices = generators.rank_to_stages(rank, ws, num_stages, style)
+    torch.manual_seed(0)
+    mods = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(num_stages)]
+    stages = [hp_pp.PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in indices]
+    cls = hp_pp.get_schedule_class(schedule)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).sum()
+
+    one = stages[0] if schedule in ("GPipe", "1F1B") else stages
+    sched = cls(one, 4, loss_fn=loss_fn, scale_grads=False)  # type: ignore[arg-type]
+    steps = []
+    for step, rows in enumerate(batches):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 6, generator=g)
+        for m in mods:
+            m.zero_grad()
+        losses: list[torch.Tensor] = []
+        out = sched.step(
+            *((x,) if 0 in indices else ()),
+            target=y if num_stages - 1 in indices else None,
+            losses=losses,
+        )
+        grads = {
+            f"{s}.{k}": p.grad.clone()
+            for s in indices
+            for k, p in mods[s].named_parameters()
+            if p.grad is not None
+        }
+        steps.append((losses, grads, out, program_to_json(sched.executor.trace)))
+    return steps
+
+
+def _one_process_uneven(num_stages: int, rows: int, step: int) -> Any:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(num_stages)])
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 6, generator=g)
+    out = model(x)
+    ((out - y) ** 2).sum().backward()
+    losses = [
+        ((model(xm) - ym) ** 2).sum()
+        for xm, ym in zip(x.tensor_split(4), y.tensor_split(4), strict=True)
+    ]
+    grads = {f"{i}.{k}": p.grad for i, blk in enumerate(model) for k, p in blk.named_parameters()}
+    return losses, grads, out.detach()
+
+
+@pytest.mark.parametrize(
+    ("ws", "schedule", "per_rank"),
+    [(2, "GPipe", 1), (2, "1F1B", 1), (3, "1F1B", 1), (2, "Interleaved1F1B", 2)],
+)
+def test_uneven_microbatches_equal_one_process(ws: int, schedule: str, per_rank: int) -> None:
+    """Batches of 7 and 5 rows in 4 micro-batches (2,2,2,1 and 2,1,1,1; torch's split), then 8:
+    losses, gradients and outputs equal one process; each step's trace replays under NCCL's
+    rules. torch 2.13 cannot run these steps (below)."""
+    from hp_pp.p2p_model import program_from_json, replay
+
+    batches = [7, 5, 8]
+    per = run_distributed(_hp_uneven_steps, ws, schedule, per_rank, batches, timeout=120)
+    num_stages = ws * per_rank
+    for step, rows in enumerate(batches):
+        ref_losses, ref_grads, ref_out = _one_process_uneven(num_stages, rows, step)
+        grads = {k: g for r in range(ws) for k, g in per[r][step][1].items()}
+        assert set(grads) == set(ref_grads)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[k], rtol=1e-5, atol=1e-5)
+        last = next(r for r in range(ws) if per[r][step][2] is not None)
+        assert per[last][step][2].shape == (rows, 6)
+        torch.testing.assert_close(per[last][step][2], ref_out, rtol=1e-6, atol=1e-6)
+        for a, b in zip(per[last][step][0], ref_losses, strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+        report = replay({r: program_from_json(per[r][step][3]) for r in range(ws)})
+        assert report.ok, (step, report.problems)
+
+
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_torch_2_13_cannot_run_uneven_microbatches_across_ranks(schedule: str) -> None:
-    """Why hp-pp's schedules still refuse a batch n_microbatches does not divide: torch's own
-    schedule has no per-micro-batch shapes between stages. Stage 1 receives the short
-    micro-batch into a buffer of the first one's shape (its merged output has 8 rows for a
-    batch of 7) and stage 0's backward fails on the gradient's shape. Recorded on torch 2.13;
-    when this test starts failing, torch supports it and hp-pp should follow."""
+    """torch's own schedule has no per-micro-batch shapes between stages: stage 1 receives the
+    short micro-batch into a buffer of the first one's shape (its merged output has 8 rows for
+    a batch of 7) and stage 0's backward fails on the gradient's shape. Recorded on torch 2.13
+    (hp-pp runs the same step: the test above); when this test starts failing, torch
+    supports it."""
     results = run_distributed(_torch_uneven_step, 2, schedule, timeout=120)
     assert results[0][0] == "raised"
     assert "Failed to run stage backward" in results[0][1]
     assert results[1] == ("returned", (8, 6))
-    # hp-pp refuses the same step before any communication, naming both numbers.
+    # hp-pp refuses only a batch smaller than the micro-batch count.
     with fake_world(2, rank=0):
         stage = hp_pp.PipelineStage(nn.Linear(6, 6), 0, 2, torch.device("cpu"))
         sched = getattr(hp_pp, f"Schedule{schedule}")(stage, 4, loss_fn=nn.functional.mse_loss)
-        with pytest.raises(ValueError, match=r"batch size 7 .* n_microbatches=4"):
-            sched.step(torch.zeros(7, 6))
+        with pytest.raises(ValueError, match=r"batch size 3 .* smaller than n_microbatches=4"):
+            sched.step(torch.zeros(3, 6))

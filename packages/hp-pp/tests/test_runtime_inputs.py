@@ -43,9 +43,25 @@ def test_merge_with_reducer_and_structures() -> None:
     assert total == 3.0
 
 
-def test_uneven_batch_is_rejected_with_both_numbers() -> None:
-    with pytest.raises(ValueError, match=r"batch size 10 .* n_microbatches=4"):
-        hp_pp.split_args_kwargs_into_chunks((torch.zeros(10, 2),), None, 4)
+def test_uneven_batch_splits_as_torch_and_too_small_is_refused() -> None:
+    from torch.distributed.pipelining.microbatch import (
+        split_args_kwargs_into_chunks as torch_split,
+    )
+
+    x = torch.arange(20.0).reshape(10, 2)
+    mask = torch.arange(30).reshape(3, 10)
+    ours = hp_pp.split_args_kwargs_into_chunks(
+        (x,), {"mask": mask}, 4, None, {"mask": TorchChunkSpec(1)}
+    )
+    theirs = torch_split((x,), {"mask": mask}, 4, None, {"mask": TorchChunkSpec(1)})
+    assert [a[0].shape[0] for a in ours[0]] == [3, 3, 2, 2]
+    for a, b in zip(ours[0], theirs[0], strict=True):
+        assert torch.equal(a[0], b[0])
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        assert torch.equal(a["mask"], b["mask"])
+    assert torch.equal(hp_pp.merge_chunks([a[0] for a in ours[0]]), x)
+    with pytest.raises(ValueError, match=r"batch size 3 .* smaller than n_microbatches=4"):
+        hp_pp.split_args_kwargs_into_chunks((torch.zeros(3, 2),), None, 4)
     with pytest.raises(ValueError, match="args_chunk_spec has 2 entries"):
         hp_pp.split_args_kwargs_into_chunks((torch.zeros(4),), None, 2, (None, None))
     with pytest.raises(TypeError, match="split_dim"):
@@ -72,8 +88,8 @@ def test_bad_schedule_input_raises_before_communication() -> None:
                 [_stage(0, 4), _stage(2, 4)], 4, backward_requires_autograd=False
             )
         sched = hp_pp.Schedule1F1B(_stage(0, 2), 4, loss_fn=nn.functional.mse_loss)
-        with pytest.raises(ValueError, match=r"batch size 6 .* n_microbatches=4"):
-            sched.step(torch.zeros(6, 4))
+        with pytest.raises(ValueError, match=r"batch size 3 .* n_microbatches=4"):
+            sched.step(torch.zeros(3, 4))
         with pytest.raises(ValueError, match="needs the model inputs"):
             sched.step()
     with fake_world(2, rank=1):

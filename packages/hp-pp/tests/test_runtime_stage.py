@@ -334,10 +334,10 @@ def test_a_failing_rank_makes_the_other_fail_naming_it() -> None:
 
 
 @distributed(world_size=3)
-def test_a_later_step_posts_one_isend_and_one_irecv_per_transfer_and_nothing_else() -> None:
-    """1F1B over 3 ranks: after the first step (stage descriptions), a step is exactly its data
-    transfers, posted in batches (batch_isend_irecv, no tags): no lone isend/irecv, barrier or
-    other collective."""
+def test_a_later_step_posts_only_its_transfers_in_batches() -> None:
+    """1F1B over 3 ranks: after the first step (stage descriptions), a step is exactly its
+    transfers (an activation: its shape header and its data; a gradient: its data), posted in
+    batches (batch_isend_irecv, no tags): no lone isend/irecv, barrier or other collective."""
     calls: list[str] = []
     ops: list[str] = []
     names = ["isend", "irecv", "batch_isend_irecv", "barrier", "all_reduce", "all_gather_object"]
@@ -371,13 +371,15 @@ def test_a_later_step_posts_one_isend_and_one_irecv_per_transfer_and_nothing_els
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    # Activations go to the next stage and gradients come back: one operation each per
-    # micro-batch and boundary, all inside batches.
+    # Activations go to the next stage (their shapes, then the data) and gradients come back
+    # (the data): per micro-batch and boundary, all inside batches.
     boundaries = (rank > 0) + (rank < 2)
+    sends = n_mb * (2 * (rank < 2) + (rank > 0))
+    recvs = n_mb * (2 * (rank > 0) + (rank < 2))
     kinds, step_ops, batches = per_step[1]
     assert kinds == ["batch_isend_irecv"]
-    assert step_ops == ["irecv"] * (n_mb * boundaries) + ["isend"] * (n_mb * boundaries)
+    assert step_ops == ["irecv"] * recvs + ["isend"] * sends
     assert batches <= 2 * n_mb * boundaries
     # The first step also carries each stage's output description (one tensor).
-    assert per_step[0][1].count("isend") == n_mb * boundaries + (rank < 2)
-    assert per_step[0][1].count("irecv") == n_mb * boundaries + (rank > 0)
+    assert per_step[0][1].count("isend") == sends + (rank < 2)
+    assert per_step[0][1].count("irecv") == recvs + (rank > 0)

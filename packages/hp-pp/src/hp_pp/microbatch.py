@@ -8,10 +8,13 @@ either works in a schedule's ``args_chunk_spec``/``kwargs_chunk_spec``/``output_
 An output spec may also be a reducer: an object with ``init_value`` and ``reduce_fn`` (PyTorch's
 ``_CustomReducer``), which folds the micro-batch values instead of concatenating them.
 
-Uneven micro-batches are rejected: a batch dimension that ``n_microbatches`` does not divide
-raises :class:`ValueError` naming both numbers. Equal micro-batches keep the pipeline's loss and
-gradients equal to a single-process run of the full batch with a mean-reduced loss; uneven ones
-would silently weight the samples of the short micro-batch more.
+A batch dimension that ``n_microbatches`` does not divide is split as PyTorch splits it
+(``torch.tensor_split``: the first ``size % n`` micro-batches hold one sample more); a batch
+smaller than ``n_microbatches`` raises :class:`ValueError` naming both numbers. With uneven
+micro-batches a mean-reduced loss averages per micro-batch, so the shorter micro-batches'
+samples weigh more than in a mean over the full batch (as in PyTorch); a sum-reduced loss with
+``scale_grads=False`` gives exactly the full batch's gradients. The stages carry each
+micro-batch's shapes (see :mod:`hp_pp.stage`).
 
 See Also:
     :pt:`torch.distributed.pipelining.microbatch`: ``TensorChunkSpec``,
@@ -118,12 +121,13 @@ def _split_value(value: Any, spec: Any, n: int, where: str) -> list[Any]:
     if value.dim() == 0:
         raise ValueError(f"{where}: cannot split a 0-d tensor into {n} micro-batches")
     size = value.size(dim)
-    if size % n != 0:
+    if size < n:
         raise ValueError(
-            f"{where}: batch size {size} (dim {dim}) is not divisible by n_microbatches={n}; "
-            "use a batch size that is a multiple of n_microbatches"
+            f"{where}: batch size {size} (dim {dim}) is smaller than n_microbatches={n} (every "
+            "micro-batch needs at least one sample)"
         )
-    return list(torch.chunk(value, n, dim=dim))
+    # torch's split: the first size % n micro-batches hold one sample more.
+    return list(torch.tensor_split(value, n, dim=dim))
 
 
 def split_args_kwargs_into_chunks(
@@ -146,8 +150,8 @@ def split_args_kwargs_into_chunks(
         The per-micro-batch positional tuples and keyword dicts.
 
     Raises:
-        ValueError: ``chunks`` < 1, a spec tuple of the wrong length, or a batch dimension that
-            ``chunks`` does not divide (uneven micro-batches are rejected).
+        ValueError: ``chunks`` < 1, a spec tuple of the wrong length, or a batch dimension
+            smaller than ``chunks``.
         TypeError: a spec without an integer ``split_dim``.
 
     See Also:

@@ -9,8 +9,9 @@ PyTorch does (so a mean-reduced ``loss_fn`` gives the gradients of the full batc
 
 Bad input raises ``ValueError`` before any communication: sizes a schedule cannot run, stages
 that do not sit where the schedule's mapping puts them (e.g. ZBV without the V mapping), a
-last stage without ``loss_fn`` when a target is given, a batch that ``n_microbatches`` does not
-divide.
+last stage without ``loss_fn`` when a target is given, a batch smaller than
+``n_microbatches``. A batch that ``n_microbatches`` does not divide is split unevenly, as
+PyTorch splits it.
 
 See Also:
     :pt:`torch.distributed.pipelining.schedules`: ``ScheduleGPipe``, ``Schedule1F1B``,
@@ -354,11 +355,12 @@ class PipelineScheduleRuntime:
         ``computation_type`` is an :class:`~hp_pp.ActionType` or torch's ``_ComputationType``
         (``FORWARD``, ``FULL_BACKWARD``, ``BACKWARD_INPUT``, ``BACKWARD_WEIGHT``,
         ``OVERLAP_F_B``, ``UNSHARD``, ``RESHARD`` or ``REDUCE_GRAD``). ``ctx`` is a
-        :class:`PipelineContext` (this schedule and the step's micro-batches). The executor
-        still waits for the action's receives before the call and hands its results on after
-        it: the stage's kept outputs to a next stage on this rank (and to ``loss_fn`` on the
-        last stage), the input gradients to a previous stage on this rank; so a custom
-        forward calls ``stage.forward_one_chunk`` (or does the same work) itself.
+        :class:`~hp_pp.schedules.PipelineContext` (this schedule and the step's
+        micro-batches). The executor still waits for the action's receives before the call and
+        hands its results on after it: the stage's kept outputs to a next stage on this rank
+        (and to ``loss_fn`` on the last stage), the input gradients to a previous stage on
+        this rank; so a custom forward calls ``stage.forward_one_chunk`` (or does the same
+        work) itself.
 
         Raises:
             ValueError: another computation type (transfers are the executor's).
@@ -450,7 +452,7 @@ class PipelineScheduleRuntime:
             ``None``.
 
         Raises:
-            ValueError: a batch that ``n_microbatches`` does not divide, or a missing target.
+            ValueError: a batch smaller than ``n_microbatches``, or a missing target.
         """
         return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, backward=True)
 

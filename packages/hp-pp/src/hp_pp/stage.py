@@ -11,7 +11,11 @@ What moves between two stages is described once, on the first step: the sending 
 message carries a description of its outputs (shape, dtype, ``requires_grad``, DTensor
 placements, which outputs are not tensors) as a fixed-size byte tensor *on the stage's device*
 (JSON, never pickled); the receiving stage allocates its buffers from it and checks it against
-``input_args`` when those were declared. Later steps reuse it; a stage whose outputs change shape
+``input_args`` when those were declared. Later steps reuse it as the size of the buffers. Each
+message also carries its tensors' shapes (a few ``int64`` values, posted in the same batch), so
+a micro-batch smaller than the first one (an uneven split, a short last batch) travels padded
+in those buffers and arrives with its own shape: one host read of those values per received
+message. A stage whose outputs grow beyond the description, or change kind, dtype or rank,
 raises :class:`PipeliningMetadataError` (PyTorch's type, and a ``ValueError``) before sending.
 Non-tensor outputs (Python values) travel per micro-batch as a length and a byte tensor on the
 device, read back with ``weights_only=True`` (plain Python values only). Nothing the stage hands
@@ -203,6 +207,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).contiguous()
 
 
+def _padded(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` in a zero buffer of ``shape`` (no copy when it already has that shape)."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    buf = t.new_zeros(shape)
+    buf[tuple(slice(0, d) for d in t.shape)] = t
+    return buf
+
+
 @dataclass
 class _Part:
     """One tensor of one message: posted by the executor in a batch.
@@ -227,6 +240,7 @@ class _PendingRecv:
     buffers: list[torch.Tensor] = field(default_factory=list)
     object_len: torch.Tensor | None = None
     object_payload: torch.Tensor | None = None
+    header: torch.Tensor | None = None
 
 
 @dataclass
@@ -240,6 +254,7 @@ class _MicrobatchState:
     weight_pending: bool = False
     dw_runner: Callable[..., None] | None = None
     weight_pass: WeightPass | None = None
+    input_shapes: list[tuple[int, ...]] | None = None
 
 
 class PipelineStage:
@@ -342,6 +357,8 @@ class PipelineStage:
         # MPipe: the description of the preprocess output, per sending group rank.
         self._pre_meta: dict[int, tuple[tuple[int, ...], str]] = {}
         self._pre_meta_sent = False
+        # Per-message shape headers already on the device, by shapes.
+        self._headers: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
         self.output_chunks: dict[int, Any] = {}
         #: Whether the last stage keeps each micro-batch's output for the step to return
         #: (set by the schedule from ``return_outputs``).
@@ -478,6 +495,10 @@ class PipelineStage:
             self._check_declared(metas, self._declared_inputs, "inputs")
             self._input_meta = metas
         parts: list[_Part] = []
+        ndim = sum(len(m.shape) for m in self._input_meta if m.kind != "object")
+        if ndim:
+            pending.header = torch.empty(ndim, dtype=torch.int64, device=self.device)
+            parts.append(_Part("recv", pending.header, peer, (src_stage, mb, "F", "shape")))
         for i, m in enumerate(m for m in self._input_meta if m.kind != "object"):
             buf = torch.empty(m.shape, dtype=_dtype_from_name(m.dtype), device=self.device)
             pending.buffers.append(buf)
@@ -515,6 +536,7 @@ class PipelineStage:
         objects: list[Any] = []
         if pending.object_payload is not None:
             objects = list(_from_bytes(pending.object_payload))
+        shapes = self._received_shapes(pending)
         tensors = iter(pending.buffers)
         objs = iter(objects)
         values: list[Any] = []
@@ -523,6 +545,10 @@ class PipelineStage:
                 values.append(next(objs))
                 continue
             buf = next(tensors)
+            shape = next(shapes)
+            if shape != meta.shape:
+                # A smaller micro-batch (uneven split): the sender padded it to the buffer.
+                buf = buf[tuple(slice(0, d) for d in shape)].contiguous()
             if meta.kind == "dtensor":
                 mesh = self._mesh_for(meta)
                 value: torch.Tensor = DTensor.from_local(
@@ -537,7 +563,23 @@ class PipelineStage:
             else:
                 value = buf
             values.append(value.requires_grad_(meta.requires_grad))
-        self._state(mb).inputs = tuple(values)
+        state = self._state(mb)
+        state.inputs = tuple(values)
+        state.input_shapes = [
+            tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and v.requires_grad
+        ]
+
+    def _received_shapes(self, pending: _PendingRecv) -> Iterator[tuple[int, ...]]:
+        """The shapes of a received message's tensors, from its shape header (one host read
+        of a few integers per message)."""
+        assert self._input_meta is not None
+        metas = [m for m in self._input_meta if m.kind != "object"]
+        flat = [] if pending.header is None else pending.header.tolist()
+        pos = 0
+        for m in metas:
+            n = len(m.shape)
+            yield tuple(int(d) for d in flat[pos : pos + n])
+            pos += n
 
     def _mesh_for(self, meta: _ValueMeta) -> DeviceMesh:
         for mesh in self._declared_meshes:
@@ -635,15 +677,21 @@ class PipelineStage:
                 [m.to_plain() for m in metas], self.device, f"stage {self.stage_index}"
             )
             parts.append(_Part("send", meta, peer, (*ident, "meta")))
-        elif metas != self._output_meta and not self._same_without_autograd(metas):
+        elif not self._fits(metas):
             raise PipeliningMetadataError(
                 f"stage {self.stage_index}, micro-batch {mb}: outputs are "
                 f"{[m.describe() for m in metas]} but stage {dst_stage} expects "
-                f"{[m.describe() for m in self._output_meta]} (shapes must not change between "
-                "steps)"
+                f"{[m.describe() for m in self._output_meta]} (a later micro-batch may be "
+                "smaller than the first micro-batch of the first step, as uneven micro-batches "
+                "are, but not larger, and kinds, dtypes and ranks must not change)"
             )
         tensors = [_local(o) for o in outputs if isinstance(o, torch.Tensor)]
-        parts += [_Part("send", t, peer, (*ident, f"data{i}")) for i, t in enumerate(tensors)]
+        capacity = [m.shape for m in self._output_meta if m.kind != "object"]
+        header = self._shape_header([tuple(t.shape) for t in tensors])
+        if header is not None:
+            parts.append(_Part("send", header, peer, (*ident, "shape")))
+        padded = [_padded(t, shape) for t, shape in zip(tensors, capacity, strict=True)]
+        parts += [_Part("send", t, peer, (*ident, f"data{i}")) for i, t in enumerate(padded)]
         objects = [o for o in outputs if not isinstance(o, torch.Tensor)]
         if objects:
             payload = _to_bytes(objects, self.device)
@@ -652,13 +700,42 @@ class PipelineStage:
             parts.append(_Part("send", payload, peer, (*ident, "obj")))
         return parts
 
-    def _same_without_autograd(self, metas: list[_ValueMeta]) -> bool:
-        """Whether a forward-only run under ``torch.no_grad`` (``eval``) sends what the step's
-        outputs were: its outputs only lack ``requires_grad``, which the receiver ignores there."""
-        if torch.is_grad_enabled() or self._output_meta is None:
+    def _shape_header(self, shapes: list[tuple[int, ...]]) -> torch.Tensor | None:
+        """The per-message shape header (every tensor's shape, concatenated) as a device
+        tensor, made once per distinct set of shapes (no host-to-device copy in a step that
+        repeats earlier shapes)."""
+        key = tuple(shapes)
+        if not any(shapes):
+            return None
+        cached = self._headers.get(key)
+        if cached is None:
+            flat = [d for shape in shapes for d in shape]
+            cached = torch.tensor(flat, dtype=torch.int64).to(self.device)
+            self._headers[key] = cached
+        return cached
+
+    def _fits(self, metas: list[_ValueMeta]) -> bool:
+        """Whether outputs ``metas`` travel in the buffers the description announced: same
+        kinds, dtypes and ranks, no dimension larger (``requires_grad`` may be off under
+        ``torch.no_grad``, where the receiver ignores it; DTensor shapes must be equal)."""
+        sent = self._output_meta
+        assert sent is not None
+        if len(metas) != len(sent):
             return False
-        sent = [replace(m, requires_grad=False) for m in self._output_meta]
-        return [replace(m, requires_grad=False) for m in metas] == sent
+        for got, want in zip(metas, sent, strict=True):
+            if not torch.is_grad_enabled():
+                got, want = replace(got, requires_grad=False), replace(want, requires_grad=False)
+            if got.kind == "dtensor" or got.kind != want.kind:
+                if got != want:
+                    return False
+                continue
+            if (got.dtype, got.requires_grad) != (want.dtype, want.requires_grad):
+                return False
+            if len(got.shape) != len(want.shape) or any(
+                g > w for g, w in zip(got.shape, want.shape, strict=True)
+            ):
+                return False
+        return True
 
     def _check_declared(
         self, metas: list[_ValueMeta], declared: list[_ValueMeta] | None, what: str
@@ -850,15 +927,15 @@ class PipelineStage:
         (the gradients are dropped here once handed on)."""
         assert self._input_meta is not None
         grads = iter(self.input_grads_of(mb))
+        shapes = iter(self._state(mb).input_shapes or [])
         tensors: list[torch.Tensor] = []
         for meta in self._input_meta:
             if not meta.carries_grad:
                 continue
             grad = next(grads)
+            shape = next(shapes, meta.shape)
             if grad is None:
-                grad = torch.zeros(
-                    meta.shape, dtype=_dtype_from_name(meta.dtype), device=self.device
-                )
+                grad = torch.zeros(shape, dtype=_dtype_from_name(meta.dtype), device=self.device)
             elif isinstance(grad, DTensor):
                 placements = [_placement_from_spec(p) for p in meta.placements]
                 grad = grad.redistribute(placements=placements).to_local()
