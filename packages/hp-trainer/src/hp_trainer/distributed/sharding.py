@@ -53,7 +53,8 @@ def apply_sharding(
     (:func:`hp_trainer.distributed.sharding.context_parallel_buffers` reads them back). A section
     whose mesh is None is skipped. Every module whose FQN matches a rule gets that rule's style
     (the first matching rule wins); a rule matching no module is not an error (a pipeline stage
-    holds some modules only).
+    holds some modules only), and neither is an ``ep`` section matching nothing (a stage of
+    dense blocks has no experts).
 
     Args:
         model: The model (or a pipeline stage of it).
@@ -73,8 +74,9 @@ def apply_sharding(
         The plans applied, ``{fqn: style}`` (``{buffer fqn: placement}`` for CP), all sections.
 
     Raises:
-        ValueError: A section with a mesh and rules matches no module of ``model`` (a table
-            for another model), an unknown ``expert_layout``, or a module in two sections.
+        ValueError: The ``tp`` or ``cp`` section, given a mesh, matches nothing in ``model`` (a
+            table for another model), an unknown ``expert_layout``, or a module in two
+            sections.
         TypeError: A ``cp`` rule giving something other than a ``Shard`` placement.
 
     See Also:
@@ -97,7 +99,7 @@ def apply_sharding(
         if mesh is None or not getattr(config, section):
             continue
         plan = config.plan(names, opts, section)
-        if not plan:
+        if not plan and section != "ep":  # experts: a stage (or model) of dense blocks has none
             raise ValueError(
                 f"no {'buffer' if section == 'cp' else 'module'} of {type(model).__name__} "
                 f"matches the {section} section of the sharding table"
