@@ -45,3 +45,31 @@ def test_full_restart_from_disk_resumes_exactly(tmp_path: Path) -> None:
     assert second.losses == full.losses[4:]  # bitwise: same data position, same state
     assert second.ft.manager.current_step() == 6  # the manager's step came back from disk
     assert second.ft.param_digest() == full.ft.param_digest()
+
+
+def test_no_commit_below_min_replica_size(tmp_path: Path) -> None:
+    """One group of a job that needs two: the step runs but is never committed."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    lighthouse = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    args = [
+        "--config", "debug_ft", "--training.steps", "3",
+        "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2",
+        "--fault_tolerance.lighthouse", lighthouse,
+        "--job.dump_folder", str(tmp_path), "--job.run_name", "alone",
+    ]  # fmt: skip
+    trainer = Trainer(ConfigManager().parse_args(args))
+    try:
+        before = trainer.ft.param_digest()
+        batches = trainer.data_iterator()
+        for _ in range(2):
+            assert trainer._run_step(next(batches)) is False  # not committed: nothing read
+            assert trainer.step == 0
+            assert trainer.ft.manager.current_step() == 0
+            assert trainer.ft.num_replicas == 1  # it did run, with one participant
+        assert trainer.ft.param_digest() == before  # the optimizer never stepped
+        assert all(not o.state for o in trainer.optimizers)
+        assert trainer.dataloader.samples_consumed == 0  # the samples are read again
+        assert trainer.lr_schedulers.schedulers[0].last_epoch == 0
+    finally:
+        trainer.close()
+        server.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,19 @@ def _traces(tmp: Path, replica: int, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
+_FULL = os.environ.get("HP_FT_FULL") == "1"  # CI runs DiLoCo; HP_FT_FULL=1 adds LocalSGD
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param(
+            "local_sgd",
+            marks=pytest.mark.skipif(not _FULL, reason="HP_FT_FULL=1 (6 processes, ~80 s here)"),
+        ),
+        "diloco",
+    ],
+)
 def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
     steps, sync = 6, 3
     procs: list[subprocess.Popen[str]] = []
@@ -68,3 +81,31 @@ def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
         assert a[-1]["manager_step"] == steps // sync  # one committed sync each
     # the two FSDP ranks of one group hold different shards
     assert _traces(tmp_path, 0, 0)[-1]["params"] != _traces(tmp_path, 0, 1)[-1]["params"]
+
+
+def test_mismatched_config_refused_at_quorum(tmp_path: Path) -> None:
+    """Group 1 runs another sequence length: refused at the first quorum, the field named."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        lighthouse = _lighthouse(procs, min_replicas=2)
+        groups = []
+        for replica, seq_len in ((0, "32"), (1, "64")):
+            cmd = [
+                sys.executable, "-m", "hp_trainer.cli", "--config", "debug_ft",
+                "--training.steps", "3", "--training.seq_len", seq_len,
+                "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2",
+                "--fault_tolerance.replica_id", str(replica),
+                "--fault_tolerance.lighthouse", lighthouse,
+                "--fault_tolerance.quorum_timeout_ms", "20000",
+                "--job.dump_folder", str(tmp_path), "--job.run_name", f"g{replica}",
+            ]  # fmt: skip
+            log = (tmp_path / f"g{replica}.log").open("w")
+            proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            procs.append(proc)  # type: ignore[arg-type]
+            groups.append(proc)
+        assert _wait(groups[1], 240, tmp_path, 1) != 0  # type: ignore[arg-type]
+        log = (tmp_path / "g1.log").read_text()
+        assert "replica group 1 was refused at the quorum" in log
+        assert "differs from replica group at quorum rank 0 in training.seq_len" in log
+    finally:
+        _cleanup(procs)
