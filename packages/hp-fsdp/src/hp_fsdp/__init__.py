@@ -31,6 +31,8 @@ from hp_fsdp.hsdp_utils import (
     infer_fully_shard_param_mode,
     is_dtensor_managed_param,
 )
+from hp_fsdp.integrations import install_from_env as _install_from_env
+from hp_fsdp.integrations import restore_torch_fsdp, use_hp_fsdp
 from hp_fsdp.mesh_info import (
     DataParallelMeshDims,
     DDPMeshInfo,
@@ -69,8 +71,14 @@ __all__ = [
     "is_dtensor_managed_param",
     "register_fsdp_forward_method",
     "replicate",
+    "restore_torch_fsdp",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
     "share_comm_ctx",
+    "use_hp_fsdp",
 ]
+
+# HP_FSDP_BACKEND=hp: route Accelerate's / the Trainer's FSDP2 to hp-fsdp from this import on
+# (last: the switch checks hp_fsdp's names)
+_install_from_env()

@@ -1,7 +1,7 @@
 """Use hp-fsdp from HF Accelerate, the transformers Trainer and LlamaFactory.
 
 Those clients call torch's ``fully_shard`` for you. :func:`use_hp_fsdp` (or
-``HP_FSDP_BACKEND=hp`` read by :func:`install_from_env`, which importing this module calls) rebinds
+``HP_FSDP_BACKEND=hp``, read by :func:`install_from_env` when ``hp_fsdp`` is imported) rebinds
 the FSDP2 names they look up in ``torch.distributed.fsdp`` to hp-fsdp's objects, for as long as it
 is installed; :func:`restore_torch_fsdp` puts torch's back. Nothing on disk is patched, and no
 other code path changes. ``python -m hp_fsdp.integrations [-m module | script] [args...]`` runs a
@@ -38,5 +38,3 @@ __all__ = [
     "restore_torch_fsdp",
     "use_hp_fsdp",
 ]
-
-install_from_env()

@@ -67,6 +67,9 @@ def fsdp2_names() -> tuple[str, ...]:
 
     torch tags its FSDP2 exports with ``__module__ == "torch.distributed.fsdp"``; the FSDP1
     classes keep the module that defines them.
+
+    See Also:
+        :pt:`torch.distributed.fsdp.fully_shard`: one of them.
     """
     saved = _saved or {}
     names = []
@@ -86,6 +89,9 @@ class ClientUse:
         line: the line of the use.
         name: the dotted torch name (``torch.distributed.fsdp.fully_shard``).
         at_import: True when the name is bound at module level (at import time).
+
+    See Also:
+        :func:`client_fsdp_uses`.
     """
 
     module: str
@@ -188,6 +194,9 @@ def client_fsdp_uses(modules: tuple[str, ...] = CLIENT_MODULES) -> list[ClientUs
 
     Raises:
         TypeError: when ``modules`` is not a tuple of strings.
+
+    See Also:
+        :func:`use_hp_fsdp`: refuses the uses it cannot serve.
     """
     if not isinstance(modules, tuple) or not all(isinstance(m, str) for m in modules):
         raise TypeError(f"modules must be a tuple of module names, got {modules!r}")
@@ -270,6 +279,9 @@ class HpFsdpSwitch:
 
     Attributes:
         names: the ``torch.distributed.fsdp`` names rebound to hp-fsdp's objects.
+
+    See Also:
+        :func:`use_hp_fsdp`, :func:`restore_torch_fsdp`.
     """
 
     def __init__(self, names: tuple[str, ...], owner: bool) -> None:
@@ -361,8 +373,9 @@ def restore_torch_fsdp() -> bool:
 def install_from_env(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
     """Install the switch when ``HP_FSDP_BACKEND=hp`` (``torch`` or unset: leave torch's).
 
-    Importing :mod:`hp_fsdp.integrations` calls this once, so ``HP_FSDP_BACKEND=hp`` plus that
-    import (or ``python -m hp_fsdp.integrations``) is enough.
+    Importing :mod:`hp_fsdp` calls this once, so ``HP_FSDP_BACKEND=hp`` plus ``import hp_fsdp``
+    (in the training script or a ``sitecustomize``) is enough; ``python -m hp_fsdp.integrations``
+    installs the switch whatever the variable says.
 
     Args:
         environ: the environment to read (default: ``os.environ``).
@@ -373,6 +386,9 @@ def install_from_env(environ: os._Environ[str] | dict[str, str] | None = None) -
     Raises:
         ValueError: for a value other than ``hp``, ``torch`` or empty.
         RuntimeError: as :func:`use_hp_fsdp`.
+
+    See Also:
+        :func:`use_hp_fsdp`.
     """
     env = os.environ if environ is None else environ
     value = env.get(ENV_VAR, "").strip().lower()
