@@ -53,6 +53,10 @@ def plan_hot_expert_replicas(
     Raises:
         ValueError: ``K`` out of range, or ``E`` not divisible by ``ep_size``.
 
+    See Also:
+        :meth:`hp_cp_ep.TokenDispatcher.replicate_hot_experts`, which installs the plan;
+        :pt:`torch.topk` picks the most loaded experts the same way (ties aside).
+
     Example:
         >>> from hp_cp_ep import plan_hot_expert_replicas
         >>> plan_hot_expert_replicas([90, 5, 3, 2], ep_size=2, num_replicas=1)
@@ -197,6 +201,10 @@ def update_hot_experts(
 
     Raises:
         ValueError: See :meth:`hp_cp_ep.TokenDispatcher.replicate_hot_experts`.
+
+    See Also:
+        :func:`hp_cp_ep.update_expert_bias`: the loads; TorchTitan's
+        :titan:`build_optimizers_with_moe_load_balancing` hooks its bias update the same way.
     """
     plans = {}
     modules = dict(model.named_modules())
