@@ -283,3 +283,27 @@ def test_switched_names_are_parity_rows() -> None:
     with use_hp_fsdp() as switch:
         missing = set(switch.names) - provided
     assert not missing, missing
+
+
+def test_module_runner_installs_the_switch_and_runs_the_program(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch.distributed.fsdp as f\n"
+        "print(f.fully_shard.__module__, f.FSDPModule.__module__, sys.argv[1:])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "hp_fsdp.integrations", str(script), "--lr", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] == "hp_fsdp.api hp_fsdp.fsdp_module ['--lr', '1']"
+    from hp_fsdp.integrations.__main__ import main
+
+    with pytest.raises(ValueError, match=r"usage: python -m hp_fsdp.integrations"):
+        main([])
+    assert not hp_fsdp_active()
