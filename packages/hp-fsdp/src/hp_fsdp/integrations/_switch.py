@@ -84,11 +84,9 @@ def fsdp2_names() -> tuple[str, ...]:
 class ClientUse:
     """One FSDP name a client module uses.
 
-    Attributes:
-        module: the client module (``accelerate.utils.fsdp_utils``).
-        line: the line of the use.
-        name: the dotted torch name (``torch.distributed.fsdp.fully_shard``).
-        at_import: True when the name is bound at module level (at import time).
+    Fields: ``module`` (the client module, ``accelerate.utils.fsdp_utils``), ``line`` (the line
+    of the use), ``name`` (the dotted torch name, ``torch.distributed.fsdp.fully_shard``) and
+    ``at_import`` (True when the name is bound at module level, at import time).
 
     See Also:
         :func:`client_fsdp_uses`.
@@ -307,11 +305,11 @@ class HpFsdpSwitch:
 def use_hp_fsdp() -> HpFsdpSwitch:
     """Route HF Accelerate's and the transformers Trainer's FSDP2 path to hp-fsdp.
 
-    Rebinds, in ``torch.distributed.fsdp``, the FSDP2 names the installed clients use
-    (:data:`CLIENT_MODULES`; ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``,
-    ``OffloadPolicy``, ``CPUOffloadPolicy`` and ``register_fsdp_forward_method`` with Accelerate
-    1.16 and transformers 5.25) to hp-fsdp's objects, until :func:`restore_torch_fsdp` or the end
-    of the ``with`` block. Nothing on disk changes and no other name is touched. Keep the switch
+    Rebinds, in ``torch.distributed.fsdp``, the FSDP2 names the installed clients use (those
+    in ``hp_fsdp.integrations.CLIENT_MODULES``; ``fully_shard``, ``FSDPModule``,
+    ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy`` and
+    ``register_fsdp_forward_method`` with Accelerate 1.16 and transformers 5.25) to hp-fsdp's
+    objects, until :func:`restore_torch_fsdp` or the end of the ``with`` block. Nothing on disk changes and no other name is touched. Keep the switch
     on for the whole job: a model sharded by hp-fsdp is not an instance of torch's
     ``FSDPModule``, so a client that checks it after the switch is gone takes its non-FSDP path.
 
@@ -373,7 +371,7 @@ def restore_torch_fsdp() -> bool:
 def install_from_env(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
     """Install the switch when ``HP_FSDP_BACKEND=hp`` (``torch`` or unset: leave torch's).
 
-    Importing :mod:`hp_fsdp` calls this once, so ``HP_FSDP_BACKEND=hp`` plus ``import hp_fsdp``
+    Importing ``hp_fsdp`` calls this once, so ``HP_FSDP_BACKEND=hp`` plus ``import hp_fsdp``
     (in the training script or a ``sitecustomize``) is enough; ``python -m hp_fsdp.integrations``
     installs the switch whatever the variable says.
 
