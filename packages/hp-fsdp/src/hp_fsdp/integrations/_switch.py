@@ -309,9 +309,10 @@ def use_hp_fsdp() -> HpFsdpSwitch:
     in ``hp_fsdp.integrations.CLIENT_MODULES``; ``fully_shard``, ``FSDPModule``,
     ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy`` and
     ``register_fsdp_forward_method`` with Accelerate 1.16 and transformers 5.25) to hp-fsdp's
-    objects, until :func:`restore_torch_fsdp` or the end of the ``with`` block. Nothing on disk changes and no other name is touched. Keep the switch
-    on for the whole job: a model sharded by hp-fsdp is not an instance of torch's
-    ``FSDPModule``, so a client that checks it after the switch is gone takes its non-FSDP path.
+    objects, until :func:`restore_torch_fsdp` or the end of the ``with`` block. Nothing on disk
+    changes and no other name is touched. Keep the switch on for the whole job: a model sharded
+    by hp-fsdp is not an instance of torch's ``FSDPModule``, so a client that checks it after the
+    switch is gone takes its non-FSDP path.
 
     Returns:
         A :class:`HpFsdpSwitch` (use it in a ``with`` statement, or ignore it).
