@@ -152,3 +152,90 @@ def test_overlap_on_one_device_and_errors() -> None:
         TokenDispatcher(4, overlap_backward="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="overlap_backward must be a bool"):
         ExpertParallel(overlap_backward=None)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------
+# composition: de-duplicated dispatch + overlapped backward under EP 2 x FSDP 2
+# ------------------------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe_enabled = True
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.moe = _moe(4, load_balance_coeff=0.05, route_norm=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.moe(self.norm(x))
+        return out
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.tok_embeddings = torch.nn.Embedding(32, DIM)
+        self.layers = torch.nn.ModuleDict({"0": _Block(), "1": _Block()})
+        self.lm_head = torch.nn.Linear(DIM, 32, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            x = block(x)
+        out: torch.Tensor = self.lm_head(x)
+        return out
+
+
+def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank + 7 * step)
+    tokens = torch.randint(0, 32, (2, 9), generator=gen)
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+
+
+@distributed(world_size=4)
+def test_dedup_overlap_decoder_ep2_fsdp2_trains_like_one_process() -> None:
+    from torch.distributed.tensor import Shard
+
+    import hp_fsdp
+    from hp_cp_ep import update_expert_bias
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    reference = _Decoder()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    dp_mesh = mesh._flatten("dp")
+    expert_info = hp_fsdp.FSDPMeshInfo(mesh["efsdp"], shard_mesh_dim=0)
+    for block in model.layers.values():
+        style = ExpertParallel(dedup=True, overlap_backward=True)
+        parallelize_module(block.moe.experts, mesh["ep"], style)
+        experts = set(block.moe.experts.parameters())
+
+        def placement(param: torch.nn.Parameter, experts: set[Any] = experts) -> Any:
+            return hp_fsdp.ShardPlacementResult(Shard(0), expert_info) if param in experts else None
+
+        hp_fsdp.fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
+    hp_fsdp.fully_shard(model, mesh=dp_mesh)
+    for module in model.modules():  # the losses are summed over ranks: sum the gradients
+        if isinstance(module, hp_fsdp.FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        loss = _loss(model, rank, step)
+        loss.backward()
+        opt.step()
+        update_expert_bias(model, dist.group.WORLD)
+        ref_opt.zero_grad()
+        ref_losses = [_loss(reference, r, step) for r in range(world)]
+        torch.stack(ref_losses).sum().backward()
+        ref_opt.step()
+        update_expert_bias(reference, own)
+        torch.testing.assert_close(loss.detach(), ref_losses[rank].detach(), rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.full_tensor(), reference.get_parameter(name), rtol=1e-5, atol=1e-5, msg=name
+        )

@@ -1,8 +1,8 @@
 """``--moe.hot_expert_replicas``: the trainer re-plans expert replicas and trains unchanged.
 
-Lean: the tiny Qwen 3 MoE, EP 2 borrowed from FSDP 2 on two ranks, 3 steps, replicas re-planned
-after every step, against the same job without replicas (the EP job itself is checked against
-one process in ``test_trainer_ep_parity.py``).
+Lean: the tiny Qwen 3 MoE with a skewed gate, EP 2 borrowed from FSDP 2 on two ranks, 2 steps
+(the second runs with the replicas planned from the first's load), against the same job without
+replicas (the EP job itself is checked against one process in ``test_trainer_ep_parity.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def _helpers() -> ModuleType:
 
 
 def _train(folder: str, replicas: int) -> Any:
-    cfg: JobConfig = _helpers().job(Path(folder), _PAR, run=f"hot{replicas}", model="qwen3_moe")
+    cfg: JobConfig = _helpers().job(
+        Path(folder), _PAR, run=f"hot{replicas}", model="qwen3_moe", steps=2
+    )
     cfg.moe.hot_expert_replicas = replicas
     cfg.moe.hot_expert_update_interval = 1
     trainer = Trainer(cfg)
