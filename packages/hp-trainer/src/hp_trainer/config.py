@@ -560,8 +560,8 @@ class FaultToleranceConfig:
     ``Manager``. See :doc:`/fault_tolerance`.
 
     See Also:
-        TorchTitan's ``[fault_tolerance]`` section (``FaultTolerance`` in its job config, the
-        same field names); torchft's ``Manager``.
+        :titan:`torchtitan.components.ft.config.job_config.FaultTolerance`: TorchTitan's
+        ``[fault_tolerance]`` section (the same field names).
     """
 
     enable: bool = False

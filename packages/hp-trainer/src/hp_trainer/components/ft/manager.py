@@ -177,8 +177,8 @@ class FTManager:
             ``process_group_timeout_ms`` (the message names the address).
 
     See Also:
-        TorchTitan's ``FTManager`` (``torchtitan.components.ft``), its wrapper of torchft's
-        ``Manager``; :pt:`torch.distributed.ProcessGroup` (what the managed group stands in for).
+        :titan:`torchtitan.components.ft.manager.FTManager`: TorchTitan's wrapper of torchft's
+        Manager; :pt:`torch.distributed.ProcessGroup` (what the managed group stands in for).
     """
 
     def __init__(self, trainer: Any) -> None:
