@@ -108,11 +108,13 @@ def test_plan_llama3_8b_on_64_h100_is_ranked_and_valid(tmp_path: Path) -> None:
 
 
 def test_plan_refusals_carry_the_validation_message() -> None:
-    # qwen3 debug: the heads bound TP, the trainer's validation refuses the rest with a reason
-    result = plan_layouts("llama3", "debugmodel", 4, "cpu", seq_len=64, global_batch_size=6)
+    # seq 66: CP 2 needs a multiple of 4 (load balancing), refused by the trainer's validation
+    result = plan_layouts("llama3", "debugmodel", 4, "cpu", seq_len=66, global_batch_size=6)
     reasons = " | ".join(r.why for r in result.rejected)
+    assert "training.seq_len = 66 must be a multiple of 4" in reasons
     assert "global batch 6 is not a multiple of the data-parallel degree 4" in reasons
-    assert result.feasible  # dp 2 x tp 2, pp, ... still fit
+    assert result.feasible
+    assert all(e.candidate.cp == 1 for e in result.estimates)
 
 
 def test_pipeline_time_comes_from_the_simulator() -> None:

@@ -1,6 +1,6 @@
 """Hyper-offload of the optimizer: its state lives in host memory and its step runs there.
 
-:func:`offload_optimizers` turns an :class:`~hp_trainer.OptimizersContainer` into one whose
+:func:`offload_optimizers` turns an ``OptimizersContainer`` into one whose
 optimizers hold host copies of the parameters (fp32 master weights, pinned where the device layer
 has pinned memory): the moments an optimizer creates are therefore host tensors, and the device
 keeps only the parameters it computes with. Each step, per parameter group in turn: the
@@ -17,7 +17,7 @@ for AdamW) and the step's temporaries.
 
 On a CPU "device" the host is the same memory: the copies and the host thread run as on an
 accelerator, and the saving shows as tensor-level device memory (the tensors the device thread
-allocates), which is what :mod:`hp_trainer.planner` predicts.
+allocates), which is what ``hp_trainer.planner`` predicts.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _thread_ids() -> int:
 
 
 class OffloadedOptimizersContainer(OptimizersContainer):
-    """An :class:`~hp_trainer.OptimizersContainer` whose optimizers run in host memory.
+    """An ``OptimizersContainer`` whose optimizers run in host memory.
 
     Built by :func:`offload_optimizers`; see the module docstring for the step.
 
