@@ -109,3 +109,55 @@ def test_mismatched_config_refused_at_quorum(tmp_path: Path) -> None:
         assert "differs from replica group at quorum rank 0 in training.seq_len" in log
     finally:
         _cleanup(procs)
+
+
+def _losses(tmp: Path, run: str) -> list[float]:
+    rows = [json.loads(line) for line in (tmp / run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.skipif(not _FULL, reason="HP_FT_FULL=1 (9 processes)")
+def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
+    """The oracle of the synchronous mode: 2 groups x FSDP 2 = a plain FSDP 4 job (same data)."""
+    steps = 4
+    common = [
+        sys.executable, "-m", "hp_trainer.cli", "--config", "debug_ft",
+        "--training.steps", str(steps), "--metrics.log_freq", "1",
+        "--metrics.enable_plot", "false", "--job.dump_folder", str(tmp_path),
+    ]  # fmt: skip
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        lighthouse = _lighthouse(procs, min_replicas=2)
+        runs = []
+        for replica in (0, 1):
+            ft = [
+                "--parallelism.data_parallel_shard_degree", "2",
+                "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2",
+                "--fault_tolerance.replica_id", str(replica),
+                "--fault_tolerance.lighthouse", lighthouse, "--job.run_name", f"g{replica}",
+            ]  # fmt: skip
+            log = (tmp_path / f"g{replica}.log").open("w")
+            proc = subprocess.Popen(
+                [*common, *ft], env=_env(), stdout=log, stderr=subprocess.STDOUT
+            )
+            procs.append(proc)  # type: ignore[arg-type]
+            runs.append(proc)
+        plain = [
+            "--parallelism.data_parallel_shard_degree", "4",
+            "--fault_tolerance.enable", "false", "--job.run_name", "g2",
+        ]  # fmt: skip
+        log = (tmp_path / "g2.log").open("w")
+        proc = subprocess.Popen([*common, *plain], env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)  # type: ignore[arg-type]
+        runs.append(proc)
+        for i, proc in enumerate(runs):
+            assert _wait(proc, 400, tmp_path, i) == 0  # type: ignore[arg-type]
+    finally:
+        _cleanup(procs)
+    g0, g1, single = _losses(tmp_path, "g0"), _losses(tmp_path, "g1"), _losses(tmp_path, "g2")
+    assert len(single) == steps
+    # each group logs the mean over its own samples (equal token counts): their average is
+    # the job's loss
+    mean = [(a + b) / 2 for a, b in zip(g0, g1, strict=True)]
+    assert mean == pytest.approx(single, rel=1e-5, abs=1e-6)
+    assert g0 != g1  # the groups read different samples
