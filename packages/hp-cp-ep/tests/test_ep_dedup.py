@@ -207,6 +207,11 @@ def test_dedup_matches_plain_ep4_and_node_axis_2x2() -> None:
     assert dedup[:2] == [inter_units * row, intra_units * row], (dedup, inter_units, intra_units)
     cross_node_plain = int(((mine // 2) != a).sum()) * DIM * 4
     _fewer_in_total([cross_node_plain], dedup[:1])  # inter-node bytes: fewer than the plain's
+    # capacity over the EP group needs a flat group: refused with the node axis, not ignored
+    grouped = _skewed_moe(8, top_k=3, capacity_factor=1.0, capacity_scope="ep_group")
+    parallelize_module(grouped.experts, nodes, ExpertParallel(dedup=True))
+    with pytest.raises(ValueError, match="has a node axis"):
+        grouped(_batch(rank)[0])
 
 
 def _syncs(moe: MoE) -> tuple[int, int, dict[str, int]]:

@@ -261,6 +261,14 @@ class MoE(nn.Module):
         assert factor is not None
         num_tokens = selected.shape[0]
         group = getattr(self.experts.token_dispatcher, "ep_group", None)
+        if (
+            self.moe_args.capacity_scope == "ep_group"
+            and getattr(self.experts.token_dispatcher, "node_groups", None) is not None
+        ):
+            raise ValueError(
+                "capacity_scope='ep_group' ranks choices over a flat EP group; the dispatcher "
+                "has a node axis (inter, intra) instead: use capacity_scope='local'"
+            )
         offset: torch.Tensor | None = None
         capacity: int | torch.Tensor
         if self.moe_args.capacity_scope == "ep_group" and group is not None:
