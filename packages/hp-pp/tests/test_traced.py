@@ -83,16 +83,20 @@ _TORCH = {
 }
 
 
-def _run(model: nn.Module, name: str, impl: str, n_mb: int, split_spec: Any = None) -> Any:
-    """One step of a traced pipeline; returns losses, gradients by FQN, output and trace."""
+def _trace(model: nn.Module, n_mb: int, split_spec: Any = None) -> Any:
+    x, _ = _data(n_mb)
+    if split_spec is None:
+        return hp_pp.pipeline(copy.deepcopy(model), mb_args=(x.chunk(n_mb)[0],))
+    return hp_pp.pipeline(copy.deepcopy(model), mb_args=(x.chunk(n_mb)[0],), split_spec=split_spec)
+
+
+def _run(traced: Any, name: str, impl: str, n_mb: int) -> Any:
+    """One step of (a copy of) a traced pipeline; returns losses, gradients by FQN, output
+    and trace."""
     import torch.distributed.pipelining as tpp
 
-    model = copy.deepcopy(model)
+    pipe = copy.deepcopy(traced)
     x, y = _data(n_mb)
-    if split_spec is None:
-        pipe = hp_pp.pipeline(model, mb_args=(x.chunk(n_mb)[0],))
-    else:
-        pipe = hp_pp.pipeline(model, mb_args=(x.chunk(n_mb)[0],), split_spec=split_spec)
     num_stages = pipe.num_stages
     style = generators.STYLE[name]
     indices = generators.rank_to_stages(dist.get_rank(), dist.get_world_size(), num_stages, style)
@@ -128,8 +132,9 @@ _TORCH_HANGS = ("ZBVZeroBubble",)
 
 def _compare(model: nn.Module, name: str, n_mb: int, split_spec: Any = None) -> Any:
     ref_losses, ref_grads = _oracle(model, n_mb)
-    ours = _run(model, name, "hp", n_mb, split_spec)
-    theirs = ours if name in _TORCH_HANGS else _run(model, name, "torch", n_mb, split_spec)
+    traced = _trace(model, n_mb, split_spec)  # traced once, each run on a copy
+    ours = _run(traced, name, "hp", n_mb)
+    theirs = ours if name in _TORCH_HANGS else _run(traced, name, "torch", n_mb)
     assert ours[1]
     assert set(ours[1]) == set(theirs[1])
     for k, g in ours[1].items():
@@ -192,7 +197,7 @@ def _skips(name: str) -> Any:
     model = Skips()
     n_mb = 3
     ref_losses, ref_grads = _oracle(model, n_mb)
-    losses, grads, _, trace, last = _run(model, name, "hp", n_mb)
+    losses, grads, _, trace, last = _run(_trace(model, n_mb), name, "hp", n_mb)
     assert grads
     for k, g in grads.items():
         torch.testing.assert_close(g, ref_grads[k], rtol=1e-5, atol=1e-5)
