@@ -208,7 +208,8 @@ def test_dedup_overlap_decoder_ep2_fsdp2_trains_like_one_process() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     dp_mesh = mesh._flatten("dp")
     expert_info = hp_fsdp.FSDPMeshInfo(mesh["efsdp"], shard_mesh_dim=0)
-    for block in model.layers.values():
+    blocks: list[Any] = list(model.layers.values())
+    for block in blocks:
         style = ExpertParallel(dedup=True, overlap_backward=True)
         parallelize_module(block.moe.experts, mesh["ep"], style)
         experts = set(block.moe.experts.parameters())
@@ -226,16 +227,17 @@ def test_dedup_overlap_decoder_ep2_fsdp2_trains_like_one_process() -> None:
     for step in range(3):
         opt.zero_grad()
         loss = _loss(model, rank, step)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         update_expert_bias(model, dist.group.WORLD)
         ref_opt.zero_grad()
         ref_losses = [_loss(reference, r, step) for r in range(world)]
-        torch.stack(ref_losses).sum().backward()
+        torch.stack(ref_losses).sum().backward()  # type: ignore[no-untyped-call]
         ref_opt.step()
         update_expert_bias(reference, own)
         torch.testing.assert_close(loss.detach(), ref_losses[rank].detach(), rtol=1e-5, atol=1e-5)
     for name, param in model.named_parameters():
+        assert isinstance(param, DTensor)
         torch.testing.assert_close(
             param.full_tensor(), reference.get_parameter(name), rtol=1e-5, atol=1e-5, msg=name
         )
