@@ -145,10 +145,18 @@ def _custom_runs(tmp: str) -> dict[str, Any]:
     out["with_comms"] = program_to_json(sched2.executor.trace)
 
     # 3. _prepare_schedule_with_comms, both formats, and _load_csv, both formats.
-    for how in ("compute_only", "compute_comms", "csv_compute_only", "csv_compute_comms"):
+    # TorchTitan's way for a CSV schedule: get_schedule_class("PipelineScheduleMulti").
+    hows = ("compute_only", "compute_comms", "csv_compute_only", "csv_compute_comms", "multi")
+    for how in hows:
         m3 = _model()
         stages, _ = _stages("hp", m3)
-        sched3 = hp_pp.PipelineScheduleRuntime(stages, N_MB, loss_fn)
+        if how == "multi":
+            cls = hp_pp.get_schedule_class("PipelineScheduleMulti")
+            assert cls is hp_pp.PipelineScheduleMulti
+            sched3: hp_pp.PipelineScheduleRuntime = cls(stages, N_MB, loss_fn)
+            how = "csv_compute_only"
+        else:
+            sched3 = hp_pp.PipelineScheduleRuntime(stages, N_MB, loss_fn)
         fmt = how.removeprefix("csv_")
         table: Any = BFS if fmt == "compute_only" else lowered
         if how.startswith("csv"):

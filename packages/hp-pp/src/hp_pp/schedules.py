@@ -649,7 +649,7 @@ class PipelineScheduleSingle(PipelineScheduleRuntime):
             raise TypeError(
                 f"{type(self).__name__} takes one hp_pp.PipelineStage, got {type(stage).__name__}"
             )
-        style = generators.STYLE[self._schedule_name]
+        style = generators.STYLE.get(self._schedule_name, "loop")
         super().__init__(
             [stage],
             n_microbatches,
@@ -660,14 +660,16 @@ class PipelineScheduleSingle(PipelineScheduleRuntime):
             scale_grads,
             style=style,
         )
-        self.load_actions(
-            generators.generate(
-                self._schedule_name,
-                pp_size=self._pp_size,
-                num_stages=self._num_stages,
-                n_microbatches=n_microbatches,
+        if self._schedule_name:
+            self.load_actions(
+                generators.generate(
+                    self._schedule_name,
+                    pp_size=self._pp_size,
+                    num_stages=self._num_stages,
+                    n_microbatches=n_microbatches,
+                )
             )
-        )
+        # Without a built-in name the table comes from pipeline_order / _load_csv (torch's way).
 
 
 class PipelineScheduleMulti(PipelineScheduleRuntime):
@@ -965,12 +967,16 @@ _CLASSES: dict[str, type[PipelineScheduleRuntime]] = {
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
     "DualPipeV": ScheduleDualPipeV,
     "MPipe": ScheduleMPipe,
+    # torch's map also names the two bases (a table then comes from _load_csv/pipeline_order).
+    "PipelineScheduleSingle": PipelineScheduleSingle,
+    "PipelineScheduleMulti": PipelineScheduleMulti,
 }
 
 
 def get_schedule_class(schedule_name: str) -> type[PipelineScheduleRuntime]:
     """The schedule class of a name (case-insensitive; ``"ScheduleZBVZeroBubble"``, ``"ZBV"``,
-    ``"zbvzerobubble"`` and ``"MPipe"`` all work).
+    ``"zbvzerobubble"`` and ``"MPipe"`` all work; ``"PipelineScheduleSingle"`` and
+    ``"PipelineScheduleMulti"`` give the bases, whose table a caller then loads, as in torch).
 
     Raises:
         ValueError: unknown name (the message lists the valid ones).
