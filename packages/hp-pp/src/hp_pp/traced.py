@@ -173,7 +173,7 @@ def build_stage(
     """An hp-pp stage for one stage module of a traced pipeline.
 
     Args:
-        stage_module: ``pipe.get_stage_module(stage_index)`` of a :func:`pipeline` trace.
+        stage_module: ``pipe.get_stage_module(stage_index)`` of a ``hp_pp.pipeline`` trace.
         stage_index: Index of this stage.
         pipe_info: ``pipe.info()`` of the same trace (its graph and number of stages).
         device: Device of the stage (the module is moved there unless it is on ``meta``).
