@@ -487,7 +487,7 @@ class Float8Config:
     (torchao); runs on CPU too (``torch._scaled_mm``).
 
     See Also:
-        TorchTitan's ``Float8`` converter config (``recipe_name``,
+        TorchTitan's Float8 converter config (``recipe_name``,
         ``enable_fsdp_float8_all_gather``, ``precompute_float8_dynamic_scale_for_fsdp``,
         ``filter_fqns``, ``emulate``); torchao's ``Float8LinearConfig``.
     """
@@ -532,7 +532,7 @@ class MXConfig:
     emulated recipe (PyTorch-native quantization, high-precision matmuls) runs anywhere.
 
     See Also:
-        TorchTitan's ``MXFP8`` converter config; torchao's ``MXFP8TrainingOpConfig``.
+        TorchTitan's MXFP8 converter config; torchao's ``MXFP8TrainingOpConfig``.
     """
 
     recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil"] = (

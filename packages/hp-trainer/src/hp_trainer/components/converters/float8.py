@@ -15,8 +15,8 @@ Needs the optional dependency torchao (``pip install hp-trainer[float8]``); runs
 (``torch._scaled_mm``), so no emulation is needed there.
 
 See Also:
-    TorchTitan's ``Float8`` converter (``torchtitan.components.quantization.float8``);
-    torchao's ``convert_to_float8_training`` and ``precompute_float8_dynamic_scale_for_fsdp``.
+    TorchTitan's Float8 converter (its quantization component, float8 module); torchao's
+    ``convert_to_float8_training`` and ``precompute_float8_dynamic_scale_for_fsdp``.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
     from hp_trainer.distributed.parallel_dims import ParallelDims
 
-__all__ = ["Float8Converter", "check_linear_dims", "import_optional"]
+__all__ = ["Float8Converter", "check_linear_dims"]
 
 _FLOAT8_MULTIPLE = 16
 
 
-def import_optional(module: str, feature: str, extra: str) -> ModuleType:
+def _import_optional(module: str, feature: str, extra: str) -> ModuleType:
     """Import an optional dependency, or explain which extra installs it.
 
     Args:
@@ -117,11 +117,11 @@ class Float8Converter:
         ImportError: When torchao is not installed (naming ``hp-trainer[float8]``).
 
     See Also:
-        TorchTitan's ``Float8`` converter; torchao's ``Float8LinearConfig``.
+        TorchTitan's Float8 converter; torchao's ``Float8LinearConfig``.
     """
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        self.float8 = import_optional("torchao.float8", "the float8 converter", "float8")
+        self.float8 = _import_optional("torchao.float8", "the float8 converter", "float8")
         cfg = job_config.float8
         self.filter_fqns = list(cfg.filter_fqns)
         """Substrings of the fully qualified names left in high precision."""
