@@ -64,7 +64,14 @@ _ATTR = "_hp_lora_adapter"
 
 
 def is_lora_key(key: str) -> bool:
-    """Whether a state-dict key is an adapter weight (``..._lora.lora_a.weight`` / ``lora_b``)."""
+    """Whether a state-dict key is an adapter weight (``..._lora.lora_a.weight`` / ``lora_b``).
+
+    Args:
+        key: A model state-dict key.
+
+    Returns:
+        True for the adapters' keys.
+    """
     return _LORA_KEY.search(key) is not None
 
 
@@ -398,6 +405,9 @@ def merge_lora_state_dict(
 
     Returns:
         The merged state dict, in the base model's keys.
+
+    See Also:
+        PEFT's ``LoraModel.merge_and_unload``: the same merge on a ``transformers`` model.
     """
     out = {k: v for k, v in state.items() if not is_lora_key(k)}
     for key in state:
@@ -426,6 +436,9 @@ def peft_adapter_state_dict(
 
     Returns:
         PEFT's adapter state dict.
+
+    See Also:
+        PEFT's ``get_peft_model_state_dict``: the names PEFT saves.
     """
     out: dict[str, torch.Tensor] = {}
     for key in state:
