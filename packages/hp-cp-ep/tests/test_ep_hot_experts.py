@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from hp_cp_ep import (
     DedupTokenDispatcher,
     ExpertParallel,
+    ExpertTensorParallel,
     MoE,
     MoEArgs,
     plan_hot_expert_replicas,
@@ -161,3 +162,47 @@ def test_replica_plans_that_differ_fail_on_every_rank() -> None:
         moe.experts.token_dispatcher.replicate_hot_experts(loads, 1)
     clone = copy.deepcopy(moe)  # still without replicas: the failed plan was not installed
     assert clone.experts.token_dispatcher.hot_expert_replicas == []
+
+
+def _one_step_equal(etp: bool, **overrides: Any) -> None:
+    """One forward and backward with a replica of expert 0 equals the same without (1e-6)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = _skewed_moe(4, **overrides)
+    replicated = copy.deepcopy(plain)
+    if etp:  # EP 2 x TP 2: the replica carries each TP rank's slice of the hidden units
+        mesh = init_device_mesh("cpu", (2, 2))
+        x, target = _batch(mesh.get_local_rank(0), 0)
+        for moe in (plain, replicated):
+            parallelize_module(moe.experts, mesh, ExpertTensorParallel())
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        x, target = _batch(rank, 0)
+        for moe in (plain, replicated):
+            parallelize_module(moe.experts, mesh, ExpertParallel())
+    dispatcher = replicated.experts.token_dispatcher
+    assert dispatcher.replicate_hot_experts([50.0, 1.0, 1.0, 1.0], 1) == [(0, 1)]
+    outputs = []
+    for moe in (plain, replicated):
+        out = moe(x)
+        (out * target).sum().backward()
+        outputs.append(out.detach())
+    torch.testing.assert_close(outputs[1], outputs[0], **EXACT)
+    for name, param in replicated.named_parameters():
+        grad, expected = param.grad, plain.get_parameter(name).grad
+        assert grad is not None
+        assert expected is not None
+        if isinstance(grad, DTensor):
+            assert isinstance(expected, DTensor)
+            grad, expected = grad.full_tensor(), expected.full_tensor()
+        torch.testing.assert_close(grad, expected, **EXACT, msg=name)
+
+
+@distributed(world_size=2)
+def test_replicas_with_capacity_drops_and_the_per_expert_loop() -> None:
+    _one_step_equal(False, capacity_factor=1.0, score_before_experts=True)
+    _one_step_equal(False, use_grouped_mm=False, top_k=3)
+
+
+@distributed(world_size=4)
+def test_replicas_under_expert_tensor_parallel() -> None:
+    _one_step_equal(True)
