@@ -80,6 +80,23 @@ def test_float8_converts_all_but_the_head_and_refuses_odd_layers(
         build_model_converters(cfg, dims).convert(_Odd())
 
 
+def test_float8_all_gather_refuses_rows_not_dividing_over_the_shards(tmp_path: Path) -> None:
+    # torchao's wrapper gathers its unpadded shard: with 48 rows over 3 x 2 = 6 ranks fine,
+    # over 5 FSDP ranks the short rank alone would fail at the first all-gather (others hang)
+    cfg = _h.job(tmp_path, {}, run="f8rows")
+    cfg.model.converters = ["float8"]
+    cfg.float8.enable_fsdp_float8_all_gather = True
+    cfg.float8.filter_fqns = ["lm_head", "proj"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=5, cp=1, tp=1, pp=1, ep=1, world_size=5)
+    with pytest.raises(ValueError, match=r"'body' has out_features=48, not divisible by .* \(5\)"):
+        build_model_converters(cfg, dims).convert(_Odd())
+    dims = ParallelDims(dp_replicate=1, dp_shard=3, cp=1, tp=2, pp=1, ep=1, world_size=6)
+    build_model_converters(cfg, dims).convert(_Odd())  # 48 rows over 3 x 2 ranks
+    cfg.float8.enable_fsdp_float8_all_gather = False  # no float8 all-gather: no constraint
+    dims = ParallelDims(dp_replicate=1, dp_shard=5, cp=1, tp=1, pp=1, ep=1, world_size=5)
+    build_model_converters(cfg, dims).convert(_Odd())
+
+
 def test_float8_config_refusals(tmp_path: Path) -> None:
     from hp_trainer.config import Float8Config
 

@@ -126,6 +126,8 @@ class Float8Converter:
         self.filter_fqns = list(cfg.filter_fqns)
         """Substrings of the fully qualified names left in high precision."""
         fsdp = parallel_dims.fsdp_enabled
+        # rows of a weight split over FSDP's shard axis (dp_shard x cp) and tensor parallel
+        self._row_split = parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp
         self.float8_all_gather = cfg.enable_fsdp_float8_all_gather and fsdp
         """Whether FSDP all-gathers the weights in float8."""
         self.precompute_scales = cfg.precompute_float8_dynamic_scale_for_fsdp and fsdp
@@ -152,9 +154,23 @@ class Float8Converter:
 
         Raises:
             ValueError: For a layer whose dimensions are not divisible by 16 (naming it),
-                or when the filter leaves no layer to convert.
+                when the filter leaves no layer to convert, or, with the float8 all-gather,
+                for a layer whose rows do not divide evenly over the FSDP shard (x TP) ranks
+                (torchao's weight wrapper gathers its unpadded shard: an uneven shard would
+                fail on the short rank only, at the first all-gather).
         """
         converted, skipped = check_linear_dims(model, self.filter_fqns, _FLOAT8_MULTIPLE, "float8")
+        if self.float8_all_gather:
+            for fqn in converted:
+                rows = int(model.get_submodule(fqn).out_features)  # type: ignore[arg-type]
+                if rows % self._row_split:
+                    raise ValueError(
+                        f"float8: linear layer {fqn!r} has out_features={rows}, not divisible by "
+                        f"the FSDP shard degree x tensor-parallel degree ({self._row_split}): "
+                        "torchao's float8 all-gather needs every rank to hold as many rows; set "
+                        "float8.enable_fsdp_float8_all_gather = false or add the layer to "
+                        "float8.filter_fqns"
+                    )
         keep = set(converted)
         self.float8.convert_to_float8_training(
             model, config=self.config, module_filter_fn=lambda _m, fqn: fqn in keep
