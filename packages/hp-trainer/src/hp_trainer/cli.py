@@ -258,7 +258,11 @@ _LAUNCH_HELP = """
   --nnodes N                number of nodes; run hp-train once per node with the same options
   --node-rank R             this node's index (optional)
   --rdzv-endpoint HOST:PORT rendezvous address, the same on every node (needed with --nnodes > 1)
-  --rdzv-id ID              job id shared by the nodes (default: hp-train)"""
+  --rdzv-id ID              job id shared by the nodes (default: hp-train)
+
+[fault tolerance] hp-train --lighthouse [--bind HOST:PORT] [--min_replicas N] runs torchft's
+  lighthouse; start each replica group with --fault_tolerance.enable true
+  --fault_tolerance.replica_id R --fault_tolerance.lighthouse http://HOST:PORT"""
 
 
 def _quiet_known_warnings() -> None:
