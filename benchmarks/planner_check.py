@@ -3,10 +3,12 @@
 Every layout's trainer (FSDP 4, HSDP 2 x 2, FSDP 2 x TP 2, PP 2 x FSDP 2 with 1F1B and with
 Interleaved 1F1B, CP 2 x FSDP 2, EP 2 over FSDP 4 on the MoE debug model, and FSDP 4 and
 FSDP 2 x TP 2 with full AC) is built in the same 4 gloo worker processes (debug models, seq 128,
-local batch 4 per data-parallel rank, micro-batch 1 under PP, fp32); their steps alternate (one
+local batch 4 per data-parallel rank, micro-batch 1 under PP, fp32; torch's default intra-op
+threads, as in the tests and in ``hp-plan calibrate``); their steps alternate (one
 step of each per round, a barrier around each), warm-up rounds discarded, median step time per
-layout. Then one more step of each is measured at tensor level (``hp_trainer.planner._measure``:
-the bytes alive at the step's start plus the peak of allocations minus frees; the worst rank).
+layout. Then each layout is built again alone and its second step is measured at tensor level
+(``hp_trainer.planner._measure``: the bytes alive at the step's start plus the peak of
+allocations minus frees; the worst rank).
 
 The predictions come from :func:`hp_trainer.planner.estimate_layout` with the ``cpu`` profile
 (``hp-plan calibrate --world-size 4`` on this machine). Reported: Spearman's rank correlation of
@@ -82,13 +84,11 @@ def _job(folder: str, name: str) -> Any:
 
 
 def _worker(folder: str, rounds: int) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
     from hp_trainer import Trainer
     from hp_trainer.planner._measure import step_peak_bytes
 
-    torch.set_num_threads(1)
     names = list(LAYOUTS)
     trainers = {name: Trainer(_job(folder, name)) for name in names}
     batches = {name: t.data_iterator() for name, t in trainers.items()}
@@ -102,11 +102,17 @@ def _worker(folder: str, rounds: int) -> dict[str, Any]:
             trainers[name].train_step(batch)
             dist.barrier()
             times[name].append(time.perf_counter() - start)
+    for trainer in trainers.values():
+        trainer.close()
+    # memory: one trainer alive at a time (the profiler's record of a step is exact only when
+    # no other trainer's tensors are freed during it), its second step (with optimizer state)
     peaks = {}
     for name in names:
         dist.barrier()
-        peaks[name] = step_peak_bytes(trainers[name], next(batches[name]))[0]
-    for trainer in trainers.values():
+        trainer = Trainer(_job(folder, name + " mem"))
+        it = trainer.data_iterator()
+        trainer.train_step(next(it))
+        peaks[name] = step_peak_bytes(trainer, next(it))[0]
         trainer.close()
     return {"median": {n: statistics.median(ts[WARMUP:]) for n, ts in times.items()},
             "peak": peaks}  # fmt: skip

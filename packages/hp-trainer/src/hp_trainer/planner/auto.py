@@ -16,14 +16,17 @@ def _default_device() -> str:
     kind = hp_device.get_device_type()
     if not hp_device.is_accelerator(kind):
         return "cpu"
-    from hp_trainer.components.metrics import _device_name
+    import torch
 
-    name = _device_name().replace(" ", "").lower()
+    module = getattr(torch, kind, None)
+    get_name = getattr(module, "get_device_name", None)
+    device_name = str(get_name()) if get_name is not None else kind
+    name = device_name.replace(" ", "").lower()
     for profile in ("h200", "h100", "ascend910b"):
         if profile in name:
             return profile
     raise ValueError(
-        f"parallelism.auto = true on a device ({_device_name()}) without a shipped profile: "
+        f"parallelism.auto = true on a device ({device_name}) without a shipped profile: "
         "set parallelism.auto_device to h100, h200, ascend910b, cpu or a .toml profile "
         "(hp-plan calibrate writes one)"
     )

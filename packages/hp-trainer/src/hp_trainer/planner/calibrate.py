@@ -3,7 +3,8 @@
 Each of ``world_size`` ranks (gloo on the CPU; the accelerator's backend elsewhere) measures at
 the same time, so a shared machine's contention is in the figures: the matrix-multiply rate
 (FLOP/s of a square fp32 multiply, the median of several), the cost of launching one small
-operator, the memory bandwidth (a large copy), and all-reduce / all-gather times at two sizes,
+operator and the extra cost of one on a DTensor, the memory bandwidth (a large copy), and
+all-reduce / all-gather times at two sizes,
 from which the alpha-beta line is solved (latency = the intercept, bandwidth = the slope).
 """
 
@@ -47,7 +48,14 @@ def _measure(matmul_dim: int, repeat: int) -> dict[str, float]:
         "mem_bw": 2 * big.numel() * 4 / t_copy,
     }
     if dist.is_initialized() and dist.get_world_size() > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
         n = dist.get_world_size()
+        mesh = init_device_mesh(x.device.type, (n,))
+        dx = distribute_tensor(x, mesh, [Replicate()])
+        t_dt = _timed(lambda: [dx.add(1.0) for _ in range(50)], repeat) / 50
+        out["dtensor"] = max(t_dt - t_op, 0.0)
         small, large = torch.randn(256), torch.randn(2**20)  # 1 KiB, 4 MiB
         for name, t in (("small", small), ("large", large)):
             dist.barrier()
@@ -83,7 +91,7 @@ def calibrate_device_profile(
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     if world_size == 1:
         m = _measure(matmul_dim, repeat)
-        m.update(alpha=1e-5, beta=m["mem_bw"])
+        m.update(alpha=1e-5, beta=m["mem_bw"], dtensor=0.0)
     else:
         from hp_dtensor.testing import run_distributed
 
@@ -110,4 +118,5 @@ def calibrate_device_profile(
         host_memory_bandwidth=m["mem_bw"],
         host_memory_bytes=host,
         kernel_overhead=m["op"],
+        dtensor_overhead=m["dtensor"],
     )

@@ -2,7 +2,8 @@
 
 Time. Compute is the model's training FLOPs on this rank's share (tokens / cp, layers / pp,
 matmuls / tp, plus the forward again for recomputed blocks) at the profile's sustained FLOP rate,
-plus a fixed launch cost per operator. Each collective costs ``alpha + bytes / bus bandwidth``
+plus a fixed launch cost per operator (and DTensor's host cost per operator under TP). Each
+collective costs ``alpha + bytes / bus bandwidth``
 (ring all-gather / reduce-scatter move ``(n - 1) / n`` of the gathered bytes, all-reduce twice
 that, all-to-all ``(n - 1) / n`` of the exchanged bytes), on the intra-node link when its group
 fits in a node and on the network otherwise (mesh order, innermost first: tp, cp, dp_shard,
@@ -282,7 +283,8 @@ def estimate_layout(
     flops = model_flops * (1 + recompute / 3)
     t: dict[str, float] = {}
     kernels = s.kernels_per_layer * layers * (3 + recompute) * (n_mb if c.pp > 1 else 1)
-    t["compute"] = flops / profile.sustained_flops + kernels * profile.kernel_overhead
+    per_op = profile.kernel_overhead + (profile.dtensor_overhead if c.tp > 1 else 0.0)
+    t["compute"] = flops / profile.sustained_flops + kernels * per_op
 
     tp_a, tp_b = _link(profile, c.tp)
     cp_a, cp_b = _link(profile, c.tp * c.cp)

@@ -38,6 +38,9 @@ class DeviceProfile:
         host_memory_bandwidth: Host memory bandwidth available to one device's optimizer step.
         host_memory_bytes: Host memory of one node.
         kernel_overhead: Fixed cost of one operator launch, seconds (dominant on a CPU run).
+        dtensor_overhead: Extra host cost of one operator on DTensor parameters (tensor
+            parallel), seconds: DTensor's sharding propagation. 0 where the device's kernels
+            outlast it (it runs on the host while the device computes).
         source: The file the profile was read from.
 
     See Also:
@@ -62,6 +65,7 @@ class DeviceProfile:
     host_memory_bandwidth: float
     host_memory_bytes: float
     kernel_overhead: float = 5e-6
+    dtensor_overhead: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
