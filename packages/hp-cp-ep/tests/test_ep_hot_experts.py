@@ -149,7 +149,7 @@ def test_plan_puts_hot_experts_on_least_loaded_ranks() -> None:
         plan_hot_expert_replicas(loads, 3, 1)
     with pytest.raises(ValueError, match="needs an expert-parallel group"):
         _skewed_moe(4).experts.token_dispatcher.replicate_hot_experts(loads[:4], 1)
-    with pytest.raises(ValueError, match="implemented for the plain TokenDispatcher"):
+    with pytest.raises(ValueError, match="needs an expert-parallel group"):
         DedupTokenDispatcher(4).replicate_hot_experts(loads[:4], 1)
 
 
@@ -164,7 +164,7 @@ def test_replica_plans_that_differ_fail_on_every_rank() -> None:
     assert clone.experts.token_dispatcher.hot_expert_replicas == []
 
 
-def _one_step_equal(etp: bool, **overrides: Any) -> None:
+def _one_step_equal(etp: bool, dedup: bool = False, **overrides: Any) -> None:
     """One forward and backward with a replica of expert 0 equals the same without (1e-6)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     plain = _skewed_moe(4, **overrides)
@@ -178,15 +178,19 @@ def _one_step_equal(etp: bool, **overrides: Any) -> None:
         mesh = init_device_mesh("cpu", (world,))
         x, target = _batch(rank, 0)
         for moe in (plain, replicated):
-            parallelize_module(moe.experts, mesh, ExpertParallel())
+            parallelize_module(moe.experts, mesh, ExpertParallel(dedup=dedup))
     dispatcher = replicated.experts.token_dispatcher
     assert dispatcher.replicate_hot_experts([50.0, 1.0, 1.0, 1.0], 1) == [(0, 1)]
-    outputs = []
+    outputs, rows = [], []
     for moe in (plain, replicated):
         out = moe(x)
         (out * target).sum().backward()
         outputs.append(out.detach())
+        rows.append(moe.experts.token_dispatcher.last_received_rows)
     torch.testing.assert_close(outputs[1], outputs[0], **EXACT)
+    ep_rank = mesh.get_local_rank(0)
+    # the owner of expert 0 (EP rank 0) computes fewer rows, its replica's rank (1) more
+    assert (rows[1] < rows[0]) if ep_rank == 0 else (rows[1] > rows[0]), (ep_rank, rows)
     for name, param in replicated.named_parameters():
         grad, expected = param.grad, plain.get_parameter(name).grad
         assert grad is not None
@@ -201,6 +205,9 @@ def _one_step_equal(etp: bool, **overrides: Any) -> None:
 def test_replicas_with_capacity_drops_and_the_per_expert_loop() -> None:
     _one_step_equal(False, capacity_factor=1.0, score_before_experts=True)
     _one_step_equal(False, use_grouped_mm=False, top_k=3)
+    # de-duplicated dispatch: a hot expert's choices alternate between its two copies
+    _one_step_equal(False, dedup=True, top_k=3)
+    _one_step_equal(False, dedup=True, capacity_factor=1.0, score_before_experts=True)
 
 
 @distributed(world_size=4)

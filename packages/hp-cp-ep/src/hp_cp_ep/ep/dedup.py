@@ -176,15 +176,19 @@ class DedupTokenDispatcher(TokenDispatcher):
             self.inter_size, self.intra_size = self.ep_size, 1
 
     def replicate_hot_experts(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported with de-duplicated dispatch (use :class:`~hp_cp_ep.TokenDispatcher`).
+        """As :meth:`hp_cp_ep.TokenDispatcher.replicate_hot_experts`; a hot expert's choices
+        alternate between owner and replica by ``(token + choice)`` parity.
 
         Raises:
-            ValueError: Always.
+            ValueError: With a node axis (the weight fetch needs a flat EP group), and as the
+                plain dispatcher's.
         """
-        raise ValueError(
-            "hot-expert replication is implemented for the plain TokenDispatcher; "
-            "DedupTokenDispatcher does not split a token's rows between expert copies"
-        )
+        if self.node_groups is not None:
+            raise ValueError(
+                "hot-expert replication needs a flat ep_group; this DedupTokenDispatcher has a "
+                "node axis (inter, intra)"
+            )
+        return super().replicate_hot_experts(*args, **kwargs)
 
     def _groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
         if self.node_groups is not None:
@@ -259,6 +263,10 @@ class DedupTokenDispatcher(TokenDispatcher):
             )
         id_dtype = _ID_DTYPE_OF_SIZE.get(tokens.element_size())
         local, inter, intra = self.num_local_experts, self.inter_size, self.intra_size
+        replicas = self._replicas
+        if replicas is not None:  # hot experts: choices alternate between owner and replica
+            selected_experts = replicas.remap_choices(selected_experts.to(torch.int64))
+            local = replicas.slots
         num_experts = local * self.ep_size
         if id_dtype is None or num_experts >= torch.iinfo(id_dtype).max:
             raise ValueError(
@@ -313,6 +321,7 @@ class DedupTokenDispatcher(TokenDispatcher):
         send1, recv1 = host[:inter], host[inter : 2 * inter]
         send2, recv2 = host[2 * inter : 2 * inter + intra], host[2 * inter + intra : -local]
         sizes = [int(n) for n in host[-local:]]
+        self.last_received_rows = sum(sizes)
 
         handle = DedupDispatch()
         handle.num_tokens_per_expert = final[:, 1:].sum(0)

@@ -137,11 +137,28 @@ class HotExpertReplicas:
             owner = [(e // self.local) * self.slots + e % self.local for e in range(num_experts)]
             hot = sorted(self._replica_slot)
             replica = [self._replica_slot[e] for e in hot]
+            # per choice (dropped: E): the owner slot (dropped: past the last slot) and the
+            # replica slot (-1: not hot), for the de-duplicating dispatcher's remap
+            owner_of = [*owner, self.ep_size * self.slots]
+            replica_of = [self._replica_slot.get(e, -1) for e in range(num_experts + 1)]
             self._tables[device] = tuple(  # built once per plan and device, outside the step
                 torch.tensor(values, dtype=torch.int64, device=device)
-                for values in (owner, hot, replica, self._send_rows)
+                for values in (owner, hot, replica, self._send_rows, owner_of, replica_of)
             )
         return self._tables[device]
+
+    def remap_choices(self, experts: torch.Tensor) -> torch.Tensor:
+        """``[T, k]`` global experts (``E``: dropped) to slots; a hot expert's choices alternate
+        between owner and replica by ``(token + choice)`` parity. No host sync."""
+        tables = self._device_tables(experts.device)
+        owner_of, replica_of = tables[4], tables[5]
+        num_tokens, top_k = experts.shape
+        parity = torch.arange(num_tokens, device=experts.device).view(-1, 1) + torch.arange(
+            top_k, device=experts.device
+        )
+        replica = replica_of[experts]
+        use_replica = (replica >= 0) & (parity % 2 == 1)
+        return torch.where(use_replica, replica, owner_of[experts])
 
     def slot_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[ep * slots]`` rows per slot and the first source row of each slot's block.
@@ -149,7 +166,7 @@ class HotExpertReplicas:
         Rows arrive grouped by global expert; a hot expert's block is cut in two, the owner
         taking the first ``ceil(n / 2)`` rows and the replica the rest. No host sync.
         """
-        owner, hot, replica, _ = self._device_tables(counts.device)
+        owner, hot, replica = self._device_tables(counts.device)[:3]
         counts = counts.to(torch.int64)
         start = torch.cumsum(counts, 0) - counts
         to_replica = torch.zeros_like(counts).index_copy(0, hot, counts.index_select(0, hot) // 2)
