@@ -288,6 +288,7 @@ def pipeline_llm(
     output_weight: int = 1,
     parallelize_fn: Callable[[nn.Module], nn.Module | None] | None = None,
     scale_grads: bool = True,
+    shape_headers: bool = True,
 ) -> tuple[PipelineScheduleRuntime, list[nn.Module], bool, bool]:
     """Split a decoder, parallelize each stage module, and build the schedule.
 
@@ -305,6 +306,9 @@ def pipeline_llm(
         output_weight: Cost of the output part in blocks.
         parallelize_fn: Applied to each stage module (TP, FSDP, ...) before the stage is made.
         scale_grads: Passed to the schedule.
+        shape_headers: Passed to every stage (:class:`PipelineStage`): ``False`` when every
+            batch divides evenly into micro-batches, so that no activation message costs a host
+            read.
 
     Returns:
         ``(schedule, model_parts, has_first_stage, has_last_stage)``.
@@ -335,7 +339,7 @@ def pipeline_llm(
     if parallelize_fn is not None:
         parts = [parallelize_fn(part) or part for part in parts]
     stages = [
-        PipelineStage(part, index, num_stages, device, group=group)
+        PipelineStage(part, index, num_stages, device, group=group, shape_headers=shape_headers)
         for index, part in zip(indices, parts, strict=True)
     ]
     sched: PipelineScheduleRuntime

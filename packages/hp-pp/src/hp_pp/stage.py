@@ -282,6 +282,13 @@ class PipelineStage:
         timeout: Keyword-only. How long a wait for a send or receive may take before it raises
             ``RuntimeError`` naming this rank, the peer rank and the transfer (default: the
             process group's timeout). A peer that died or raised makes this rank fail, not hang.
+        shape_headers: Keyword-only. Send each activation message's shapes with it, so later
+            micro-batches may be smaller than the first (uneven micro-batches, ``tensor_split``
+            semantics): the receiver reads a few integers per message, a host sync per message
+            on an accelerator. ``False``: every micro-batch must have the first one's shapes
+            (a differing one raises :class:`PipeliningMetadataError` on the sender) and no
+            message costs a host read; for jobs whose batches always divide evenly (hp-trainer
+            passes it). Must be the same on every stage.
 
     Raises:
         ValueError: ``stage_index`` outside ``[0, num_stages)``, or an unknown tied parameter.
@@ -307,7 +314,10 @@ class PipelineStage:
         *,
         tied_parameters: Mapping[str, str] | None = None,
         timeout: datetime.timedelta | None = None,
+        shape_headers: bool = True,
     ) -> None:
+        if not isinstance(shape_headers, bool):
+            raise TypeError(f"shape_headers must be a bool, got {shape_headers!r}")
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
         if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
@@ -359,6 +369,7 @@ class PipelineStage:
         self._pre_meta_sent = False
         # Per-message shape headers already on the device, by shapes.
         self._headers: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
+        self.shape_headers = shape_headers
         self.output_chunks: dict[int, Any] = {}
         #: Whether the last stage keeps each micro-batch's output for the step to return
         #: (set by the schedule from ``return_outputs``).
@@ -496,7 +507,7 @@ class PipelineStage:
             self._input_meta = metas
         parts: list[_Part] = []
         ndim = sum(len(m.shape) for m in self._input_meta if m.kind != "object")
-        if ndim:
+        if ndim and self.shape_headers:
             pending.header = torch.empty(ndim, dtype=torch.int64, device=self.device)
             parts.append(_Part("recv", pending.header, peer, (src_stage, mb, "F", "shape")))
         for i, m in enumerate(m for m in self._input_meta if m.kind != "object"):
@@ -571,10 +582,13 @@ class PipelineStage:
 
     def _received_shapes(self, pending: _PendingRecv) -> Iterator[tuple[int, ...]]:
         """The shapes of a received message's tensors, from its shape header (one host read
-        of a few integers per message)."""
+        of a few integers per message), or the announced ones without headers."""
         assert self._input_meta is not None
         metas = [m for m in self._input_meta if m.kind != "object"]
-        flat = [] if pending.header is None else pending.header.tolist()
+        if pending.header is None:  # without headers every message has the announced shapes
+            yield from (tuple(m.shape) for m in metas)
+            return
+        flat = pending.header.tolist()
         pos = 0
         for m in metas:
             n = len(m.shape)
@@ -677,6 +691,16 @@ class PipelineStage:
                 [m.to_plain() for m in metas], self.device, f"stage {self.stage_index}"
             )
             parts.append(_Part("send", meta, peer, (*ident, "meta")))
+        elif not self.shape_headers and [m.shape for m in metas] != [
+            m.shape for m in self._output_meta
+        ]:
+            raise PipeliningMetadataError(
+                f"stage {self.stage_index}, micro-batch {mb}: outputs are "
+                f"{[m.describe() for m in metas]} but stage {dst_stage} expects "
+                f"{[m.describe() for m in self._output_meta]} and the stages were built with "
+                "shape_headers=False (every micro-batch must have the first one's shapes; "
+                "build them with shape_headers=True for uneven micro-batches)"
+            )
         elif not self._fits(metas):
             raise PipeliningMetadataError(
                 f"stage {self.stage_index}, micro-batch {mb}: outputs are "
@@ -687,7 +711,9 @@ class PipelineStage:
             )
         tensors = [_local(o) for o in outputs if isinstance(o, torch.Tensor)]
         capacity = [m.shape for m in self._output_meta if m.kind != "object"]
-        header = self._shape_header([tuple(t.shape) for t in tensors])
+        header = (
+            self._shape_header([tuple(t.shape) for t in tensors]) if self.shape_headers else None
+        )
         if header is not None:
             parts.append(_Part("send", header, peer, (*ident, "shape")))
         padded = [_padded(t, shape) for t, shape in zip(tensors, capacity, strict=True)]

@@ -144,6 +144,9 @@ def pipeline_decoder(
         module_fqns_per_model_part=fqns,
         parallelize_fn=lambda part: parallelize_fn(part, parallel_dims, job_config),
         scale_grads=False,
+        # the local batch is validated to divide into the micro-batches: no per-message
+        # shape header, so no host read per received activation
+        shape_headers=False,
     )
     if par.pipeline_parallel_schedule_csv:
         schedule.load_csv(par.pipeline_parallel_schedule_csv)
