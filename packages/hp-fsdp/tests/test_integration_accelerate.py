@@ -105,10 +105,17 @@ def _compare(ckpt_root: str, mixed_precision: str) -> None:
     import torch.distributed as dist
 
     rank_dir = f"{ckpt_root}/{mixed_precision}"
+
+    def torch_llamas() -> int:
+        return _switch._torch_sharded_roots(torch_fsdp.FSDPModule).count("FSDPLlamaForCausalLM")
+
+    before = torch_llamas()
     theirs = _accelerate_loop(f"{rank_dir}/torch", mixed_precision)
-    gc.collect()  # the torch-sharded model must be gone before switching (else refused)
+    gc.collect()
+    # this run's torch-sharded model is gone; the warm pool may hold other tests' models
+    assert torch_llamas() == before
     assert not hp_fsdp_active()
-    with use_hp_fsdp() as switch:
+    with use_hp_fsdp(allow_torch_sharded=True) as switch:
         assert torch_fsdp.fully_shard is hp_fsdp.fully_shard  # type: ignore[comparison-overlap]
         assert "FSDPModule" in switch.names
         ours = _accelerate_loop(f"{rank_dir}/hp", mixed_precision)
@@ -192,15 +199,20 @@ def test_torch_policy_made_before_the_switch_still_converts() -> None:
 
 @distributed(world_size=2)
 def test_switch_refuses_while_a_torch_sharded_model_is_alive() -> None:
+    # the warm pool may hold torch-sharded models of earlier tests: look for this one by name
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     torch_fsdp.fully_shard(model)
-    with pytest.raises(RuntimeError, match=r"already sharded by torch's fully_shard .*Sequential"):
+    with pytest.raises(RuntimeError, match=r"already sharded by torch's fully_shard are alive \("):
         use_hp_fsdp()
     assert not hp_fsdp_active()
+    assert "FSDPSequential" in _switch._torch_sharded_roots(torch_fsdp.FSDPModule)
     del model
     gc.collect()
-    with use_hp_fsdp():
+    assert "FSDPSequential" not in _switch._torch_sharded_roots(torch_fsdp.FSDPModule)
+    with use_hp_fsdp(allow_torch_sharded=True):
         assert hp_fsdp_active()
+    with pytest.raises(TypeError, match="allow_torch_sharded must be a bool, got str"):
+        use_hp_fsdp(allow_torch_sharded="yes")  # type: ignore[arg-type]
 
 
 def _fake_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:

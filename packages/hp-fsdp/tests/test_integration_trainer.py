@@ -142,7 +142,7 @@ def test_trainer_fsdp2_bf16_ac_equal_to_torch_and_resumes() -> None:
     root = _shared_tmp()
     theirs = _train(f"{root}/torch", lora=False)
     gc.collect()
-    with use_hp_fsdp():
+    with use_hp_fsdp(allow_torch_sharded=True):
         ours = _train(f"{root}/hp", lora=False)
         resumed = _train(f"{root}/hp", lora=False, resume=f"{root}/hp/checkpoint-3")
     assert not hp_fsdp_active()
@@ -160,7 +160,7 @@ def test_trainer_peft_lora_fsdp2_equal_to_torch() -> None:
     root = _shared_tmp()
     theirs = _train(f"{root}/torch", lora=True)
     gc.collect()
-    with use_hp_fsdp():
+    with use_hp_fsdp(allow_torch_sharded=True):
         ours = _train(f"{root}/hp", lora=True)
     # peft's wrap policy is FSDP1's: Accelerate's FSDP2 path then shards the embedding, the
     # [norm, lm_head] tail and the root (layers with their frozen base and adapters)

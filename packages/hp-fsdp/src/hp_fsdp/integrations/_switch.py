@@ -255,8 +255,6 @@ def _torch_sharded_roots(torch_fsdp_module_cls: type) -> list[str]:
         cls = type(obj)  # not isinstance: some lazy objects warn when asked for __class__
         if issubclass(cls, torch_fsdp_module_cls) and not issubclass(cls, hp_fsdp.FSDPModule):
             found.append(cls.__name__)
-            if len(found) >= 3:
-                break
     return found
 
 
@@ -302,7 +300,7 @@ class HpFsdpSwitch:
         return f"HpFsdpSwitch(names={self.names!r})"
 
 
-def use_hp_fsdp() -> HpFsdpSwitch:
+def use_hp_fsdp(*, allow_torch_sharded: bool = False) -> HpFsdpSwitch:
     """Route HF Accelerate's and the transformers Trainer's FSDP2 path to hp-fsdp.
 
     Rebinds, in ``torch.distributed.fsdp``, the FSDP2 names the installed clients use (those
@@ -314,13 +312,23 @@ def use_hp_fsdp() -> HpFsdpSwitch:
     by hp-fsdp is not an instance of torch's ``FSDPModule``, so a client that checks it after the
     switch is gone takes its non-FSDP path.
 
+    Args:
+        allow_torch_sharded: keyword-only: do not refuse when modules sharded by torch's
+            ``fully_shard`` are alive (an older model still referenced somewhere). They keep
+            running on torch's FSDP2 runtime, but a client that checks one of them with
+            ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` while the switch is on does not
+            see it as FSDP2: do not hand them to Accelerate or the Trainer until
+            :func:`restore_torch_fsdp`.
+
     Returns:
         A :class:`HpFsdpSwitch` (use it in a ``with`` statement, or ignore it).
 
     Raises:
+        TypeError: when ``allow_torch_sharded`` is not a bool.
         RuntimeError: when a live module is already sharded by torch's ``fully_shard`` (mixing
-            the two runtimes in one process is refused), or when an installed client uses an
-            FSDP2 name hp-fsdp lacks or binds one at import time (the message names each use).
+            the two runtimes in one process is refused unless ``allow_torch_sharded``), or when
+            an installed client uses an FSDP2 name hp-fsdp lacks or binds one at import time
+            (the message names each use).
 
     Example:
         .. code-block:: python
@@ -336,12 +344,18 @@ def use_hp_fsdp() -> HpFsdpSwitch:
     global _saved
     if _saved is not None:
         return HpFsdpSwitch(tuple(sorted(_saved)), owner=False)
-    roots = _torch_sharded_roots(_torch_fsdp_module.FSDPModule)
+    if not isinstance(allow_torch_sharded, bool):
+        raise TypeError(
+            f"allow_torch_sharded must be a bool, got {type(allow_torch_sharded).__name__}"
+        )
+    roots = [] if allow_torch_sharded else _torch_sharded_roots(_torch_fsdp_module.FSDPModule)
     if roots:
+        more = f" and {len(roots) - 3} more" if len(roots) > 3 else ""
         raise RuntimeError(
             "hp_fsdp.integrations.use_hp_fsdp: modules already sharded by torch's fully_shard "
-            f"are alive ({', '.join(roots)}); switch before sharding (hp-fsdp and torch's FSDP2 "
-            "cannot share a model), or drop those modules first"
+            f"are alive ({', '.join(roots[:3])}{more}); switch before sharding (hp-fsdp and "
+            "torch's FSDP2 cannot share a model), drop those modules first, or pass "
+            "allow_torch_sharded=True if they are never handed to a client while switched"
         )
     plan = _plan(client_fsdp_uses(CLIENT_MODULES))  # read at call time: extendable
     saved = {name: getattr(_torch_fsdp_module, name) for name in plan}
