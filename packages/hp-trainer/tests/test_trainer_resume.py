@@ -276,9 +276,9 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
         _wait_for_step(tmp_path / "dies" / "metrics.jsonl", 2, dies)
         workers = _workers(dies.pid)
         os.kill(workers[1], signal.SIGKILL)
-        start = time.monotonic()
-        out, _ = dies.communicate(timeout=60)
-        assert time.monotonic() - start < 30
+        # ends by itself instead of hanging (communicate raises TimeoutExpired otherwise); no
+        # wall-clock assertion beyond that bound, which a loaded machine could break
+        out, _ = dies.communicate(timeout=120)
         assert dies.returncode == 1, out[-4000:]
         assert f"rank 1 (pid {workers[1]}) failed: killed by signal SIGKILL" in out, out[-4000:]
     finally:
