@@ -59,13 +59,13 @@ SEQ = 128
 LOCAL_BATCH = 4
 
 
-def _job(folder: str, name: str) -> Any:
+def _job(folder: str, name: str, suffix: str = "") -> Any:
     from hp_trainer import ConfigManager
 
     model, flavor, par, ac = LAYOUTS[name]
     return ConfigManager().from_dict(
         {
-            "job": {"run_name": name.split()[0], "dump_folder": folder},
+            "job": {"run_name": name.split()[0] + suffix, "dump_folder": folder},
             "model": {"name": model, "flavor": flavor},
             "training": {
                 "local_batch_size": LOCAL_BATCH,
@@ -109,7 +109,7 @@ def _worker(folder: str, rounds: int) -> dict[str, Any]:
     peaks = {}
     for name in names:
         dist.barrier()
-        trainer = Trainer(_job(folder, name + " mem"))
+        trainer = Trainer(_job(folder, name, "_mem"))
         it = trainer.data_iterator()
         trainer.train_step(next(it))
         peaks[name] = step_peak_bytes(trainer, next(it))[0]
