@@ -43,7 +43,7 @@ def _import_torchft() -> Any:
         import torchft  # type: ignore[import-untyped]
     except ImportError as exc:  # pragma: no cover - torchft is a dev dependency
         raise ImportError(
-            "fault_tolerance.enable = true needs torchft (pip install torchft>=0.2)"
+            "fault_tolerance.enable = true needs torchft (pip install 'hp-trainer[ft]')"
         ) from exc
     return torchft
 
