@@ -461,7 +461,8 @@ class LLMTrainer(BaseTrainer):
         if job_config.parallelism.auto:  # the planner's layout for this world size
             from hp_trainer.planner.auto import resolve_auto_layout
 
-            job_config = resolve_auto_layout(job_config, dist.get_world_size() if dist.is_initialized() else None)  # fmt: skip
+            world = dist.get_world_size() if dist.is_initialized() else None
+            job_config = resolve_auto_layout(job_config, world)
         super().__init__(job_config)
         cfg = job_config
         par = cfg.parallelism
