@@ -34,12 +34,12 @@ if TYPE_CHECKING:
     from hp_trainer.config import JobConfig
     from hp_trainer.distributed.parallel_dims import ParallelDims
 
-__all__ = ["Float8Converter", "check_linear_dims"]
+__all__ = ["Float8Converter", "check_linear_dims", "import_optional"]
 
 _FLOAT8_MULTIPLE = 16
 
 
-def _import_optional(module: str, feature: str, extra: str) -> ModuleType:
+def import_optional(module: str, feature: str, extra: str) -> ModuleType:
     """Import an optional dependency, or explain which extra installs it.
 
     Args:
@@ -121,7 +121,7 @@ class Float8Converter:
     """
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        self.float8 = _import_optional("torchao.float8", "the float8 converter", "float8")
+        self.float8 = import_optional("torchao.float8", "the float8 converter", "float8")
         cfg = job_config.float8
         self.filter_fqns = list(cfg.filter_fqns)
         """Substrings of the fully qualified names left in high precision."""

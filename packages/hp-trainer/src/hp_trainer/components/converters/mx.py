@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hp_dtensor import device as hp_device
-from hp_trainer.components.converters.float8 import _import_optional, check_linear_dims
+from hp_trainer.components.converters.float8 import check_linear_dims, import_optional
 from hp_trainer.components.metrics import logger
 
 if TYPE_CHECKING:
@@ -88,10 +88,10 @@ class MXConverter:
                     f"need a CUDA device of compute capability >= 10.0 (Blackwell) and Triton; "
                     f"{reason}. Use mx.recipe_name = {_EMULATED!r} to emulate MXFP8 here"
                 )
-        self._mx = _import_optional(
+        self._mx = import_optional(
             "torchao.prototype.moe_training.config", "the mx converter", "float8"
         )
-        self._quantize = _import_optional("torchao.quantization", "the mx converter", "float8")
+        self._quantize = import_optional("torchao.quantization", "the mx converter", "float8")
         recipe = self._mx.MXFP8TrainingRecipe(cfg.recipe_name)
         self.config: Any = self._mx.MXFP8TrainingOpConfig.from_recipe(recipe)
         """torchao's ``MXFP8TrainingOpConfig``."""
