@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import torch.distributed.fsdp as _torch_fsdp_module  # the namespace the switch rebinds
+import torch.distributed.fsdp as _torch_fsdp_module  # interop: the namespace the switch rebinds
 
 import hp_fsdp
 
