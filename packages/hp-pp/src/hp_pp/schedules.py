@@ -544,7 +544,7 @@ class PipelineScheduleRuntime:
 @dataclass
 class PipelineContext:
     """What a custom function registered with
-    :meth:`PipelineScheduleRuntime.register_custom_function` sees of the running step.
+    ``PipelineScheduleRuntime.register_custom_function`` sees of the running step.
 
     Attributes:
         schedule_ref: The schedule running the step.

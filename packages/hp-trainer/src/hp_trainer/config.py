@@ -418,12 +418,12 @@ class MoEConfig:
     ``sequence`` is DeepSeek-V3's sequence-wise balance loss (each sequence balanced on its own;
     needs ``parallelism.context_parallel_degree = 1``)."""
     hot_expert_replicas: int = 0
-    """Extension: the ``K`` most loaded experts of each MoE layer get a copy on the least loaded
+    """An extension. The ``K`` most loaded experts of each MoE layer get a copy on the least loaded
     expert-parallel ranks (``hp_cp_ep.TokenDispatcher.replicate_hot_experts``; their rows split
     between the copies, the replica's gradient summed into the owner's: training is unchanged).
     0: off. Needs ``parallelism.expert_parallel_degree > 1``."""
     hot_expert_update_interval: int = 10
-    """Extension: re-plan the replicas from the global expert load every this many steps."""
+    """An extension. Re-plan the replicas from the global expert load every this many steps."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "moe")
@@ -449,14 +449,14 @@ class LoRAConfig:
     rank: int = 8
     """Rank of the adapters (PEFT's ``r``)."""
     alpha: float = 16.0
-    """Scaling numerator: the adapter output is multiplied by ``alpha / rank`` (PEFT's
+    """The scaling numerator; the adapter output is multiplied by ``alpha / rank`` (PEFT's
     ``lora_alpha``)."""
     dropout: float = 0.0
     """Dropout probability on the adapter's input (PEFT's ``lora_dropout``)."""
     target_modules: list[str] = field(
         default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
     )
-    """Linear layers that get adapters: a name matches a module whose fully qualified name
+    """The linear layers that get adapters; a name matches a module whose fully qualified name
     equals it or ends with ``.name`` (comma-separated on the command line). A name matching no
     ``nn.Linear`` is refused, listing the linear layers of the model."""
     save_adapter_only: bool = True
@@ -493,7 +493,7 @@ class Float8Config:
     """
 
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """torchao's scaling recipe: ``tensorwise`` (one scale per tensor), ``rowwise`` (one scale
+    """The torchao scaling recipe, ``tensorwise`` (one scale per tensor), ``rowwise`` (one scale
     per row) or ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision)."""
     enable_fsdp_float8_all_gather: bool = False
     """All-gather the FSDP-sharded weights in float8 (tensorwise only; ignored without FSDP)."""
@@ -501,7 +501,7 @@ class Float8Config:
     """After each optimizer step, compute every float8 weight's scale in one all-reduce
     (needs ``enable_fsdp_float8_all_gather``); otherwise each all-gather reduces its own."""
     filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
-    """Linear layers left in high precision: a layer is skipped when one of these strings
+    """The linear layers left in high precision; a layer is skipped when one of these strings
     occurs in its fully qualified name (comma-separated on the command line; the default keeps
     the output head, TorchTitan's ``output``). Layers whose dimensions are not divisible by 16
     must be listed here, or the conversion is refused."""
@@ -538,7 +538,7 @@ class MXConfig:
     recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil"] = (
         "mxfp8_rceil"
     )
-    """torchao's MXFP8 recipe: ``mxfp8_rceil`` (MXFP8 kernels), ``mxfp8_rceil_wgrad_with_hp``
+    """The torchao MXFP8 recipe, ``mxfp8_rceil`` (MXFP8 kernels), ``mxfp8_rceil_wgrad_with_hp``
     (weight gradient in high precision) or ``mxfp8_emulated_rceil`` (emulated, any device)."""
     filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
     """Linear layers left in high precision (substring of the fully qualified name). Layers
@@ -582,21 +582,21 @@ class FaultToleranceConfig:
     sync_steps: int = 5
     """Local steps between two synchronisations (LocalSGD / DiLoCo)."""
     fragment_sync_delay: int = 0
-    """DiLoCo: steps a fragment's synchronisation may overlap before it is applied."""
+    """With DiLoCo, the steps a fragment's synchronisation may overlap before it is applied."""
     fragment_update_alpha: float = 0.0
-    """DiLoCo: weight of the local parameters when merging a fragment's global update."""
+    """With DiLoCo, the weight of the local parameters when merging a fragment's global update."""
     num_fragments: int = 1
-    """DiLoCo: number of model fragments synchronised in turn (streaming DiLoCo)."""
+    """With DiLoCo, the number of model fragments synchronised in turn (streaming DiLoCo)."""
     outer_lr: float = 0.7
-    """Extension: DiLoCo's outer optimizer (Nesterov SGD) learning rate."""
+    """An extension. DiLoCo's outer optimizer (Nesterov SGD) learning rate."""
     outer_momentum: float = 0.9
-    """Extension: DiLoCo's outer optimizer momentum."""
+    """An extension. DiLoCo's outer optimizer momentum."""
     lighthouse: str = ""
-    """Extension: lighthouse address ``http://host:port`` (empty: ``$TORCHFT_LIGHTHOUSE``)."""
+    """An extension. Lighthouse address ``http://host:port`` (empty: ``$TORCHFT_LIGHTHOUSE``)."""
     quorum_timeout_ms: int = 60000
-    """Extension: how long a quorum (waiting for ``min_replica_size`` groups) may take."""
+    """An extension. How long a quorum (waiting for ``min_replica_size`` groups) may take."""
     trace: bool = False
-    """Extension: write one JSON record per step to ``<run folder>/ft_trace_rank<r>.jsonl``
+    """An extension. Write one JSON record per step to ``<run folder>/ft_trace_rank<r>.jsonl``
     (commit, participants, stream positions read, parameter digest)."""
 
     def __post_init__(self) -> None:

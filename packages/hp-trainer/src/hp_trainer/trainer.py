@@ -165,7 +165,7 @@ class BaseTrainer:
         self._metrics_callback: MetricsCallback | None = None
         self._profiler_callback: ProfilerCallback | None = None
         self.ft: Any = None
-        """The :class:`~hp_trainer.components.ft.FTManager` under ``fault_tolerance.enable``."""
+        """The :class:`~hp_trainer.FTManager` under ``fault_tolerance.enable``."""
         self.stop_status: str | None = None
         """None when the run reached ``training.steps``; after a SIGTERM, ``"saved"`` when a
         checkpoint of the last completed step exists (resume by running again), else

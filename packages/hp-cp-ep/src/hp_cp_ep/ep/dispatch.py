@@ -624,7 +624,7 @@ class TokenDispatcher:
 
     @property
     def hot_expert_replicas(self) -> list[tuple[int, int]]:
-        """The current replication plan: ``(expert, replica rank)`` pairs (empty: none)."""
+        """The current replication plan, ``(expert, replica rank)`` pairs (empty when none)."""
         return [] if self._replicas is None else list(self._replicas.plan)
 
     def local_weights(self, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -52,8 +52,6 @@ class OffloadedOptimizersContainer(OptimizersContainer):
     Built by :func:`offload_optimizers`; see the module docstring for the step.
 
     Attributes:
-        host_bytes: Bytes of host memory held (master parameters, gradient buffers, and the
-            optimizer state once created).
         copied_bytes: Bytes copied between device and host by the last step (both ways).
 
     See Also:
@@ -94,7 +92,8 @@ class OffloadedOptimizersContainer(OptimizersContainer):
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes held: master parameters, gradient buffers, optimizer state."""
+        """Host bytes held by master parameters, gradient buffers and the optimizer state (once
+        created)."""
         seen: set[int] = set()
         total = 0
         for opt in self.optimizers:

@@ -227,7 +227,7 @@ def apply_lora(
 
     Args:
         model: The model (on meta, the adapters are created on meta too: initialise them with
-            :meth:`LoRAConverter.init_weights` once the model has storage).
+            ``LoRAConverter.init_weights`` once the model has storage).
         target_modules: Names; a name matches a linear layer whose FQN equals it or ends with
             ``.name``.
         rank: Keyword-only; adapter rank.

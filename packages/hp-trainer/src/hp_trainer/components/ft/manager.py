@@ -172,7 +172,7 @@ class FTManager:
 
     Raises:
         ValueError: A layout fault tolerance cannot run
-            (:func:`check_fault_tolerance_layout`), or no lighthouse address.
+            (``check_fault_tolerance_layout``), or no lighthouse address.
         ConnectionError: The lighthouse does not answer within
             ``process_group_timeout_ms`` (the message names the address).
 

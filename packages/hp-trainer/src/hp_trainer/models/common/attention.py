@@ -242,7 +242,7 @@ class AttentionMasks:
 
         Returns:
             ``sdpa``: None (plain causal) or a dense bool mask; ``flex``: a ``BlockMask``;
-            ``varlen``: a :class:`_Segments`.
+            ``varlen``: a ``_Segments``.
 
         Raises:
             ValueError: If the spec needs document ids the batch lacks, or ``varlen`` cannot

@@ -118,10 +118,11 @@ class YarnRopeScaling:
     mscale: float | None = None
     """Magnitude-correction multiplier of the cosine/sine table (with ``mscale_all_dim``)."""
     mscale_all_dim: float | None = None
-    """The same for every query/key dimension: divides the table's correction and multiplies
+    """The same for every query/key dimension; it divides the table's correction and multiplies
     the softmax scale (squared) of models that apply it (DeepSeek-V3)."""
     attention_factor: float | None = None
-    """Explicit cosine/sine scale (None: from ``factor``, ``mscale``, ``mscale_all_dim``)."""
+    """Explicit cosine/sine scale, or None to derive it from ``factor``, ``mscale`` and
+    ``mscale_all_dim``."""
     truncate: bool = True
     """Round the ramp's ends to whole dimensions (HF's default)."""
 
@@ -221,8 +222,8 @@ class DecoderArgs:
     depth_init: bool = True
     """Scale output-projection init by the layer index (TorchTitan's depth init)."""
     attn_backend: str = "sdpa"
-    """Attention kernel: ``sdpa``, ``flex`` or ``varlen``
-    (:mod:`hp_trainer.models.common.attention`; TorchTitan's ``attn_backend``)."""
+    """The attention kernel, ``sdpa``, ``flex`` or ``varlen``
+    (``hp_trainer.models.common.attention``; TorchTitan's ``attn_backend``)."""
 
     def __post_init__(self) -> None:
         if self.attn_backend not in ATTENTION_BACKENDS:
