@@ -547,13 +547,7 @@ class _Segments:
         window = self.spec.sliding_window
         window_size = (-1 if window is None else window - 1, 0)  # causal: nothing ahead
         cu = self.cu_seqlens
-        if sinks is None:
-            plain = varlen_attn(
-                q, k, v, cu, cu, self.max_len, self.max_len, scale=scale, window_size=window_size
-            )
-            assert isinstance(plain, torch.Tensor)
-            return plain
-        out, lse = varlen_attn(
+        result = varlen_attn(
             q,
             k,
             v,
@@ -563,11 +557,15 @@ class _Segments:
             self.max_len,
             scale=scale,
             window_size=window_size,
-            return_aux=AuxRequest(lse=True),
+            return_aux=None if sinks is None else AuxRequest(lse=True),
         )
-        # lse is (heads, tokens) for packed inputs
-        factor = torch.sigmoid(lse - sinks.to(lse.dtype).view(-1, 1)).transpose(0, 1)
-        return out * factor.unsqueeze(-1).to(out.dtype)
+        if sinks is None:
+            assert isinstance(result, torch.Tensor)
+            return result
+        out, lse = result
+        # packed layout: out (tokens, heads, dim), lse (heads, tokens); as (1, heads, tokens, ...)
+        rescaled = _rescale_by_sinks(out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0), sinks)
+        return rescaled[0].transpose(0, 1)
 
     def _reference(
         self,
