@@ -424,6 +424,15 @@ class MoEConfig:
     0: off. Needs ``parallelism.expert_parallel_degree > 1``."""
     hot_expert_update_interval: int = 10
     """An extension. Re-plan the replicas from the global expert load every this many steps."""
+    dedup_dispatch: bool = False
+    """An extension. Send a token routed to several experts on the same expert-parallel rank once
+    and fan it out there (:class:`hp_cp_ep.DedupTokenDispatcher`, HyperParallel's
+    ``DeredundencyTokenDispatcher``): fewer all-to-all bytes whenever ``top_k > 1``. Needs
+    ``parallelism.expert_parallel_degree > 1`` and ``tensor_parallel_degree = 1``."""
+    overlap_backward: bool = False
+    """An extension. Issue the combine's backward all-to-all before the shared experts' backward
+    and wait for it after (:class:`hp_cp_ep.BackwardOverlap`); off, the backward all-to-alls
+    block. Needs ``parallelism.expert_parallel_degree > 1`` and ``tensor_parallel_degree = 1``."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "moe")

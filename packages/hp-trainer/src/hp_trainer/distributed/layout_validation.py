@@ -169,6 +169,18 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
             f"parallelism.expert_parallel_degree = {dims.ep} but {model} has no experts; use a "
             "mixture-of-experts model (qwen3_moe, deepseek_v3) or expert_parallel_degree = 1"
         )
+    moe = config.moe
+    dispatch_options = [
+        f"moe.{name} = true"
+        for name in ("dedup_dispatch", "overlap_backward")
+        if getattr(moe, name)
+    ]
+    if dispatch_options and (dims.ep == 1 or dims.tp > 1):
+        _fail(
+            f"{' and '.join(dispatch_options)} options the expert-parallel all-to-all dispatcher: "
+            f"they need expert_parallel_degree > 1 and tensor_parallel_degree = 1, got "
+            f"expert_parallel_degree = {dims.ep}, tensor_parallel_degree = {dims.tp}"
+        )
     if getattr(args, "moe_args", None) is not None:
         from hp_trainer.models.common.expert_parallel import moe_layout_error
 

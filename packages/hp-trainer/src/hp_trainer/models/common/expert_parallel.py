@@ -264,6 +264,13 @@ def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None
     return None
 
 
+def _dispatcher_options(job_config: JobConfig) -> dict[str, bool]:
+    """The ``--moe`` dispatcher switches that are on, as ``ExpertParallel`` options."""
+    moe = job_config.moe
+    options = {"dedup": moe.dedup_dispatch, "overlap_backward": moe.overlap_backward}
+    return {name: value for name, value in options.items() if value}
+
+
 def _expert_tp_meshes(dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
     """``([ep, tp] mesh, efsdp mesh)`` when experts are tensor parallel: ep borrows dp_shard.
 
@@ -348,6 +355,7 @@ def parallelize_moe_decoder(
         expert_layout=layout,
         cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
         loss_parallel=not par.disable_loss_parallel,
+        dispatcher=_dispatcher_options(job_config) if layout == "ep" else None,
     )
     if dims.dp_degree * dims.cp > 1:
         # the auxiliary loss counts the tokens of every rank that routes others (dp x cp):

@@ -1,0 +1,103 @@
+"""``--moe.dedup_dispatch`` / ``--moe.overlap_backward``: the trainer's switches for hp-cp-ep's
+de-duplicating dispatcher and overlapped backward all-to-all.
+
+Lean: the tiny Qwen 3 MoE (top-k > 1), EP 2 borrowed from FSDP 2 on two ranks, 3 steps, against
+the same job with the plain dispatcher (that job is itself checked against one process in
+``test_trainer_ep_parity.py``). The switched job must install the dedup dispatcher with the
+overlap on every MoE layer, send fewer all-to-all bytes (a token bound for two experts on one
+rank crosses once) and train the same within 1e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hp_cp_ep import DedupTokenDispatcher, MoE
+from hp_dtensor.testing import load_test_module, run_distributed
+from hp_trainer import JobConfig, Trainer
+from hp_trainer.distributed.layout_validation import validate_parallel_layout
+
+_PAR = {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2}
+
+
+def _helpers() -> ModuleType:
+    return load_test_module(
+        Path(__file__).with_name("_parity_helpers.py"), "hp_trainer_tests_parity_helpers"
+    )
+
+
+def _train(folder: str, switched: bool) -> Any:
+    cfg: JobConfig = _helpers().job(
+        Path(folder), _PAR, run=f"dispatch{int(switched)}", model="qwen3_moe", steps=3
+    )
+    cfg.moe.dedup_dispatch = switched
+    cfg.moe.overlap_backward = switched
+    trainer = Trainer(cfg)
+    sent = [0]
+    all_to_all_single = dist.all_to_all_single
+
+    def counting(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent[0] += input.numel() * input.element_size()
+        return all_to_all_single(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting  # every EP exchange (dispatch, combine, both backwards)
+    try:
+        losses = trainer.train()
+        state = _helpers().full_state([trainer.model])
+        kinds = set()
+        for module in trainer.model.modules():
+            if isinstance(module, MoE):
+                dispatcher = module.experts.token_dispatcher
+                kinds.add((type(dispatcher).__name__, dispatcher.overlap_backward))
+        return losses, state, kinds, sent[0]
+    finally:
+        dist.all_to_all_single = all_to_all_single
+        trainer.close()
+
+
+def test_dedup_and_overlap_switches_train_like_plain_dispatch(tmp_path: Path) -> None:
+    plain = run_distributed(_train, 2, str(tmp_path), False, timeout=180)
+    switched = run_distributed(_train, 2, str(tmp_path), True, timeout=180)
+    for (losses, state, kinds, sent), (ref_losses, ref_state, ref_kinds, ref_sent) in zip(
+        switched, plain, strict=True
+    ):
+        assert ref_kinds == {("TokenDispatcher", False)}, ref_kinds
+        assert kinds == {(DedupTokenDispatcher.__name__, True)}, kinds
+        # rows of (dim + 2k) elements once per (token, rank) against dim per routed choice
+        assert sent < 0.95 * ref_sent, (sent, ref_sent)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-6
+        )
+        for name, value in ref_state.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "expected"),
+    [
+        ({"data_parallel_shard_degree": 2}, "expert_parallel_degree = 1"),
+        (
+            {
+                "data_parallel_shard_degree": 2,
+                "tensor_parallel_degree": 2,
+                "expert_parallel_degree": 2,
+            },
+            "tensor_parallel_degree = 2",
+        ),
+    ],
+)
+def test_dispatch_switches_refused_without_plain_ep(
+    tmp_path: Path, parallelism: dict[str, int], expected: str
+) -> None:
+    cfg: JobConfig = _helpers().job(tmp_path, parallelism, run="refused", model="qwen3_moe")
+    cfg.moe.dedup_dispatch = True
+    world = 4 if "tensor_parallel_degree" in parallelism else 2
+    with pytest.raises(ValueError, match=r"moe\.dedup_dispatch = true") as info:
+        validate_parallel_layout(cfg, world)
+    assert expected in str(info.value)
