@@ -1,7 +1,7 @@
 """``--moe.dedup_dispatch`` / ``--moe.overlap_backward``: the trainer's switches for hp-cp-ep's
 de-duplicating dispatcher and overlapped backward all-to-all.
 
-Lean: the tiny Qwen 3 MoE (top-k > 1), EP 2 borrowed from FSDP 2 on two ranks, 3 steps, against
+Lean: the tiny Qwen 3 MoE (top-k > 1), EP borrowed from FSDP on 2 and 4 ranks, 3 steps, against
 the same job with the plain dispatcher (that job is itself checked against one process in
 ``test_trainer_ep_parity.py``). The switched job must install the dedup dispatcher with the
 overlap on every MoE layer, send fewer all-to-all bytes (a token bound for two experts on one
@@ -10,6 +10,7 @@ rank crosses once) and train the same within 1e-6.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,8 +24,6 @@ from hp_dtensor.testing import load_test_module, run_distributed
 from hp_trainer import JobConfig, Trainer
 from hp_trainer.distributed.layout_validation import validate_parallel_layout
 
-_PAR = {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2}
-
 
 def _helpers() -> ModuleType:
     return load_test_module(
@@ -32,19 +31,33 @@ def _helpers() -> ModuleType:
     )
 
 
-def _train(folder: str, switched: bool) -> Any:
+def _train(folder: str, switched: bool, ranks_per_node: int = 1) -> Any:
+    world = dist.get_world_size()
+    parallelism = {"data_parallel_shard_degree": world, "expert_parallel_degree": world}
     cfg: JobConfig = _helpers().job(
-        Path(folder), _PAR, run=f"dispatch{int(switched)}", model="qwen3_moe", steps=3
+        Path(folder), parallelism, run=f"dispatch{int(switched)}", model="qwen3_moe", steps=3
     )
     cfg.moe.dedup_dispatch = switched
     cfg.moe.overlap_backward = switched
+    cfg.moe.dedup_ranks_per_node = ranks_per_node if switched else 1
     trainer = Trainer(cfg)
     sent = [0]
     all_to_all_single = dist.all_to_all_single
+    signature = inspect.signature(all_to_all_single)
+    me, node = dist.get_rank(), ranks_per_node
 
-    def counting(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sent[0] += input.numel() * input.element_size()
-        return all_to_all_single(output, input, *args, **kwargs)
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        # bytes leaving this rank's node (nodes of `ranks_per_node` consecutive ranks; 1: every
+        # other rank is another node), from the splits each call is given
+        call = signature.bind(*args, **kwargs).arguments
+        tensor, group = call["input"], call.get("group")
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        splits = call.get("input_split_sizes") or [tensor.shape[0] // len(ranks)] * len(ranks)
+        row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+        sent[0] += sum(
+            n * row_bytes for r, n in zip(ranks, splits, strict=True) if r // node != me // node
+        )
+        return all_to_all_single(*args, **kwargs)
 
     dist.all_to_all_single = counting  # every EP exchange (dispatch, combine, both backwards)
     try:
@@ -54,22 +67,28 @@ def _train(folder: str, switched: bool) -> Any:
         for module in trainer.model.modules():
             if isinstance(module, MoE):
                 dispatcher = module.experts.token_dispatcher
-                kinds.add((type(dispatcher).__name__, dispatcher.overlap_backward))
+                nodes = getattr(dispatcher, "intra_size", None)
+                kinds.add((type(dispatcher).__name__, dispatcher.overlap_backward, nodes))
         return losses, state, kinds, sent[0]
     finally:
         dist.all_to_all_single = all_to_all_single
         trainer.close()
 
 
-def test_dedup_and_overlap_switches_train_like_plain_dispatch(tmp_path: Path) -> None:
-    plain = run_distributed(_train, 2, str(tmp_path), False, timeout=180)
-    switched = run_distributed(_train, 2, str(tmp_path), True, timeout=180)
+@pytest.mark.parametrize(("world", "ranks_per_node"), [(2, 1), (4, 2)])
+def test_dedup_and_overlap_switches_train_like_plain_dispatch(
+    tmp_path: Path, world: int, ranks_per_node: int
+) -> None:
+    """EP 2 one stage; EP 4 as 2 nodes of 2 ranks (two-stage dispatch on a 2-D EP mesh)."""
+    plain = run_distributed(_train, world, str(tmp_path), False, ranks_per_node, timeout=180)
+    switched = run_distributed(_train, world, str(tmp_path), True, ranks_per_node, timeout=180)
     for (losses, state, kinds, sent), (ref_losses, ref_state, ref_kinds, ref_sent) in zip(
         switched, plain, strict=True
     ):
-        assert ref_kinds == {("TokenDispatcher", False)}, ref_kinds
-        assert kinds == {(DedupTokenDispatcher.__name__, True)}, kinds
-        # rows of (dim + 2k) elements once per (token, rank) against dim per routed choice
+        assert ref_kinds == {("TokenDispatcher", False, None)}, ref_kinds
+        assert kinds == {(DedupTokenDispatcher.__name__, True, ranks_per_node)}, kinds
+        # off-node bytes: rows of (dim + 2k) elements once per (token, node) against dim per
+        # routed choice
         assert sent < 0.95 * ref_sent, (sent, ref_sent)
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-6

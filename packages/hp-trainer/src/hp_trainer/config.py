@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointConfig",
     "CompileConfig",
     "ConfigManager",
+    "DSAConfig",
     "DataConfig",
     "FaultToleranceConfig",
     "Float8Config",
@@ -429,6 +430,12 @@ class MoEConfig:
     and fan it out there (:class:`hp_cp_ep.DedupTokenDispatcher`, HyperParallel's
     ``DeredundencyTokenDispatcher``): fewer all-to-all bytes whenever ``top_k > 1``. Needs
     ``parallelism.expert_parallel_degree > 1`` and ``tensor_parallel_degree = 1``."""
+    dedup_ranks_per_node: int = 1
+    """An extension. With ``dedup_dispatch``: the expert-parallel ranks form nodes of this many
+    consecutive ranks, and dispatch has two stages (a token crosses to each destination node once,
+    then to each destination rank inside it; the EP mesh becomes ``[ep_inter, ep_intra]``). 1:
+    one stage. Must divide ``parallelism.expert_parallel_degree``; not with
+    ``hot_expert_replicas`` (replicas need a flat EP group)."""
     overlap_backward: bool = False
     """An extension. Issue the combine's backward all-to-all before the shared experts' backward
     and wait for it after (:class:`hp_cp_ep.BackwardOverlap`); off, the backward all-to-alls
@@ -441,6 +448,44 @@ class MoEConfig:
                 "moe.hot_expert_replicas must be >= 0 and moe.hot_expert_update_interval >= 1, "
                 f"got {self.hot_expert_replicas} and {self.hot_expert_update_interval}"
             )
+        if self.dedup_ranks_per_node < 1:
+            raise ValueError(
+                f"moe.dedup_ranks_per_node must be >= 1, got {self.dedup_ranks_per_node}"
+            )
+        if self.dedup_ranks_per_node > 1 and not self.dedup_dispatch:
+            raise ValueError(
+                f"moe.dedup_ranks_per_node = {self.dedup_ranks_per_node} is the node size of the "
+                "two-stage de-duplicating dispatch; expected moe.dedup_dispatch = true"
+            )
+        if self.dedup_ranks_per_node > 1 and self.hot_expert_replicas:
+            raise ValueError(
+                f"moe.dedup_ranks_per_node = {self.dedup_ranks_per_node} with "
+                f"moe.hot_expert_replicas = {self.hot_expert_replicas}: hot-expert replicas need "
+                "a flat expert-parallel group; expected one of them off"
+            )
+
+
+@dataclass(kw_only=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention's indexer training (``model.name = "deepseek_v32"`` only).
+
+    See Also:
+        ``hp_trainer.models.deepseek_v32.DSAttention``: the stages and the indexer's loss.
+    """
+
+    indexer_stage: Literal["dense_warmup", "sparse"] = "sparse"
+    """``dense_warmup``: dense attention, every parameter but the lightning indexers' frozen,
+    the indexers trained to the attention's distribution over all visible tokens (DeepSeek-V3.2's
+    warm-up); ``sparse``: attention over each query's top-k tokens, the model trained by the
+    language-modelling loss and the indexers (their inputs detached) by their loss on the
+    selected tokens."""
+    indexer_loss_coeff: float = 1.0
+    """Weight of the indexers' KL loss (0: the indexers are not trained)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self, "dsa")
+        if not self.indexer_loss_coeff >= 0:
+            _fail("dsa", "indexer_loss_coeff", self.indexer_loss_coeff, "a number >= 0")
 
 
 @dataclass(kw_only=True)
@@ -900,10 +945,13 @@ class JobConfig:
     """Float8 training (with ``model.converters = ["float8"]``)."""
     mx: MXConfig = field(default_factory=MXConfig)
     """MXFP8 training (with ``model.converters = ["mx"]``)."""
+    dsa: DSAConfig = field(default_factory=DSAConfig)
+    """DeepSeek-V3.2's sparse-attention indexer training (``model.name = "deepseek_v32"``)."""
 
     def __post_init__(self) -> None:
         self._check_document_masking()
         self._check_attention_backend()
+        self._check_dsa()
         if self.moe.aux_loss_type == "sequence" and self.parallelism.context_parallel_degree > 1:
             _fail(
                 "moe",
@@ -921,6 +969,14 @@ class JobConfig:
                 "a mode other than memory_budget unless compile.enable = true (the budget is "
                 "applied by torch.compile's partitioner)",
             )
+
+    def _check_dsa(self) -> None:
+        """DeepSeek-V3.2's options against the job (``hp_trainer.models.deepseek_v32.checks``)."""
+        from hp_trainer.models.deepseek_v32.checks import dsa_job_error
+
+        problem = dsa_job_error(self)
+        if problem is not None:
+            _fail(*problem)
 
     def _check_attention_backend(self) -> None:
         """Refuse a backend that cannot run this job's attention, naming the alternative."""

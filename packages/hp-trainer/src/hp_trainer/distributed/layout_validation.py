@@ -181,6 +181,11 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
             f"they need expert_parallel_degree > 1 and tensor_parallel_degree = 1, got "
             f"expert_parallel_degree = {dims.ep}, tensor_parallel_degree = {dims.tp}"
         )
+    if moe.dedup_ranks_per_node > 1 and dims.ep % moe.dedup_ranks_per_node:
+        _fail(
+            f"moe.dedup_ranks_per_node = {moe.dedup_ranks_per_node} must divide "
+            f"expert_parallel_degree = {dims.ep}"
+        )
     if getattr(args, "moe_args", None) is not None:
         from hp_trainer.models.common.expert_parallel import moe_layout_error
 

@@ -347,6 +347,11 @@ def parallelize_moe_decoder(
             expert_mesh, layout = tp_mesh, "tp"
     elif dims.ep_enabled:
         expert_mesh = dims.get_mesh("ep")
+        node = job_config.moe.dedup_ranks_per_node
+        if node > 1:  # two-stage dedup dispatch: [inter, intra], rank = inter * node + intra
+            expert_mesh = expert_mesh._unflatten(
+                0, (dims.ep // node, node), ("ep_inter", "ep_intra")
+            )
     apply_sharding(
         model,
         sharding,
