@@ -29,7 +29,17 @@ __all__ = [
     "register_spec",
 ]
 
-BUILTIN_MODELS = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
+BUILTIN_MODELS = (
+    "llama3",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "llama4",
+    "gpt_oss",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
 """The families shipped in ``hp_trainer/models/<name>/``."""
 
 ParallelizeFn = Callable[[nn.Module, "ParallelDims", "JobConfig"], nn.Module]

@@ -52,6 +52,11 @@ AUTO_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 """The HF ``model_type`` values (and architectures) ``--model.flavor auto`` builds."""
 
@@ -315,8 +320,10 @@ def _moe_mismatches(args: Any, config: Mapping[str, Any]) -> list[str]:
         return [str(exc)]
     out = []
     for f in dataclasses.fields(args):
+        if not f.compare:  # how to compute, not which model (e.g. a kernel's chunk size)
+            continue
         ours_value, theirs_value = getattr(args, f.name), getattr(theirs, f.name)
-        if f.name == "moe_args":
+        if f.name == "moe_args" and dataclasses.is_dataclass(ours_value):
             for g in dataclasses.fields(ours_value):
                 a, b = getattr(ours_value, g.name), getattr(theirs_value, g.name)
                 if a != b:
@@ -339,8 +346,8 @@ def hf_config_mismatches(args: DecoderArgs, config: Mapping[str, Any]) -> list[s
     See Also:
         ``transformers.PretrainedConfig``: the fields compared.
     """
-    if hasattr(args, "moe_args"):
-        return _moe_mismatches(args, config)
+    if hasattr(args, "moe_args") or hasattr(type(args), "hf_model_type"):
+        return _moe_mismatches(args, config)  # families with their own args: field by field
     heads = config.get("num_attention_heads")
     hidden = config.get("hidden_size")
     try:

@@ -58,10 +58,11 @@ class RopeScaling:
     """The pre-training context length."""
 
     def __post_init__(self) -> None:
-        if self.factor < 1.0 or self.high_freq_factor <= self.low_freq_factor:
+        # equal factors (Llama 4 Scout) make the band empty: a step at the context length
+        if self.factor < 1.0 or self.high_freq_factor < self.low_freq_factor:
             raise ValueError(
                 f"invalid RopeScaling {self}: expected factor >= 1 and "
-                "high_freq_factor > low_freq_factor"
+                "high_freq_factor >= low_freq_factor"
             )
 
     def scale(self, freqs: torch.Tensor) -> torch.Tensor:
@@ -79,10 +80,11 @@ class RopeScaling:
         context = float(self.original_max_position_embeddings)
         wavelength = 2 * math.pi / freqs
         # 0 for long wavelengths (fully scaled), 1 for short ones (kept), linear in between
-        keep = (context / wavelength - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        keep = keep.clamp(0.0, 1.0)
+        band = self.high_freq_factor - self.low_freq_factor
+        if band == 0.0:  # no band: a step
+            keep = (context / wavelength > self.low_freq_factor).to(freqs.dtype)
+        else:
+            keep = ((context / wavelength - self.low_freq_factor) / band).clamp(0.0, 1.0)
         return (1 - keep) * freqs / self.factor + keep * freqs
 
 
