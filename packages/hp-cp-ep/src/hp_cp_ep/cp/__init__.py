@@ -12,6 +12,7 @@ See Also:
 from hp_cp_ep.cp.attention import CP_MODES, ContextParallelAttention
 from hp_cp_ep.cp.functional import (
     context_parallel,
+    context_parallel_attention,
     context_parallel_unshard,
     get_rotate_method,
     set_rotate_method,
@@ -25,6 +26,7 @@ __all__ = [
     "ContextParallel",
     "ContextParallelAttention",
     "context_parallel",
+    "context_parallel_attention",
     "context_parallel_unshard",
     "get_rotate_method",
     "set_rotate_method",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hp_cp_ep.cp._mask import DIAGONAL, NONE, PARTIAL, MaskRule
 from hp_cp_ep.cp._sdpa_backend import AttentionKernel
 from hp_kernels import merge_attention_partials
 
@@ -99,6 +100,55 @@ def plan_tasks(
     return tasks
 
 
+def plan_rule_tasks(
+    q_ids: Sequence[int], kv_ids: Sequence[int], chunk_len: int, rule: MaskRule
+) -> list[BlockTask]:
+    """:func:`plan_tasks` for a mask with positional rules (window, chunks, prefix).
+
+    Every query chunk against every key chunk is classified on the host
+    (:meth:`~hp_cp_ep.cp._mask.MaskRule.classify`, integer arithmetic): hidden pairs get no
+    call, runs of fully visible key chunks one unmasked call, a diagonal chunk that the rule
+    leaves causal one causal call, and runs of partly visible key chunks one masked call (its
+    mask built from the rule next to the kernel). Consecutive query chunks with the same calls
+    (and no diagonal) share them.
+
+    Args:
+        q_ids: Chunk ids of the local query rows, ascending.
+        kv_ids: Chunk ids of the key/value rows, ascending.
+        chunk_len: Rows per chunk.
+        rule: The mask's positional rules.
+
+    Returns:
+        The tasks; empty when no query row sees any key of the block.
+    """
+    n = chunk_len
+    rows: list[tuple[tuple[int, int, int], ...]] = []
+    for a in q_ids:
+        kinds = [rule.classify(a * n, a * n + n - 1, b * n, b * n + n - 1) for b in kv_ids]
+        row: list[tuple[int, int, int]] = []  # (kind, first key chunk, end key chunk)
+        for j, kind in enumerate(kinds):
+            if kind == NONE:
+                continue
+            if row and row[-1][0] == kind and row[-1][2] == j and kind != DIAGONAL:
+                row[-1] = (kind, row[-1][1], j + 1)
+            else:
+                row.append((kind, j, j + 1))
+        rows.append(tuple(row))
+    tasks: list[BlockTask] = []
+    start = 0
+    for i in range(1, len(q_ids) + 1):
+        diagonal = any(kind == DIAGONAL for kind, _, _ in rows[start])
+        if i < len(q_ids) and rows[i] == rows[start] and not diagonal:
+            continue
+        q0, q1 = start * n, i * n
+        for kind, j0, j1 in rows[start]:
+            tasks.append(
+                BlockTask(q0, q1, j0 * n, j1 * n, kind == DIAGONAL, kind == PARTIAL, False)
+            )
+        start = i
+    return tasks
+
+
 def chunk_positions(ids: Sequence[int], chunk_len: int, device: torch.device) -> torch.Tensor:
     """Global positions of the rows of chunks ``ids`` (in that order), ``[len(ids) * chunk_len]``.
 
@@ -117,31 +167,57 @@ class DocumentMasks:
     needs it; global positions come from the chunk ids (ranges, built when needed).
     """
 
-    q_doc: torch.Tensor
-    kv_doc: torch.Tensor
+    q_doc: torch.Tensor | None
+    kv_doc: torch.Tensor | None
     q_ids: tuple[int, ...]
     kv_ids: tuple[int, ...]
     chunk_len: int
+    #: Positional rules (window, chunks, prefix) every masked task applies; None: the plain
+    #: causal rule of ``mask_causal`` tasks. Without document ids only the rule masks.
+    rule: MaskRule | None = None
+    device: torch.device | None = None
+
+    def _device(self) -> torch.device:
+        if self.q_doc is not None:
+            return self.q_doc.device
+        assert self.device is not None
+        return self.device
 
     def same_document(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
         """``[..., q, k]`` boolean: query row and key row in the same document."""
+        assert self.q_doc is not None
+        assert self.kv_doc is not None
         k0, k1 = kv_offset + t.k0, kv_offset + t.k1
         return self.q_doc[..., t.q0 : t.q1, None] == self.kv_doc[..., None, k0:k1]
 
-    def not_after(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
-        """``[q, k]`` boolean: key position at or before the query position."""
+    def _positions(self, t: BlockTask, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.chunk_len
         k0, k1 = kv_offset + t.k0, kv_offset + t.k1
-        q_pos = chunk_positions(self.q_ids[t.q0 // n : t.q1 // n], n, self.q_doc.device)
-        kv_pos = chunk_positions(self.kv_ids[k0 // n : k1 // n], n, self.q_doc.device)
-        return q_pos[:, None] >= kv_pos[None, :]
+        q_pos = chunk_positions(self.q_ids[t.q0 // n : t.q1 // n], n, self._device())
+        kv_pos = chunk_positions(self.kv_ids[k0 // n : k1 // n], n, self._device())
+        return q_pos[:, None], kv_pos[None, :]
+
+    def not_after(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
+        """``[q, k]`` boolean: key position at or before the query position."""
+        q_pos, kv_pos = self._positions(t, kv_offset)
+        return q_pos >= kv_pos
+
+    def rule_visible(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
+        """``[q, k]`` boolean: the positional rule lets the query see the key."""
+        assert self.rule is not None
+        return self.rule.visible(*self._positions(t, kv_offset))
 
     def mask(self, t: BlockTask, kv_offset: int = 0) -> torch.Tensor:
         """The boolean ``[B or 1, 1, q, k]`` mask of a masked task (``True`` = attend)."""
-        same = self.same_document(t, kv_offset)
-        if t.mask_causal:
-            same = same & self.not_after(t, kv_offset)
-        return same.unsqueeze(-3) if same.dim() == 3 else same[None, None]
+        if self.rule is not None:
+            seen = self.rule_visible(t, kv_offset)
+            if self.q_doc is not None:
+                seen = self.same_document(t, kv_offset) & seen
+        else:
+            seen = self.same_document(t, kv_offset)
+            if t.mask_causal:
+                seen = seen & self.not_after(t, kv_offset)
+        return seen.unsqueeze(-3) if seen.dim() == 3 else seen[None, None]
 
 
 def _chunk_pairs(t: BlockTask, chunk_len: int) -> list[tuple[BlockTask, bool]]:
@@ -213,18 +289,81 @@ def restrict_to_documents(
     return kept
 
 
+def restrict_rule_tasks_to_documents(
+    blocks: Sequence[tuple[int, Sequence[BlockTask]]], masks: DocumentMasks
+) -> list[list[BlockTask]]:
+    """:func:`restrict_to_documents` for tasks of :func:`plan_rule_tasks` (``masks.rule`` set).
+
+    Every chunk pair of a task that the rule leaves any pair of is decided on the device (all
+    rows in one document with their keys; any pair visible under the rule and the documents);
+    the decisions of all blocks are read in one transfer. A task whose pairs all share one
+    document runs as planned; otherwise each chunk pair runs in its positional form (one
+    document), with a mask of documents and rule (several), or not at all (nothing visible).
+    """
+    rule, n = masks.rule, masks.chunk_len
+    assert rule is not None
+
+    def subs(t: BlockTask, offset: int) -> list[tuple[BlockTask, int]]:
+        out = []
+        for q0 in range(t.q0, t.q1, n):
+            a = masks.q_ids[q0 // n]
+            for k0 in range(t.k0, t.k1, n):
+                b = masks.kv_ids[(offset + k0) // n]
+                kind = rule.classify(a * n, a * n + n - 1, b * n, b * n + n - 1)
+                if kind != NONE:
+                    out.append((BlockTask(q0, q0 + n, k0, k0 + n, kind == DIAGONAL), kind))
+        return out
+
+    planned = [[(t, subs(t, offset)) for t in tasks] for offset, tasks in blocks]
+    flags = []
+    for (offset, _), block in zip(blocks, planned, strict=True):
+        for _, pairs in block:
+            for sub, _ in pairs:
+                same = masks.same_document(sub, offset)
+                visible = same & masks.rule_visible(sub, offset)
+                flags.append(torch.stack((same.all(), visible.any())))
+    decided = iter(torch.stack(flags).tolist() if flags else [])
+    kept: list[list[BlockTask]] = []
+    for block in planned:
+        out: list[BlockTask] = []
+        for t, pairs in block:
+            answers = [(sub, kind, *next(decided)) for sub, kind in pairs]
+            if all(all_same for _, _, all_same, _ in answers):
+                out.append(t)
+                continue
+            for sub, kind, all_same, any_visible in answers:
+                if all_same:
+                    out.append(
+                        BlockTask(sub.q0, sub.q1, sub.k0, sub.k1, kind == DIAGONAL,
+                                  kind == PARTIAL)
+                    )  # fmt: skip
+                elif any_visible:
+                    out.append(BlockTask(sub.q0, sub.q1, sub.k0, sub.k1, False, True))
+        kept.append(out)
+    return kept
+
+
 class PartialOutput:
     """Running LSE-merged attention output of the local queries.
 
     Accumulated in float32, or float64 for float64 inputs (the CPU kernel's backward takes the
     LSE in that dtype).
+
+    With ``sinks`` (one logit per head, gpt-oss's attention sinks) the accumulation starts from
+    a partial of output zero and LSE the sink: every row's softmax denominator then holds
+    ``exp(sink)`` besides its keys', exactly, and the merged LSE is the one the kernels'
+    backward needs (:func:`sink_grad` gives the sinks' gradient).
     """
 
-    def __init__(self, q: torch.Tensor, head_dim_v: int) -> None:
+    def __init__(self, q: torch.Tensor, head_dim_v: int, sinks: torch.Tensor | None = None) -> None:
         b, h, s, _ = q.shape
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(b, h, s, head_dim_v, dtype=acc_dtype, device=q.device)
-        self.lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=q.device)
+        if sinks is None:
+            self.lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=q.device)
+        else:
+            start = sinks.detach().to(acc_dtype).view(1, h, 1)
+            self.lse = start.expand(b, h, s).clone()
 
     def add(self, q0: int, q1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         rows = slice(q0, q1)
@@ -333,6 +472,20 @@ def run_backward(
         else:
             pending.append((cols, gk, gv))
     return pending
+
+
+def sink_grad(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Gradient of the sinks: ``-sum(p_sink * rowsum(dout * out))`` over batch and rows.
+
+    ``p_sink = exp(sink - lse)`` is the sink's share of the softmax (its value is zero, so its
+    score's gradient is ``p_sink * (0 - rowsum(dout * out))``).
+    """
+    acc = lse.dtype
+    rowsum = (dout.to(acc) * out.to(acc)).sum(-1)
+    share = torch.exp(sinks.detach().to(acc).view(1, -1, 1) - lse)
+    return -(share * rowsum).sum((0, 2)).to(sinks.dtype)
 
 
 def add_kv_grads(grads: Sequence[KVGrad], dk: torch.Tensor, dv: torch.Tensor) -> None:

@@ -24,14 +24,16 @@ class RingExchange:
     """One hop around a ring: send to the next rank of ``group``, receive from the previous.
 
     Two exchanges in flight on one group (K/V and dK/dV in the backward) use different ``tag``s
-    so that their messages cannot be matched to each other's receives.
+    so that their messages cannot be matched to each other's receives. ``shift`` (keyword-only)
+    sends ``shift`` ranks ahead and receives from ``shift`` ranks behind instead (a ring cut
+    short returns its gradient accumulators to their owners in one such hop).
     """
 
-    def __init__(self, group: ProcessGroup, tag: int = 0) -> None:
+    def __init__(self, group: ProcessGroup, tag: int = 0, *, shift: int = 1) -> None:
         self.group, self.tag = group, tag
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.next_rank = dist.get_global_rank(group, (rank + 1) % size)
-        self.prev_rank = dist.get_global_rank(group, (rank - 1) % size)
+        self.next_rank = dist.get_global_rank(group, (rank + shift) % size)
+        self.prev_rank = dist.get_global_rank(group, (rank - shift) % size)
         self._pending: list[Any] = []
         self._received: list[torch.Tensor] = []
         self._sending: list[torch.Tensor] = []

@@ -102,6 +102,11 @@ class _SdpaRouter:
         route = routes[-1]
         return _call_engine(route.engine, args, kwargs, route.document_ids, route.plans)
 
+    def active(self) -> SdpaRoute | None:
+        """The innermost active route, or None."""
+        routes = self.routes
+        return routes[-1] if routes else None
+
     def push(self, route: SdpaRoute) -> None:
         with self._lock:
             if not self.routes:
@@ -134,6 +139,11 @@ def _routed_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
 _routed_sdpa.__name__ = _routed_sdpa.__qualname__ = "scaled_dot_product_attention"
 
 
+def active_route() -> SdpaRoute | None:
+    """The innermost active :class:`SdpaRoute` (a ``context_parallel`` block), or None."""
+    return _ROUTER.active()
+
+
 class SdpaRoute:
     """While active, ``F.scaled_dot_product_attention`` runs context-parallel via ``engine``.
 
@@ -153,6 +163,22 @@ class SdpaRoute:
         self.engine = engine
         self.document_ids = document_ids
         self.plans: dict[Any, Any] = {}
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: Any,
+        sinks: torch.Tensor | None,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """The engine's attention with a mask description and sinks (the batch's documents
+        and plan cache included)."""
+        return self.engine(
+            query, key, value, scale=scale, document_ids=self.document_ids,
+            plan_cache=self.plans, mask=mask, sinks=sinks,
+        )  # fmt: skip
 
     def __enter__(self) -> SdpaRoute:
         _ROUTER.push(self)

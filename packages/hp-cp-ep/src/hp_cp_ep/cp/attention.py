@@ -52,13 +52,17 @@ from hp_cp_ep.cp._blocks import (
     DocumentMasks,
     PartialOutput,
     add_kv_grads,
+    plan_rule_tasks,
     plan_tasks,
+    restrict_rule_tasks_to_documents,
     restrict_to_documents,
     run_backward,
     run_forward,
+    sink_grad,
 )
 from hp_cp_ep.cp._comm import RingExchange, gather_seq, heads_to_seq, seq_to_heads
 from hp_cp_ep.cp._layout import ChunkLayout
+from hp_cp_ep.cp._mask import NONE, MaskRule, mask_rule
 from hp_cp_ep.cp._sdpa_backend import AttentionKernel
 
 __all__ = ["CP_MODES", "ContextParallelAttention"]
@@ -76,6 +80,8 @@ class _Plan:
     against key/value block ``j`` (ring rank ``j``'s block, or the one local / all-gathered
     block), whose rows start at ``j * block_rows`` in ``masks``. ``gathered``/``kv_ids``: the
     all-gathered K/V chunk ids as received and sorted (all-gather exchange only).
+    ``ring_steps``: how many ring steps run (the blocks of later steps are hidden from every
+    rank by the mask: those hops are not sent); 0 for the whole ring.
     """
 
     order: tuple[int, ...]
@@ -86,6 +92,7 @@ class _Plan:
     masks: DocumentMasks | None = None
     gathered: tuple[int, ...] = ()
     kv_ids: tuple[int, ...] = ()
+    ring_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,11 @@ class _RingSpec:
     scale: float | None
     kernel: AttentionKernel
     plan: _Plan
+
+    @property
+    def steps(self) -> int:
+        """Ring steps run: every rank's, or fewer when the mask hides the later blocks."""
+        return self.plan.ring_steps or self.size
 
     def run_forward(
         self,
@@ -116,36 +128,47 @@ class _RingSpec:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: _RingSpec
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        spec: _RingSpec,
     ) -> torch.Tensor:
         exchange = RingExchange(spec.group)
-        partial = PartialOutput(q, v.shape[-1])
+        partial = PartialOutput(q, v.shape[-1], sinks)
         aux: list[list[object]] = []
         k_cur, v_cur = k, v
-        for step in range(spec.size):
-            if step + 1 < spec.size:
+        steps = spec.steps
+        for step in range(steps):
+            if step + 1 < steps:
                 exchange.start((k_cur, v_cur))  # the next hop flies while this block computes
             aux.append(spec.run_forward((spec.rank - step) % spec.size, q, k_cur, v_cur, partial))
-            if step + 1 < spec.size:
+            if step + 1 < steps:
                 k_cur, v_cur = exchange.wait()
         out = partial.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, partial.lse)
+        ctx.save_for_backward(q, k, v, out, partial.lse, sinks)
         ctx.spec, ctx.aux = spec, aux
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         spec: _RingSpec = ctx.spec
         plan = spec.plan
         dout = dout.contiguous()
         kv_exchange, grad_exchange = RingExchange(spec.group), RingExchange(spec.group, tag=1)
+        steps = spec.steps
+        # a ring cut short returns each accumulator to its owner, steps - 1 ranks back, at once
+        last_exchange = (
+            grad_exchange if steps == spec.size else RingExchange(spec.group, 1, shift=1 - steps)
+        )
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         k_cur, v_cur = k, v
         dkv: list[torch.Tensor] = []
-        for step in range(spec.size):
-            if step + 1 < spec.size:
+        for step in range(steps):
+            if step + 1 < steps:
                 kv_exchange.start((k_cur, v_cur))
             src = (spec.rank - step) % spec.size  # the forward's tasks; masks rebuilt
             grads = run_backward(
@@ -159,15 +182,18 @@ class _RingAttention(torch.autograd.Function):
                 dk, dv = grad_exchange.wait()
             add_kv_grads(grads, dk, dv)
             del grads
-            if spec.size > 1:
+            if step + 1 < steps:
                 grad_exchange.start((dk, dv))  # forward it to the rank that holds ``src`` next
+            elif steps > 1:
+                last_exchange.start((dk, dv))  # back to the owner of ``src``
             else:
                 dkv = [dk, dv]
-            if step + 1 < spec.size:
+            if step + 1 < steps:
                 k_cur, v_cur = kv_exchange.wait()
-        if spec.size > 1:
-            dkv = grad_exchange.wait()  # the full dK/dV of this rank's own block
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        if steps > 1:
+            dkv = last_exchange.wait()  # the full dK/dV of this rank's own block
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -177,28 +203,31 @@ class _LocalAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sinks: torch.Tensor | None,
         tasks: Sequence[BlockTask],
         scale: float | None,
         kernel: AttentionKernel,
         masks: DocumentMasks | None,
     ) -> torch.Tensor:
-        partial = PartialOutput(q, v.shape[-1])
+        partial = PartialOutput(q, v.shape[-1], sinks)
         aux = run_forward(kernel, q, k, v, tasks, scale, partial, masks)
         out = partial.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, partial.lse)
+        ctx.save_for_backward(q, k, v, out, partial.lse, sinks)
         ctx.tasks, ctx.aux, ctx.scale, ctx.kernel, ctx.masks = tasks, aux, scale, kernel, masks
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in (q, k, v))
+        dout = dout.contiguous()
         run_backward(
-            ctx.kernel, dout.contiguous(), q, k, v, out, lse, ctx.tasks, ctx.aux, ctx.scale,
+            ctx.kernel, dout, q, k, v, out, lse, ctx.tasks, ctx.aux, ctx.scale,
             dq, dk, dv, masks=ctx.masks,
         )  # fmt: skip
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
 def _permute_chunks(
@@ -319,6 +348,8 @@ class ContextParallelAttention:
         scale: float | None = None,
         document_ids: torch.Tensor | None = None,
         plan_cache: dict[Any, Any] | None = None,
+        mask: Any = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the local query shard over the whole sequence.
 
@@ -336,15 +367,32 @@ class ContextParallelAttention:
                 ``document_ids`` stay the same, e.g. one batch through every layer: the plan
                 made at the first call is reused, so the batch pays one host synchronisation
                 and one gather of the ids. Every rank must pass its cache in the same calls.
+            mask: Keyword-only: a mask description over global positions, any object with the
+                fields ``causal``, ``documents``, ``sliding_window``, ``chunk_size`` and
+                ``prefix_length`` (hp-trainer's ``MaskSpec``), used instead of
+                ``is_causal``. Every mode, with or without load balancing: blocks the mask
+                hides are not computed (decided on the host, no synchronisation), the ring
+                stops after the last step any rank sees a key of, and partly visible blocks
+                get a mask built next to the kernel. ``documents=True`` needs
+                ``document_ids`` (which apply whenever given). A ``sliding_window`` at least
+                the sequence long is full causal attention (logged once).
+            sinks: Keyword-only: ``[H]`` attention-sink logits (gpt-oss), one per query head,
+                added to every query's softmax denominator; differentiable.
 
         Returns:
             The local shard of the attention output, ``[B, H, s, Dv]``.
 
         Raises:
             ValueError: Bad shapes, heads not divisible by the Ulysses degree, a local length
-                not divisible into the layout's chunks, or document ids of the wrong shape.
+                not divisible into the layout's chunks, document ids of the wrong shape, a
+                mask it cannot express (a window or prefix without ``causal``, a size that is
+                not a positive int, ``documents=True`` without ids, ``is_causal=True`` with a
+                non-causal mask) or sinks that are not ``[H]``.
+            TypeError: A ``mask`` without the fields above.
         """
-        return self._call(query, key, value, is_causal, scale, document_ids, plan_cache)
+        return self._call(
+            query, key, value, is_causal, scale, document_ids, plan_cache, mask, sinks
+        )
 
     def _call(
         self,
@@ -355,6 +403,8 @@ class ContextParallelAttention:
         scale: float | None,
         document_ids: torch.Tensor | None,
         plans: dict[Any, Any] | None,
+        mask: Any = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`__call__`, reusing and filling ``plans`` (a front's per-batch plan cache).
 
@@ -362,18 +412,29 @@ class ContextParallelAttention:
         rank calls in the same order, so every rank hits or misses the cache together).
         """
         self._check(query, key, value, document_ids)
-        if self.degree == 1 and document_ids is None:
+        rule, documents = mask_rule(mask, query.shape[2] * self.degree, is_causal=is_causal)
+        if documents and document_ids is None:
+            raise ValueError(
+                "the mask has documents=True but no document_ids were given (pass this rank's "
+                "shard of the batch's document ids, or context_parallel(document_ids=...))"
+            )
+        if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+            raise ValueError(
+                f"sinks must be [heads] = [{query.shape[1]}] (one logit per query head); got "
+                f"shape {tuple(sinks.shape)}"
+            )
+        if self.degree == 1 and document_ids is None and rule.plain and sinks is None:
             return single_device_sdpa(
-                query, key, value, is_causal=is_causal, scale=scale,
+                query, key, value, is_causal=rule.causal, scale=scale,
                 enable_gqa=key.shape[1] != query.shape[1],
             )  # fmt: skip
         kernel = AttentionKernel(query.device.type)
-        plan_key = (is_causal, query.shape[2])
+        plan_key = (rule, query.shape[2])
         plan = None if plans is None else plans.get(plan_key)
         if plan is None:
             if document_ids is not None:  # masks are built next to the scores: ids go there
                 document_ids = document_ids.to(query.device)
-            plan = self._plan(query.shape[2], is_causal, document_ids, query.device)
+            plan = self._plan(query.shape[2], rule, document_ids, query.device)
             if plans is not None:
                 plans[plan_key] = plan
         q, k, v = query, key, value
@@ -381,8 +442,11 @@ class ContextParallelAttention:
             heads = q.shape[1]
             k, v = (_kv_heads_for_ulysses(t, heads, self.ulysses_size) for t in (k, v))
             q, k, v = seq_to_heads((q, k, v), self._ulysses_group, concurrent=self.concurrent)
+            if sinks is not None:  # this rank's heads after the exchange
+                h = q.shape[1]
+                sinks = sinks[self.ulysses_rank * h : (self.ulysses_rank + 1) * h]
         q, k, v = (_permute_chunks(t, plan.order, plan.q_ids, plan.chunk_len) for t in (q, k, v))
-        out = self._outer(q, k, v, plan, scale, kernel)
+        out = self._outer(q, k, v, sinks, plan, scale, kernel)
         out = _permute_chunks(out, plan.q_ids, plan.order, plan.chunk_len)
         if self._ulysses_group is not None:
             out = heads_to_seq(out, self._ulysses_group)
@@ -391,7 +455,7 @@ class ContextParallelAttention:
     def _plan(
         self,
         local_len: int,
-        is_causal: bool,
+        rule: MaskRule,
         document_ids: torch.Tensor | None,
         device: torch.device,
     ) -> _Plan:
@@ -432,23 +496,54 @@ class ContextParallelAttention:
             if docs is not None:
                 kv_doc = _permute_chunks(_gather_ids(docs, group), gathered, kv_ids, chunk_len, -1)
         block_rows = len(kv_ids_of[0]) * chunk_len
-        blocks = [plan_tasks(q_ids, kv, chunk_len, is_causal) for kv in kv_ids_of]
+        all_kv = tuple(c for kv in kv_ids_of for c in kv)
+        offsets = [j * block_rows for j in range(len(kv_ids_of))]
         masks = None
-        if docs is not None and kv_doc is not None:
-            all_kv = tuple(c for kv in kv_ids_of for c in kv)
-            masks = DocumentMasks(docs, kv_doc, q_ids, all_kv, chunk_len)
-            offsets = [j * block_rows for j in range(len(blocks))]
-            blocks = restrict_to_documents(list(zip(offsets, blocks, strict=True)), masks)
+        ring_steps = 0
+        if rule.plain:
+            blocks = [plan_tasks(q_ids, kv, chunk_len, rule.causal) for kv in kv_ids_of]
+            if docs is not None and kv_doc is not None:
+                masks = DocumentMasks(docs, kv_doc, q_ids, all_kv, chunk_len)
+                blocks = restrict_to_documents(list(zip(offsets, blocks, strict=True)), masks)
+        else:
+            blocks = [plan_rule_tasks(q_ids, kv, chunk_len, rule) for kv in kv_ids_of]
+            masks = DocumentMasks(docs, kv_doc, q_ids, all_kv, chunk_len, rule, device)
+            if docs is not None:
+                blocks = restrict_rule_tasks_to_documents(
+                    list(zip(offsets, blocks, strict=True)), masks
+                )
+            if len(kv_ids_of) > 1:
+                ring_steps = self._ring_steps(rule, chunk_len, len(kv_ids_of))
         return _Plan(
             order, q_ids, chunk_len, tuple(tuple(b) for b in blocks), block_rows, masks,
-            gathered, kv_ids,
+            gathered, kv_ids, ring_steps,
         )  # fmt: skip
+
+    def _ring_steps(self, rule: MaskRule, chunk_len: int, size: int) -> int:
+        """Ring steps until the last one in which some rank sees a key of its block.
+
+        Host arithmetic over every rank's chunks (the same answer on every rank, so all ranks
+        stop together); documents are not consulted (they differ per rank and need the device).
+        """
+        n = chunk_len
+        held = [sorted(self._ids_after_ulysses(r)) for r in range(size)]
+
+        def sees(r: int, step: int) -> bool:
+            return any(
+                rule.classify(a * n, a * n + n - 1, b * n, b * n + n - 1) != NONE
+                for a in held[r]
+                for b in held[(r - step) % size]
+            )
+
+        last = max((s for s in range(size) for r in range(size) if sees(r, s)), default=0)
+        return last + 1
 
     def _outer(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sinks: torch.Tensor | None,
         plan: _Plan,
         scale: float | None,
         kernel: AttentionKernel,
@@ -457,12 +552,12 @@ class ContextParallelAttention:
         if group is not None and self.outer_size > 1:
             if self.exchange == "ring":
                 spec = _RingSpec(group, self.outer_size, self.outer_rank, scale, kernel, plan)
-                out: torch.Tensor = _RingAttention.apply(q, k, v, spec)  # type: ignore[no-untyped-call]
+                out: torch.Tensor = _RingAttention.apply(q, k, v, sinks, spec)  # type: ignore[no-untyped-call]
                 return out
             k, v = gather_seq((k, v), group, concurrent=self.concurrent)
             k, v = (_permute_chunks(t, plan.gathered, plan.kv_ids, plan.chunk_len) for t in (k, v))
         result: torch.Tensor = _LocalAttention.apply(  # type: ignore[no-untyped-call]
-            q, k, v, plan.blocks[0], scale, kernel, plan.masks
+            q, k, v, sinks, plan.blocks[0], scale, kernel, plan.masks
         )
         return result
 

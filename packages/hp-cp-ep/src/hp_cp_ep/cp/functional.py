@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_cp_ep.cp._sdpa_redirect import SdpaRoute
+from hp_cp_ep.cp._sdpa_redirect import SdpaRoute, active_route
 from hp_cp_ep.cp.attention import ContextParallelAttention
 from hp_cp_ep.cp.load_balance import shard_sequence, unshard_sequence
 
-__all__ = ["context_parallel", "context_parallel_unshard", "get_rotate_method", "set_rotate_method"]
+__all__ = [
+    "context_parallel",
+    "context_parallel_attention",
+    "context_parallel_unshard",
+    "get_rotate_method",
+    "set_rotate_method",
+]
 
 _ROTATE_ALIASES = {
     "alltoall": "ring",
@@ -153,6 +160,59 @@ def context_parallel(
         for buffer, original in zip(bufs, originals, strict=True):
             if original is not None:
                 buffer.resize_(original.shape).copy_(original)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: Any,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor | None:
+    """Attention with a mask description inside :func:`context_parallel`; None outside it.
+
+    SDPA's arguments cannot say "a sliding window of W" or carry attention sinks without a
+    dense mask, which context parallelism cannot take (it would be the whole sequence's).
+    A model whose layers describe their masks calls this first: inside a
+    :func:`context_parallel` block it returns this rank's shard of the attention over the
+    whole sequence (the block's engine, rotate method, document ids and per-batch plan), and
+    outside one it returns None, for the caller to attend on one device as usual.
+
+    Args:
+        query: ``[B, H, s, D]`` this rank's shard.
+        key: ``[B, Hkv, s, D]`` this rank's shard (``H`` divisible by ``Hkv``).
+        value: ``[B, Hkv, s, Dv]`` this rank's shard.
+        mask: The mask description: an object with the fields ``causal``, ``documents``,
+            ``sliding_window``, ``chunk_size`` and ``prefix_length`` (hp-trainer's
+            ``MaskSpec``); the block's document ids apply whenever it has them.
+        sinks: ``[H]`` attention-sink logits, or None.
+        scale: Softmax scale (default ``1 / sqrt(D)``).
+
+    Returns:
+        The local shard of the output ``[B, H, s, Dv]``, or None when no
+        :func:`context_parallel` block is active.
+
+    Raises:
+        ValueError: A mask the engine cannot express, or sinks that are not ``[H]``
+            (:class:`ContextParallelAttention`).
+        TypeError: A ``mask`` without the fields above.
+
+    Example:
+        >>> # out = context_parallel_attention(q, k, v, mask=MaskSpec(sliding_window=128))
+        >>> # if out is None:  # not context-parallel
+        >>> #     out = my_single_device_attention(q, k, v)
+
+    See Also:
+        :pt:`torch.distributed.tensor.experimental.context_parallel`: PyTorch's context
+        parallelism, which routes SDPA calls only (causal or no mask).
+    """
+    route = active_route()
+    if route is None:
+        return None
+    return route.attend(query, key, value, mask, sinks, scale)
 
 
 def context_parallel_unshard(
