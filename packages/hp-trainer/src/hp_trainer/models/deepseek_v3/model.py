@@ -127,23 +127,7 @@ class MLAttention(nn.Module):
             ``softmax_scale_factor`` with ``mscale_all_dim``).
         """
         B, S, _ = x.shape
-        if self.wq is not None:
-            q = self.wq(x)
-        else:
-            assert self.wq_a is not None
-            assert self.q_norm is not None
-            assert self.wq_b is not None
-            q = self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope)
-        kv = self.wkv_b(self.kv_norm(latent)).view(
-            B, S, -1, self.qk_nope_head_dim + self.v_head_dim
-        )
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q, k, v, _ = self.project(x, rope)
         pad = q.shape[-1] - self.v_head_dim
         if pad > 0:
             # fused kernels (the CPU flash kernel context parallelism runs on, flash on GPUs)
@@ -160,6 +144,43 @@ class MLAttention(nn.Module):
         out = out[..., : self.v_head_dim]
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         return result
+
+    def project(
+        self, x: torch.Tensor, rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Queries, keys and values of every (local) head, rotary parts rotated.
+
+        Args:
+            x: ``(batch, seq, dim)`` input.
+            rope: RoPE table of ``qk_rope_head_dim``.
+
+        Returns:
+            ``(q, k, v, q_latent)``: ``q`` and ``k`` ``(batch, seq, heads, qk_nope_head_dim +
+            qk_rope_head_dim)``, ``v`` ``(batch, seq, heads, v_head_dim)``, and the normalized
+            query latent ``q_norm(wq_a x)`` (None without a query LoRA rank), which
+            DeepSeek-V3.2's indexer reads.
+        """
+        B, S, _ = x.shape
+        q_latent: torch.Tensor | None = None
+        if self.wq is not None:
+            q = self.wq(x)
+        else:
+            assert self.wq_a is not None
+            assert self.q_norm is not None
+            assert self.wq_b is not None
+            q_latent = self.q_norm(self.wq_a(x))
+            q = self.wq_b(q_latent)
+        q = q.view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope)
+        kv = self.wkv_b(self.kv_norm(latent)).view(
+            B, S, -1, self.qk_nope_head_dim + self.v_head_dim
+        )
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        return q, k, v, q_latent
 
     def init_weights(self, init_std: float) -> None:
         """Truncated-normal projections (``wo`` with ``init_std``, the others 0.02); norms 1.

@@ -1,0 +1,83 @@
+"""Parse-time checks of a DeepSeek-V3.2 job (called by :class:`~hp_trainer.config.JobConfig`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hp_trainer.config import JobConfig
+
+__all__ = ["dsa_job_error", "index_topk_error"]
+
+MODEL_NAME = "deepseek_v32"
+
+
+def index_topk_error(args: Any, seq_len: int) -> str | None:
+    """Why ``args.index_topk`` cannot be trained at ``seq_len``, or None.
+
+    Args:
+        args: DeepSeek-V3.2 model arguments.
+        seq_len: The training sequence length.
+
+    Returns:
+        A message naming both values when ``index_topk > seq_len`` (no query could ever
+        have that many visible tokens: the attention would silently be dense), else None.
+    """
+    topk = int(args.index_topk)
+    if topk > seq_len:
+        return (
+            f"model index_topk = {topk} is larger than training.seq_len = {seq_len}: no query "
+            f"sees more than {seq_len} tokens, so DSA would attend densely; expected "
+            f"index_topk <= seq_len (a longer seq_len, or a flavor with a smaller index_topk)"
+        )
+    return None
+
+
+def dsa_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
+    """The first ``[dsa]`` / DeepSeek-V3.2 option of ``config`` that cannot work, or None.
+
+    Checked: ``[dsa]`` options changed for a model other than ``deepseek_v32``; context
+    parallelism (DSA's context-parallel attention is not wired into the trainer); a named
+    flavor's ``index_topk`` over ``training.seq_len`` (``auto`` flavors: checked when the model
+    is parallelized).
+
+    Args:
+        config: The job configuration.
+
+    Returns:
+        ``(section, field, value, expected)`` of the first problem, else None.
+    """
+    dsa = config.dsa
+    name = config.model.name
+    if name != MODEL_NAME:
+        defaults = type(dsa)()
+        for field in ("indexer_stage", "indexer_loss_coeff"):
+            if getattr(dsa, field) != getattr(defaults, field):
+                return (
+                    "dsa",
+                    field,
+                    getattr(dsa, field),
+                    f"the default {getattr(defaults, field)!r} with model.name = {name!r}: the "
+                    f"[dsa] options train DeepSeek-V3.2's indexer (model.name = '{MODEL_NAME}')",
+                )
+        return None
+    cp = config.parallelism.context_parallel_degree
+    if cp > 1:
+        return (
+            "parallelism",
+            "context_parallel_degree",
+            cp,
+            f"1 with model.name = '{MODEL_NAME}': its sparse attention (every query's top-k "
+            "tokens anywhere in the sequence) has no context-parallel path in the trainer",
+        )
+    from hp_trainer.protocols.model_spec import get_model_spec
+
+    spec = get_model_spec(MODEL_NAME)
+    flavor = config.model.flavor
+    if flavor in spec.flavors:
+        seq_len = config.training.seq_len
+        problem = index_topk_error(spec.flavors[flavor], seq_len)
+        if problem is not None:
+            return ("training", "seq_len", seq_len, f"a length the flavor {flavor!r} can take "
+                    f"({problem})")  # fmt: skip
+    return None
