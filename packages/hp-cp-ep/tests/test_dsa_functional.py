@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hp_cp_ep.dsa import indexer_scores, indexer_topk, sparse_attention
+from hp_cp_ep.dsa import indexer_scores, indexer_topk, sparse_attention, sparse_latent_attention
 
 
 def _docs(b: int, s: int) -> torch.Tensor:
@@ -227,3 +227,29 @@ def test_equals_transformers_deepseek_v32_attention(with_docs: bool) -> None:
             assert a is None or not a.any()
             continue
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_latent_attention_equals_sparse_attention_on_the_expanded_rows() -> None:
+    gen = torch.Generator().manual_seed(7)
+    b, t, c, h = 2, 12, 6, 4
+    kv = torch.randn(b, t, c, generator=gen, requires_grad=True)
+    wk, wv = torch.randn(c, h * 5, generator=gen), torch.randn(c, h * 3, generator=gen)
+    q = torch.randn(b, h, t, 5, generator=gen)
+    idx = indexer_topk(
+        torch.randn(b, t, 2, 4, generator=gen), torch.randn(b, t, 4, generator=gen),
+        torch.randn(b, t, 2, generator=gen), 4, softmax_scale=0.5,
+    )  # fmt: skip
+
+    def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (rows @ wk).view(-1, h, 5), (rows @ wv).view(-1, h, 3)
+
+    got = sparse_latent_attention(q, kv, idx, scale=0.3, expand=expand)
+    k, v = (kv @ wk).view(b, t, h, 5).transpose(1, 2), (kv @ wv).view(b, t, h, 3).transpose(1, 2)
+    torch.testing.assert_close(got, sparse_attention(q, k, v, idx, scale=0.3), rtol=1e-6, atol=1e-6)
+    # no expand: one shared head, k = v = the row (MLA's absorbed form)
+    qc = torch.randn(b, h, t, c, generator=gen)
+    shared = sparse_latent_attention(qc, kv, idx, scale=0.3)
+    rows = kv.unsqueeze(1)
+    torch.testing.assert_close(shared, sparse_attention(qc, rows, rows, idx, scale=0.3))
+    with pytest.raises(ValueError, match=r"expand must map rows \[N=24, C\]"):
+        sparse_latent_attention(q, kv, idx, scale=0.3, expand=lambda r: (r, r))

@@ -1,10 +1,32 @@
 """DeepSeek sparse attention (DSA): the lightning indexer's top-k, sparse attention, and both
-under context parallelism.
+under context parallelism (HyperParallel's DSA context-parallel family).
 
 See Also:
     :pt:`torch.nn.functional.scaled_dot_product_attention`
 """
 
-from hp_cp_ep.dsa.functional import indexer_scores, indexer_topk, sparse_attention
+from hp_cp_ep.dsa.context_parallel import (
+    DSA_ROTATE_METHODS,
+    GatherPlan,
+    context_parallel_indexer_topk,
+    context_parallel_sparse_attention,
+    plan_sparse_gather,
+)
+from hp_cp_ep.dsa.functional import (
+    indexer_scores,
+    indexer_topk,
+    sparse_attention,
+    sparse_latent_attention,
+)
 
-__all__ = ["indexer_scores", "indexer_topk", "sparse_attention"]
+__all__ = [
+    "DSA_ROTATE_METHODS",
+    "GatherPlan",
+    "context_parallel_indexer_topk",
+    "context_parallel_sparse_attention",
+    "indexer_scores",
+    "indexer_topk",
+    "plan_sparse_gather",
+    "sparse_attention",
+    "sparse_latent_attention",
+]

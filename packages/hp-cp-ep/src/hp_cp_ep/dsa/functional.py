@@ -18,10 +18,12 @@ reproduces it exactly from per-block candidates. A slot with no visible key left
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["indexer_scores", "indexer_topk", "sparse_attention"]
+__all__ = ["indexer_scores", "indexer_topk", "sparse_attention", "sparse_latent_attention"]
 
 
 def _check_rank(name: str, tensor: torch.Tensor, dims: int, shape: str) -> None:
@@ -274,3 +276,105 @@ def sparse_attention(
     safe = indices.clamp(min=0)
     k_sel, v_sel = _gather_rows(k, safe), _gather_rows(v, safe)
     return _attend_selected(q, k_sel, v_sel, valid, scale, sinks).to(q.dtype)
+
+
+#: ``expand(rows [N, C]) -> (k [N, Hk, D], v [N, Hk, Dv])``: MLA's up-projection of latent rows.
+Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _shared_head(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rows.unsqueeze(1), rows.unsqueeze(1)
+
+
+def _expand_rows(expand: Expand | None, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = (expand or _shared_head)(rows)
+    if k.dim() != 3 or v.dim() != 3 or k.shape[0] != rows.shape[0] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"expand must map rows [N={rows.shape[0]}, C] to k [N, Hk, D] and v [N, Hk, Dv]; "
+            f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    return k, v
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of ``q [B, H, S, D]`` over rows ``[N, Hk, D]`` picked by ``slots [B, S, K]``."""
+    b, _, s, _ = q.shape
+    kk = slots.shape[-1]
+    hk = k_rows.shape[1]
+    k_sel = k_rows.index_select(0, slots.reshape(-1)).view(b, s, kk, hk, -1).permute(0, 3, 1, 2, 4)
+    v_sel = v_rows.index_select(0, slots.reshape(-1)).view(b, s, kk, hk, -1).permute(0, 3, 1, 2, 4)
+    return _attend_selected(q, k_sel, v_sel, valid, scale, sinks).to(q.dtype)
+
+
+def _check_latent_inputs(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor | None
+) -> None:
+    _check_rank("q", q, 4, "[B, H, S, D]")
+    _check_rank("kv", kv, 3, "[B, T, C]")
+    _check_rank("indices", indices, 3, "[B, S, K]")
+    b, h, s, _ = q.shape
+    if kv.shape[0] != b:
+        raise ValueError(f"kv must be [B={b}, T, C]; got {tuple(kv.shape)}")
+    if tuple(indices.shape[:2]) != (b, s):
+        raise ValueError(f"indices must be [B={b}, S={s}, K]; got {tuple(indices.shape)}")
+    if sinks is not None and tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks must be [H={h}]; got {tuple(sinks.shape)}")
+
+
+def sparse_latent_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    scale: float,
+    expand: Expand | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sparse attention over compressed (MLA latent) K/V rows, expanded by ``expand``.
+
+    The form of :func:`sparse_attention` that context parallelism shards well: K/V are given as
+    one compressed row per position (MLA's normalised latent with its RoPE key part, ``C``
+    values), and ``expand`` turns rows into per-head keys and values (MLA's ``kv_b_proj``).
+    Under context parallelism only the selected rows travel, then are expanded locally
+    (:func:`hp_cp_ep.dsa.context_parallel_sparse_attention`).
+
+    Args:
+        q: Queries ``[B, H, S, D]``.
+        kv: Compressed rows ``[B, T, C]``.
+        indices: ``[B, S, K]`` positions in ``[0, T)`` or ``-1`` (:func:`indexer_topk`).
+        scale: Softmax scale.
+        expand: ``rows [N, C] -> (k [N, Hk, D], v [N, Hk, Dv])`` with ``Hk`` dividing ``H``;
+            ``None`` attends to the rows themselves as one shared head (``k = v = row``, MLA's
+            weight-absorbed form, ``D = Dv = C``).
+        sinks: Optional ``[H]`` attention-sink logits.
+
+    Returns:
+        ``[B, H, S, Dv]``; equal to :func:`sparse_attention` on the expanded K/V.
+
+    Raises:
+        TypeError: A non-tensor input.
+        ValueError: Shapes that do not match, or ``expand`` returning other shapes.
+
+    See Also:
+        :pt:`torch.nn.functional.scaled_dot_product_attention`
+    """
+    _check_latent_inputs(q, kv, indices, sinks)
+    b, t, c = kv.shape
+    k_rows, v_rows = _expand_rows(expand, kv.reshape(b * t, c))
+    if q.shape[1] % k_rows.shape[1] or q.shape[-1] != k_rows.shape[-1]:
+        raise ValueError(
+            f"expanded keys [N, Hk={k_rows.shape[1]}, D={k_rows.shape[-1]}] do not fit q "
+            f"{tuple(q.shape)} (Hk must divide H, D must match)"
+        )
+    indices = indices.long()
+    valid = indices >= 0
+    offsets = (torch.arange(b, device=indices.device) * t).view(b, 1, 1)
+    return _attend_rows(q, k_rows, v_rows, indices.clamp(min=0) + offsets, valid, scale, sinks)
