@@ -163,6 +163,20 @@ def context_parallel(
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
+def _attend(
+    route: SdpaRoute,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Any,
+    sinks: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    # opaque to torch.compile: collectives and autograd functions with Python state run
+    # eagerly, a graph break between the compiled pieces (as the SDPA route)
+    return route.attend(query, key, value, mask, sinks, scale)
+
+
 def context_parallel_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -212,7 +226,8 @@ def context_parallel_attention(
     route = active_route()
     if route is None:
         return None
-    return route.attend(query, key, value, mask, sinks, scale)
+    out: torch.Tensor = _attend(route, query, key, value, mask, sinks, scale)
+    return out
 
 
 def context_parallel_unshard(

@@ -35,6 +35,7 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 
+from hp_cp_ep.cp import context_parallel_attention
 from hp_dtensor.device import is_accelerator
 from hp_trainer.models.common.document_mask import block_causal_mask
 
@@ -288,7 +289,9 @@ def attention(
         v: ``(batch, heads, seq, v_head_dim)`` values.
         spec: The layer's mask.
         masks: The batch's lowered masks; None: SDPA (its own causal path when ``spec`` is
-            plain causal, the path context parallelism redirects).
+            plain causal, the path context parallelism redirects); inside a context-parallel
+            step any other spec, or sinks, go to the context-parallel engine
+            (:func:`hp_cp_ep.cp.context_parallel_attention`) with the step's documents.
         sinks: Optional ``(heads,)`` attention-sink logits (gpt-oss).
         scale: Softmax scale (default ``head_dim ** -0.5``).
 
@@ -301,6 +304,12 @@ def attention(
         ``flex``.
     """
     if masks is None:
+        if not spec.plain_causal or sinks is not None:
+            # inside a context-parallel step the engine takes the spec and the sinks (SDPA's
+            # arguments could only carry them as a dense mask of the whole sequence)
+            routed = context_parallel_attention(q, k, v, mask=spec, sinks=sinks, scale=scale)
+            if routed is not None:
+                return routed
         dense = None if spec.plain_causal else spec.dense(q.shape[-2], None, q.device)
         return _sdpa(q, k, v, dense, sinks, scale)
     if masks.document_ids is not None and not spec.documents:
