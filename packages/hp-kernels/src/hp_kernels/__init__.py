@@ -9,6 +9,8 @@ reference kernel (any device), a fake (meta) kernel and, where differentiable, a
   :func:`post_reduce`, :func:`gradient_divide_factors`, :func:`reduce_scatter_numel`;
 - expert parallel: :func:`permute_tokens`, :func:`unpermute_tokens`, and the grouped-GEMM
   layout :func:`permute_tokens_aligned` / :func:`unpermute_tokens_aligned`;
+- fused MoE experts: :func:`mega_moe` (permute, grouped SwiGLU GEMMs, combine in one op) and its
+  backward :func:`mega_moe_grad`;
 - ring attention: :func:`merge_attention_partials`.
 
 Communication interfaces with PyTorch FSDP2's call contract: :class:`AllGather`,
@@ -40,6 +42,7 @@ from hp_kernels.device_kernels import (
     register_shipped_kernels,
     shipped_device_kernels,
 )
+from hp_kernels.mega_moe import mega_moe, mega_moe_grad
 from hp_kernels.moe import permute_tokens, unpermute_tokens
 from hp_kernels.moe_aligned import permute_tokens_aligned, unpermute_tokens_aligned
 from hp_kernels.reduce_scatter import (
@@ -67,6 +70,8 @@ __all__ = [
     "all_gather_copy_out",
     "gradient_divide_factors",
     "has_device_kernel",
+    "mega_moe",
+    "mega_moe_grad",
     "merge_attention_partials",
     "permute_tokens",
     "permute_tokens_aligned",

@@ -21,6 +21,7 @@ __all__ = [
     "dispatch_has_kernel_for_dispatch_key",
     "dispatch_key_for_device",
     "foreach_copy_",
+    "grouped_mm",
     "len_torch_dispatch_stack",
     "python_impls",
     "set_grad_enabled",
@@ -52,6 +53,8 @@ len_torch_dispatch_stack = _require("torch._C._len_torch_dispatch_stack")
 AutoDispatchBelowAutograd = _require("torch._C._AutoDispatchBelowAutograd")
 set_grad_enabled = _require("torch._C._set_grad_enabled")
 foreach_copy_ = _require("torch._foreach_copy_")
+#: One GEMM over variable-size row groups, one weight matrix per group (``offs``: cumulative ends).
+grouped_mm = _require("torch._grouped_mm")
 
 PRIVATE_NAMES = (
     "torch._ops.OpOverload",
@@ -62,4 +65,5 @@ PRIVATE_NAMES = (
     "torch._C._AutoDispatchBelowAutograd",
     "torch._C._set_grad_enabled",
     "torch._foreach_copy_",
+    "torch._grouped_mm",
 )

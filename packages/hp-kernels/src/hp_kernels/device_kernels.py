@@ -52,6 +52,8 @@ OP_NAMES: tuple[str, ...] = (
     "merge_attention_partials",
     "permute_tokens_aligned",
     "combine_tokens",
+    "mega_moe",
+    "mega_moe_grad",
 )
 
 

@@ -8,7 +8,8 @@ has its op's signature and is exactly what the CUDA registration calls; under
 against the reference kernels without a GPU.
 
 Modules: ``hp_kernels.triton_kernels.fsdp`` (all-gather copy-in/out, reduce-scatter copy-in,
-post-reduce), ``.moe`` (token permute/unpermute), ``.attention`` (log-sum-exp merge).
+post-reduce), ``.moe`` (token permute/unpermute), ``.attention`` (log-sum-exp merge),
+``.mega_moe`` (the fused MoE experts, forward and backward).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ LAUNCHER_MODULES: dict[str, str] = {
     "permute_tokens_aligned": "moe",
     "combine_tokens": "moe",
     "merge_attention_partials": "attention",
+    "mega_moe": "mega_moe",
+    "mega_moe_grad": "mega_moe",
 }
 
 #: The device type the kernels are registered for (Triton's GPU backend).
