@@ -24,8 +24,10 @@ from hp_cp_ep.cp._comm import RingExchange
 from hp_cp_ep.dsa import (
     context_parallel_indexer_topk,
     context_parallel_sparse_attention,
+    context_parallel_sparse_indexer_loss,
     indexer_topk,
     plan_sparse_gather,
+    sparse_indexer_loss,
     sparse_latent_attention,
 )
 from hp_dtensor.testing import count_host_syncs, distributed
@@ -72,8 +74,18 @@ def _reference(x: dict[str, torch.Tensor], docs: torch.Tensor | None) -> dict[st
     idx = indexer_topk(x["iq"], x["ik"], x["w"], TOPK, softmax_scale=DI**-0.5, document_ids=docs)
     out = sparse_latent_attention(q, kv, idx, scale=0.4, expand=_expander(wk, wv))
     out.backward(x["g"])  # type: ignore[no-untyped-call]
+    iq, ik, w = (x[n].clone().requires_grad_() for n in ("iq", "ik", "w"))
+    loss = sparse_indexer_loss(
+        iq, ik, w, x["q"], x["kv"], idx, softmax_scale=DI**-0.5, scale=0.4,
+        expand=_expander(x["wk"], x["wv"]),
+    )  # fmt: skip
+    (loss * x["g"][:, 0, :, 0]).sum().backward()  # type: ignore[no-untyped-call]
     grads = {"q": q.grad, "kv": kv.grad, "wk": wk.grad, "wv": wv.grad}
-    return {"idx": idx, "out": out.detach(), **{n: g for n, g in grads.items() if g is not None}}
+    grads |= {"iq": iq.grad, "ik": ik.grad, "w": w.grad}
+    return {
+        "idx": idx, "out": out.detach(), "loss": loss.detach(),
+        **{n: g for n, g in grads.items() if g is not None},
+    }  # fmt: skip
 
 
 def _check_parity(mesh: DeviceMesh, with_docs: bool, balanced: bool, rotate: str) -> int:
@@ -104,6 +116,16 @@ def _check_parity(mesh: DeviceMesh, with_docs: bool, balanced: bool, rotate: str
         assert p.grad is not None
         dist.all_reduce(p.grad, group=mesh.get_group())  # the CP gradient reduction
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-5)
+    # the sparse-stage indexer loss: per-query KL and the indexer's gradients
+    iq, ik, w = (t.requires_grad_() for t in _index_args(x, mesh, balanced))
+    loss = context_parallel_sparse_indexer_loss(
+        iq, ik, w, q.detach(), kv.detach(), idx, softmax_scale=DI**-0.5, scale=0.4, mesh=mesh,
+        expand=_expander(x["wk"], x["wv"]), load_balance=balanced,
+    )  # fmt: skip
+    (loss * shard(x["g"][:, 0, :, 0], 1)).sum().backward()  # type: ignore[no-untyped-call]
+    torch.testing.assert_close(loss, shard(ref["loss"], 1), rtol=1e-5, atol=1e-5)
+    for name, t in (("iq", iq), ("ik", ik), ("w", w)):
+        torch.testing.assert_close(t.grad, shard(ref[name], 1), rtol=1e-5, atol=1e-5, msg=name)
     return int((idx == -1).sum())
 
 

@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hp_cp_ep.dsa import indexer_scores, indexer_topk, sparse_attention, sparse_latent_attention
+from hp_cp_ep.dsa import (
+    indexer_scores,
+    indexer_topk,
+    sparse_attention,
+    sparse_indexer_loss,
+    sparse_latent_attention,
+)
 
 
 def _docs(b: int, s: int) -> torch.Tensor:
@@ -253,3 +259,27 @@ def test_sparse_latent_attention_equals_sparse_attention_on_the_expanded_rows() 
     torch.testing.assert_close(shared, sparse_attention(qc, rows, rows, idx, scale=0.3))
     with pytest.raises(ValueError, match=r"expand must map rows \[N=24, C\]"):
         sparse_latent_attention(q, kv, idx, scale=0.3, expand=lambda r: (r, r))
+
+
+def test_sparse_indexer_loss_is_the_kl_from_head_summed_attention_to_the_indexer() -> None:
+    gen = torch.Generator().manual_seed(8)
+    b, t, c, h, hi, di = 2, 12, 6, 2, 2, 4
+    iq = torch.randn(b, t, hi, di, generator=gen, requires_grad=True)
+    ik = torch.randn(b, t, di, generator=gen, requires_grad=True)
+    w = torch.randn(b, t, hi, generator=gen, requires_grad=True)
+    q, kv = torch.randn(b, h, t, c, generator=gen), torch.randn(b, t, c, generator=gen)
+    idx = indexer_topk(iq, ik, w, 4, softmax_scale=0.5)
+    loss = sparse_indexer_loss(iq, ik, w, q, kv, idx, softmax_scale=0.5, scale=0.3)
+    # dense reference: the selection as a mask over all keys
+    sel = torch.zeros(b, t, t + 1, dtype=torch.bool).scatter(-1, idx % (t + 1), True)[..., :t]
+    att = torch.einsum("bhsd,btd->bhst", q, kv) * 0.3
+    p = torch.softmax(att.masked_fill(~sel[:, None], float("-inf")), -1).sum(1)
+    p = p / p.sum(-1, keepdim=True)
+    scores = indexer_scores(iq, ik, w, softmax_scale=0.5).masked_fill(~sel, float("-inf"))
+    log_q = torch.log_softmax(scores, -1)
+    want = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - log_q), torch.zeros_like(p)).sum(-1)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad(loss.mean(), (iq, ik, w))
+    ref = torch.autograd.grad(want.mean(), (iq, ik, w))
+    for a, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)

@@ -10,12 +10,14 @@ from hp_cp_ep.dsa.context_parallel import (
     GatherPlan,
     context_parallel_indexer_topk,
     context_parallel_sparse_attention,
+    context_parallel_sparse_indexer_loss,
     plan_sparse_gather,
 )
 from hp_cp_ep.dsa.functional import (
     indexer_scores,
     indexer_topk,
     sparse_attention,
+    sparse_indexer_loss,
     sparse_latent_attention,
 )
 
@@ -24,9 +26,11 @@ __all__ = [
     "GatherPlan",
     "context_parallel_indexer_topk",
     "context_parallel_sparse_attention",
+    "context_parallel_sparse_indexer_loss",
     "indexer_scores",
     "indexer_topk",
     "plan_sparse_gather",
     "sparse_attention",
+    "sparse_indexer_loss",
     "sparse_latent_attention",
 ]

@@ -44,10 +44,14 @@ from hp_cp_ep.dsa.functional import (
     _check_topk,
     _expand_rows,
     _finish,
+    _head_summed_probs,
+    _kl_to_indexer,
     _rank_candidates,
+    _selected_index_logits,
     _visible,
     indexer_scores,
     indexer_topk,
+    sparse_indexer_loss,
     sparse_latent_attention,
 )
 from hp_cp_ep.ep.dispatch import _AllToAllTokens
@@ -57,6 +61,7 @@ __all__ = [
     "GatherPlan",
     "context_parallel_indexer_topk",
     "context_parallel_sparse_attention",
+    "context_parallel_sparse_indexer_loss",
     "plan_sparse_gather",
 ]
 
@@ -372,3 +377,69 @@ def context_parallel_sparse_attention(
     rows = _gather_rows(kv.reshape(b * s, c), plan, group)
     k_rows, v_rows = _expand_rows(expand, rows)
     return _attend_rows(q, k_rows, v_rows, plan.slots, plan.valid, scale, sinks)
+
+
+def context_parallel_sparse_indexer_loss(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    weights: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    scale: float,
+    mesh: DeviceMesh,
+    expand: Expand | None = None,
+    load_balance: bool = True,
+    plan: GatherPlan | None = None,
+) -> torch.Tensor:
+    """:func:`hp_cp_ep.dsa.sparse_indexer_loss` of the local queries under context parallelism.
+
+    The selected indexer keys and compressed rows are fetched from their owners with the same
+    sparse gather as :func:`context_parallel_sparse_attention` (pass its ``plan`` to skip the
+    host synchronisation); the gradient of the indexer keys goes back to the owners.
+
+    Args:
+        index_q: This rank's indexer queries ``[B, s, Hi, Di]``.
+        index_k: This rank's indexer keys ``[B, s, Di]``.
+        weights: This rank's indexer head weights ``[B, s, Hi]``.
+        q: This rank's main queries ``[B, H, s, D]``.
+        kv: This rank's compressed rows ``[B, s, C]``.
+        indices: ``[B, s, K]`` global positions or ``-1``.
+        softmax_scale: The indexer's scale.
+        scale: The main attention's scale.
+        mesh: The 1-D context-parallel mesh.
+        expand: Rows to ``(k, v)``.
+        load_balance: Head-tail shards.
+        plan: The :class:`GatherPlan` of ``indices`` (else made here: one host sync).
+
+    Returns:
+        ``[B, s]`` KL per local query, equal to the one-device loss at these queries.
+
+    Raises:
+        TypeError: A non-tensor input or a non-mesh ``mesh``.
+        ValueError: Shapes that do not match, or a multi-dimensional mesh.
+
+    See Also:
+        :pt:`torch.nn.functional.kl_div`
+    """
+    _check_indexer_inputs(index_q, index_k, weights)
+    _check_latent_inputs(q, kv, indices, None)
+    group, cp, _ = _mesh_group(mesh)
+    b, s, c = kv.shape
+    if cp == 1:
+        return sparse_indexer_loss(
+            index_q, index_k, weights, q, kv, indices,
+            softmax_scale=softmax_scale, scale=scale, expand=expand,
+        )  # fmt: skip
+    if plan is None:
+        plan = plan_sparse_gather(indices, local_len=s, mesh=mesh, load_balance=load_balance)
+    with torch.no_grad():
+        rows = _gather_rows(kv.detach().reshape(b * s, c), plan, group)
+        k_rows, _ = _expand_rows(expand, rows)
+    target = _head_summed_probs(q.detach(), k_rows, plan.slots, plan.valid, scale)
+    ik_rows = _gather_rows(index_k.reshape(b * s, -1), plan, group)
+    ik_sel = ik_rows.index_select(0, plan.slots.reshape(-1)).view(*plan.slots.shape, -1)
+    logits = _selected_index_logits(index_q, ik_sel, weights, softmax_scale, plan.valid)
+    return _kl_to_indexer(target, logits, plan.valid)

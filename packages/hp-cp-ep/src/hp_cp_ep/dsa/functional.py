@@ -23,7 +23,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["indexer_scores", "indexer_topk", "sparse_attention", "sparse_latent_attention"]
+__all__ = [
+    "indexer_scores",
+    "indexer_topk",
+    "sparse_attention",
+    "sparse_indexer_loss",
+    "sparse_latent_attention",
+]
 
 
 def _check_rank(name: str, tensor: torch.Tensor, dims: int, shape: str) -> None:
@@ -378,3 +384,101 @@ def sparse_latent_attention(
     valid = indices >= 0
     offsets = (torch.arange(b, device=indices.device) * t).view(b, 1, 1)
     return _attend_rows(q, k_rows, v_rows, indices.clamp(min=0) + offsets, valid, scale, sinks)
+
+
+def _selected_index_logits(
+    index_q: torch.Tensor,
+    index_k_sel: torch.Tensor,
+    weights: torch.Tensor,
+    softmax_scale: float,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """Indexer scores of ``index_q [B, S, Hi, Di]`` at its selected keys ``[B, S, K, Di]``."""
+    dots = torch.einsum("bshd,bskd->bshk", index_q.float(), index_k_sel.float())
+    logits = torch.einsum("bsh,bshk->bsk", weights.float(), F.relu(dots * softmax_scale))
+    return logits.masked_fill(~valid, float("-inf"))
+
+
+@torch.no_grad()
+def _head_summed_probs(
+    q: torch.Tensor, k_rows: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The main attention's distribution over the selected keys, summed over heads, L1-normed."""
+    b, h, s, _ = q.shape
+    hk = k_rows.shape[1]
+    kk = slots.shape[-1]
+    k_sel = k_rows.index_select(0, slots.reshape(-1)).view(b, s, kk, hk, -1).permute(0, 3, 1, 2, 4)
+    logits = torch.einsum(
+        "bzgsd,bzskd->bzgsk", q.reshape(b, hk, h // hk, s, -1).float(), k_sel.float()
+    )
+    logits = (logits * scale).masked_fill(~valid.view(b, 1, 1, s, kk), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(1, 2))  # [B, S, K]
+    total = probs.sum(dim=-1, keepdim=True)
+    return probs / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _kl_to_indexer(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``KL(target || softmax(logits))`` per query over its valid slots (``0`` with none)."""
+    any_valid = valid.any(dim=-1, keepdim=True)
+    safe = torch.where(any_valid, logits, torch.zeros_like(logits))
+    log_q = torch.log_softmax(safe, dim=-1)
+    log_p = torch.log(torch.where(target > 0, target, torch.ones_like(target)))
+    terms = torch.where(target > 0, target * (log_p - log_q), torch.zeros_like(target))
+    return terms.sum(dim=-1)
+
+
+def sparse_indexer_loss(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    weights: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    scale: float,
+    expand: Expand | None = None,
+) -> torch.Tensor:
+    """DSA's sparse-stage indexer loss: per query, KL from the main attention to the indexer.
+
+    Over the selected keys ``S_t`` of every query ``t``: the target is the main attention's
+    distribution summed over heads and L1-normalised (computed without gradient), the
+    prediction is ``softmax`` of the indexer scores at ``S_t``. Only the indexer inputs get
+    gradients (DeepSeek-V3.2 trains the indexer by this loss alone).
+
+    Args:
+        index_q: Indexer queries ``[B, S, Hi, Di]``.
+        index_k: Indexer keys ``[B, T, Di]``.
+        weights: Indexer head weights ``[B, S, Hi]``.
+        q: Main attention queries ``[B, H, S, D]``.
+        kv: Compressed K/V rows ``[B, T, C]`` (as :func:`sparse_latent_attention`).
+        indices: ``[B, S, K]`` the selection (:func:`indexer_topk`).
+        softmax_scale: The indexer's scale.
+        scale: The main attention's softmax scale.
+        expand: Rows to ``(k, v)`` as in :func:`sparse_latent_attention`.
+
+    Returns:
+        ``[B, S]`` float32 KL per query (``0`` for a query with no selected key); reduce it as
+        the loss needs (mean over tokens in DeepSeek-V3.2).
+
+    Raises:
+        TypeError: A non-tensor input.
+        ValueError: Shapes that do not match.
+
+    See Also:
+        :pt:`torch.nn.functional.kl_div`: the divergence, computed here over each query's
+        selected keys.
+    """
+    _check_indexer_inputs(index_q, index_k, weights)
+    _check_latent_inputs(q, kv, indices, None)
+    b, t, c = kv.shape
+    indices = indices.long()
+    valid = indices >= 0
+    offsets = (torch.arange(b, device=indices.device) * t).view(b, 1, 1)
+    slots = indices.clamp(min=0) + offsets
+    k_rows, _ = _expand_rows(expand, kv.detach().reshape(b * t, c))
+    target = _head_summed_probs(q.detach(), k_rows.detach(), slots, valid, scale)
+    ik_sel = index_k.reshape(b * t, -1).index_select(0, slots.reshape(-1))
+    ik_sel = ik_sel.view(*indices.shape, -1)
+    logits = _selected_index_logits(index_q, ik_sel, weights, softmax_scale, valid)
+    return _kl_to_indexer(target, logits, valid)
