@@ -440,6 +440,12 @@ class MoEConfig:
     """An extension. Issue the combine's backward all-to-all before the shared experts' backward
     and wait for it after (:class:`hp_cp_ep.BackwardOverlap`); off, the backward all-to-alls
     block. Needs ``parallelism.expert_parallel_degree > 1`` and ``tensor_parallel_degree = 1``."""
+    fused: bool = False
+    """An extension. The routed experts compute through the fused op :func:`hp_kernels.mega_moe`
+    (HyperParallel's ``mega_moe``: a Triton kernel on CUDA, the composed reference elsewhere;
+    no host sync): without expert or tensor parallelism, permutation, experts and combine are
+    that one op, otherwise the experts' grouped GEMMs are. Training is unchanged (bitwise on the
+    CPU where ``torch._grouped_mm`` applies). MoE models only."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "moe")

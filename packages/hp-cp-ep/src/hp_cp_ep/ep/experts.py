@@ -13,6 +13,12 @@ Otherwise the per-expert loop runs: same result, more kernel launches, and one h
 split the rows (none when the dispatch already read the counts on the host, as it does under
 expert parallelism). Experts that receive no rows contribute nothing and get zero gradients
 either way.
+
+With ``fused=True`` the experts run through :func:`hp_kernels.mega_moe`, one custom op for the
+grouped SwiGLU (its Triton kernel on CUDA, ``torch_npu``'s grouped matmul on Ascend, the
+composed reference elsewhere), with no host sync on any device; on one device
+:class:`hp_cp_ep.MoE` hands it the routing too (:meth:`GroupedExperts.routed`), so permutation,
+experts and combine are one op.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from hp_cp_ep._torch_compat import grouped_mm
 from hp_cp_ep.ep.dispatch import TokenDispatcher
 from hp_dtensor import device as hp_device
+from hp_kernels import mega_moe
 
 __all__ = ["GroupedExperts", "grouped_mm_supported"]
 
@@ -133,6 +140,10 @@ class GroupedExperts(nn.Module):
         num_experts: Number of experts ``E``.
         use_grouped_mm: Use ``torch._grouped_mm`` where it applies (see
             :func:`grouped_mm_supported`); ``False`` always loops over experts.
+        fused: Keyword-only extension: compute through the fused op :func:`hp_kernels.mega_moe`
+            (no host sync; ``use_grouped_mm`` is then not consulted). Bitwise equal to the
+            unfused path on the CPU wherever ``torch._grouped_mm`` applies (the reference kernel
+            runs the same ops), equal to rounding elsewhere.
 
     Example:
         >>> import torch
@@ -150,11 +161,20 @@ class GroupedExperts(nn.Module):
     hidden_dim_of_weight: ClassVar[dict[str, int]] = {"w1": 1, "w2": 2, "w3": 1}
 
     def __init__(
-        self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        use_grouped_mm: bool = True,
+        *,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"num_experts must be positive, got {num_experts}")
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
+        self.fused = fused
         self.dim = dim
         self.hidden_dim = hidden_dim
         self.num_experts = num_experts
@@ -199,9 +219,57 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         if x.shape[0] == 0:  # known on the host (the split sizes): no sync
             return _no_rows(x, w1, w2, w3)
+        if self.fused:  # the expert of every row from the counts, on the device
+            ends = torch.cumsum(num_tokens_per_expert, dim=0)
+            rows = torch.arange(x.shape[0], device=x.device, dtype=ends.dtype)
+            row_expert = torch.searchsorted(ends, rows, right=True)
+            return mega_moe(x, row_expert, None, w1, w2, w3)
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2, w3):
             return _grouped_swiglu(x, w1, w2, w3, num_tokens_per_expert)
         return _looped_swiglu(x, w1, w2, w3, num_tokens_per_expert, sizes)
+
+    def fuses_routing(self) -> bool:
+        """Whether :meth:`routed` applies: ``fused`` and the experts are all on this device
+        (the identity dispatcher: no expert or tensor parallelism)."""
+        d = self.token_dispatcher
+        return (
+            self.fused and type(d) is TokenDispatcher and d.ep_group is None and d.tp_group is None
+        )
+
+    def routed(
+        self,
+        tokens: torch.Tensor,
+        expert_indices: torch.Tensor,
+        probs: torch.Tensor,
+        *,
+        score_before_experts: bool,
+    ) -> torch.Tensor:
+        """Permute, run the experts and combine in one :func:`hp_kernels.mega_moe` call.
+
+        Args:
+            tokens: ``[T, dim]`` tokens (not permuted).
+            expert_indices: ``[T, k]`` routed experts.
+            probs: ``[T, k]`` routing weights.
+            score_before_experts: Scale the experts' inputs (``True``) or outputs.
+
+        Returns:
+            ``[T, dim]``: what ``permute_tokens``, :meth:`compute` and ``unpermute_tokens``
+            return (bitwise on the CPU where ``torch._grouped_mm`` applies).
+
+        Raises:
+            ValueError: When :meth:`fuses_routing` is false (not fused, or experts distributed).
+        """
+        if not self.fuses_routing():
+            raise ValueError(
+                "GroupedExperts.routed needs fused=True and a local token dispatcher (no expert "
+                f"or tensor parallelism); got fused={self.fused} and "
+                f"{type(self.token_dispatcher).__name__} with ep_group="
+                f"{getattr(self.token_dispatcher, 'ep_group', None)}"
+            )
+        w1, w2, w3 = (_local(w).to(tokens.dtype) for w in (self.w1, self.w2, self.w3))
+        return mega_moe(
+            tokens, expert_indices, probs, w1, w2, w3, score_before_experts=score_before_experts
+        )
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Experts' outputs for ``x`` (``[N, dim]`` grouped by global expert), same row order.

@@ -77,6 +77,9 @@ class MoEArgs:
             ``hp_cp_ep.ep.router.sequence_balancing_loss``, averaged over sequences: the input's
             second-to-last dimension is the sequence, a 2-D input one sequence; with
             ``aux_loss_group`` each rank must hold whole sequences).
+        fused: Extension: the experts compute through :func:`hp_kernels.mega_moe` (see
+            :class:`~hp_cp_ep.GroupedExperts`); without expert/tensor parallelism and capacity,
+            permutation, experts and combine are that one op.
         _debug_force_load_balance: Route round-robin (debugging, benchmarks).
 
     See Also:
@@ -98,6 +101,7 @@ class MoEArgs:
     aux_loss_coeff: float = 0.0
     capacity_scope: Literal["local", "ep_group"] = "local"
     aux_loss_type: Literal["batch", "sequence"] = "batch"
+    fused: bool = False
     _debug_force_load_balance: bool = False
 
 
@@ -215,7 +219,11 @@ class MoE(nn.Module):
             _debug_force_load_balance=moe_args._debug_force_load_balance,
         )
         self.experts = GroupedExperts(
-            dim, hidden_dim, moe_args.num_experts, use_grouped_mm=moe_args.use_grouped_mm
+            dim,
+            hidden_dim,
+            moe_args.num_experts,
+            use_grouped_mm=moe_args.use_grouped_mm,
+            fused=moe_args.fused,
         )
         self.shared_experts: SharedExperts | None = (
             SharedExperts(dim, hidden_dim * moe_args.num_shared_experts)
@@ -338,6 +346,16 @@ class MoE(nn.Module):
         num_bins: int,
     ) -> torch.Tensor:
         """Routed (plus shared) output, one row per choice sent (:class:`TokenDispatcher`)."""
+        if num_bins == self.num_experts and self.experts.fuses_routing():
+            # one fused op: permute, experts, combine (hp_kernels.mega_moe)
+            out = self.experts.routed(
+                tokens,
+                selected,
+                top_scores.to(tokens.dtype),
+                score_before_experts=self.moe_args.score_before_experts,
+            )
+            shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+            return out + shared if shared is not None else out
         rows, sorted_indices, counts = permute_tokens(tokens, selected, num_bins)
         weights = top_scores.to(tokens.dtype)
         if self.moe_args.score_before_experts:

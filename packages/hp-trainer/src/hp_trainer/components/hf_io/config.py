@@ -459,6 +459,14 @@ def resolve_model_args(spec: ModelSpec, job_config: JobConfig) -> Any:
         args = dataclasses.replace(
             args, moe_args=dataclasses.replace(moe_args, aux_loss_type=aux_loss_type)
         )
+    if job_config.moe.fused:
+        moe_args = getattr(args, "moe_args", None)
+        if moe_args is None:
+            raise ValueError(
+                f"moe.fused = true with model {spec.name}, which has no mixture-of-experts "
+                "layers: expected moe.fused = false"
+            )
+        args = dataclasses.replace(args, moe_args=dataclasses.replace(moe_args, fused=True))
     seq_len = job_config.training.seq_len
     max_seq_len = getattr(args, "max_seq_len", seq_len)
     if seq_len > max_seq_len:
