@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from hp_cp_ep import MoE
-from hp_trainer import ConfigManager
+from hp_trainer import ConfigManager, parse_args
+from hp_trainer.cli import nproc_for
 from hp_trainer.components.checkpoint import CheckpointManager
 from hp_trainer.components.hf_io.config import (
     hf_config_mismatches,
@@ -250,3 +251,10 @@ def test_bad_input_is_refused_by_name() -> None:
     )
     with pytest.raises(ValueError, match="llama4/tiny's attention has no context-parallel path"):
         validate_parallel_layout(job, 2)
+
+
+def test_debug_config_layout_is_valid() -> None:
+    cfg = parse_args(["--config", "debug_llama4"])
+    assert (cfg.model.name, cfg.model.flavor) == ("llama4", "debugmodel")
+    assert nproc_for(cfg) == 4
+    validate_parallel_layout(cfg, 4)  # FSDP 2 x TP 2, experts over [ep 2, tp 2]
