@@ -6,13 +6,19 @@ gradient hook, mid-backward), ``optimizer`` (after the commit vote, before the u
 ``recovery`` (while loading the state received from a peer; ``k`` ignored).
 ``HP_FT_STEP_SLEEP`` seconds are slept after each step with fewer than ``group_size``
 participants (a survivor trains on slowly while the victim restarts).
+``HP_FT_BARRIER=<folder>:<n>``: before the first step, wait until ``n`` processes have started
+their torchft managers (each leaves a file in ``folder``), so every group is heartbeating when
+the first quorum forms and all of them join it.
+Every committed step's loss is appended to ``<run folder>/losses.jsonl``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -29,6 +35,14 @@ class KillAt:
         self.sleep = float(os.environ.get("HP_FT_STEP_SLEEP", "0"))
 
     def on_train_begin(self, trainer: Any) -> None:
+        folder, _, count = os.environ.get("HP_FT_BARRIER", ":").partition(":")
+        if folder:
+            Path(folder, str(os.getpid())).touch()
+            deadline = time.monotonic() + 120
+            while len(list(Path(folder).iterdir())) < int(count):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"HP_FT_BARRIER: fewer than {count} groups in 120 s")
+                time.sleep(0.05)
         if self.point == "forward":
             trainer.model.register_forward_pre_hook(lambda *_: self._maybe())
         elif self.point == "backward":
@@ -46,6 +60,10 @@ class KillAt:
 
     def on_step_begin(self, trainer: Any, step: int) -> None:
         self.local_step += 1
+
+    def on_step_values(self, trainer: Any, step: int, loss: float, grad_norm: float) -> None:
+        with (Path(trainer.run_folder) / "losses.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
 
     def on_step_end(self, trainer: Any, step: int) -> None:
         ft = trainer.ft
