@@ -20,9 +20,25 @@ from hp_cp_ep.dsa.functional import (
     sparse_indexer_loss,
     sparse_latent_attention,
 )
+from hp_cp_ep.dsa.style import (
+    AsyncDSAIndexerContextParallel,
+    AsyncDSAIndexerLossContextParallel,
+    AsyncDSASparseAttentionContextParallel,
+    DSAGatherCache,
+    DSAIndexerContextParallel,
+    DSAIndexerLossContextParallel,
+    DSASparseAttentionContextParallel,
+)
 
 __all__ = [
     "DSA_ROTATE_METHODS",
+    "AsyncDSAIndexerContextParallel",
+    "AsyncDSAIndexerLossContextParallel",
+    "AsyncDSASparseAttentionContextParallel",
+    "DSAGatherCache",
+    "DSAIndexerContextParallel",
+    "DSAIndexerLossContextParallel",
+    "DSASparseAttentionContextParallel",
     "GatherPlan",
     "context_parallel_indexer_topk",
     "context_parallel_sparse_attention",

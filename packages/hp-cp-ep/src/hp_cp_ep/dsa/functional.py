@@ -19,6 +19,8 @@ reproduces it exactly from per-block candidates. A slot with no visible key left
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,18 @@ __all__ = [
     "sparse_indexer_loss",
     "sparse_latent_attention",
 ]
+
+
+#: The context-parallel route of the module forward running now (set by the styles of
+#: ``hp_cp_ep.dsa.style`` for the duration of a forward; ``None`` outside): a context-manager
+#: flag, not global state.
+_ROUTE: ContextVar[Any] = ContextVar("hp_cp_ep_dsa_route", default=None)
+
+
+def _routed(role: str) -> Any:
+    """The route's handler for ``role`` in the forward running now, or ``None``."""
+    route = _ROUTE.get()
+    return None if route is None else route.handler(role)
 
 
 def _check_rank(name: str, tensor: torch.Tensor, dims: int, shape: str) -> None:
@@ -161,6 +175,11 @@ def indexer_topk(
         :func:`sparse_attention`; ``hp_cp_ep.dsa`` also computes the same selection with the
         sequence sharded over a context-parallel group.
     """
+    routed = _routed("indexer")
+    if routed is not None:
+        return routed(  # type: ignore[no-any-return]
+            index_q, index_k, weights, topk, softmax_scale=softmax_scale, document_ids=document_ids
+        )
     _check_topk(topk)
     _check_indexer_inputs(index_q, index_k, weights)
     s, t = index_q.shape[1], index_k.shape[1]
@@ -261,6 +280,9 @@ def sparse_attention(
         :pt:`torch.nn.functional.scaled_dot_product_attention`: the dense attention this equals
         with the selection turned into a boolean mask.
     """
+    routed = _routed("attention")
+    if routed is not None:
+        return routed.dense(q, k, v, indices, scale=scale, sinks=sinks)  # type: ignore[no-any-return]
     _check_rank("q", q, 4, "[B, H, S, D]")
     _check_rank("k", k, 4, "[B, Hk, T, D]")
     _check_rank("v", v, 4, "[B, Hk, T, Dv]")
@@ -372,6 +394,9 @@ def sparse_latent_attention(
     See Also:
         :pt:`torch.nn.functional.scaled_dot_product_attention`
     """
+    routed = _routed("attention")
+    if routed is not None:
+        return routed.latent(q, kv, indices, scale=scale, expand=expand, sinks=sinks)  # type: ignore[no-any-return]
     _check_latent_inputs(q, kv, indices, sinks)
     b, t, c = kv.shape
     k_rows, v_rows = _expand_rows(expand, kv.reshape(b * t, c))
@@ -469,6 +494,12 @@ def sparse_indexer_loss(
         :pt:`torch.nn.functional.kl_div`: the divergence, computed here over each query's
         selected keys.
     """
+    routed = _routed("loss")
+    if routed is not None:
+        return routed(  # type: ignore[no-any-return]
+            index_q, index_k, weights, q, kv, indices,
+            softmax_scale=softmax_scale, scale=scale, expand=expand,
+        )  # fmt: skip
     _check_indexer_inputs(index_q, index_k, weights)
     _check_latent_inputs(q, kv, indices, None)
     b, t, c = kv.shape
