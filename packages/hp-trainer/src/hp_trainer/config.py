@@ -647,6 +647,14 @@ class FaultToleranceConfig:
     """With DiLoCo, the weight of the local parameters when merging a fragment's global update."""
     num_fragments: int = 1
     """With DiLoCo, the number of model fragments synchronised in turn (streaming DiLoCo)."""
+    module_fqns_per_model_fragment: list[list[str]] = field(default_factory=list)
+    """With DiLoCo, the fragments by name: one list of module names per fragment (e.g.
+    ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]``); every parameter must
+    fall in exactly one fragment (checked when the job starts). Empty: ``num_fragments``
+    consecutive slices of the blocks."""
+    should_quantize: bool = False
+    """With DiLoCo, all-reduce the pseudo-gradients quantized to fp8 (torchft's Triton kernels:
+    needs ``process_group = "nccl"``, refused otherwise)."""
     outer_lr: float = 0.7
     """An extension. DiLoCo's outer optimizer (Nesterov SGD) learning rate."""
     outer_momentum: float = 0.9
@@ -679,6 +687,37 @@ class FaultToleranceConfig:
         if not 0 <= self.fragment_sync_delay < self.sync_steps:
             allowed = f"a delay in [0, sync_steps = {self.sync_steps})"
             _fail("fault_tolerance", "fragment_sync_delay", self.fragment_sync_delay, allowed)
+        fqns = self.module_fqns_per_model_fragment
+        if fqns:
+            if any(
+                not isinstance(frag, list) or not frag or not all(isinstance(n, str) for n in frag)
+                for frag in fqns
+            ):
+                _fail(
+                    "fault_tolerance",
+                    "module_fqns_per_model_fragment",
+                    fqns,
+                    "a list of non-empty lists of module names",
+                )
+            if self.semi_sync_method != "diloco" or self.num_fragments not in (1, len(fqns)):
+                _fail(
+                    "fault_tolerance",
+                    "module_fqns_per_model_fragment",
+                    fqns,
+                    f"fragments for semi_sync_method = 'diloco' (got {self.semi_sync_method!r}), "
+                    f"with num_fragments 1 or {len(fqns)} (got {self.num_fragments})",
+                )
+        if self.should_quantize and (
+            self.semi_sync_method != "diloco" or self.process_group != "nccl"
+        ):
+            _fail(
+                "fault_tolerance",
+                "should_quantize",
+                True,
+                "false, or semi_sync_method = 'diloco' with process_group = 'nccl' (torchft "
+                f"quantizes with Triton kernels on CUDA; got {self.semi_sync_method!r}, "
+                f"{self.process_group!r})",
+            )
 
 
 @dataclass(kw_only=True)

@@ -462,7 +462,10 @@ class FTManager:
         model = trainer.model_parts[0]
         if cfg.semi_sync_method == "local_sgd":
             return LocalSGD(self.manager, model, inner, cfg.sync_steps).__enter__()
-        fragments = _split_fragments(model, cfg.num_fragments)
+        if cfg.module_fqns_per_model_fragment:
+            fragments = _named_fragments(model, cfg.module_fqns_per_model_fragment)
+        else:
+            fragments = _split_fragments(model, cfg.num_fragments)
         outer = [
             torch.optim.SGD(
                 f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
@@ -478,6 +481,7 @@ class FTManager:
             pin_memory=False,
             fragment_sync_delay=cfg.fragment_sync_delay,
             fragment_update_alpha=cfg.fragment_update_alpha,
+            should_quantize=cfg.should_quantize,
         ).__enter__()
 
     def shutdown(self) -> None:
@@ -510,6 +514,36 @@ def _split_fragments(model: torch.nn.Module, num_fragments: int) -> list[torch.n
         if i == num_fragments - 1:
             members = members + others[1:]
         fragments.append(torch.nn.ModuleList(members))
+    return fragments
+
+
+def _named_fragments(model: torch.nn.Module, fqns: list[list[str]]) -> list[torch.nn.Module]:
+    """DiLoCo fragments from module names: each parameter in exactly one fragment."""
+    modules = dict(model.named_modules())
+    owner: dict[str, int] = {}
+    fragments: list[torch.nn.Module] = []
+    for index, names in enumerate(fqns):
+        unknown = [n for n in names if n not in modules or not n]
+        if unknown:
+            raise ValueError(
+                f"fault_tolerance.module_fqns_per_model_fragment[{index}]: no module named "
+                f"{unknown} in the model"
+            )
+        for name in names:
+            for pname, _ in modules[name].named_parameters(prefix=name):
+                if pname in owner and owner[pname] != index:
+                    raise ValueError(
+                        f"fault_tolerance.module_fqns_per_model_fragment: parameter {pname!r} is "
+                        f"in fragments {owner[pname]} and {index}; expected exactly one"
+                    )
+                owner[pname] = index
+        fragments.append(torch.nn.ModuleList([modules[n] for n in names]))
+    missing = [name for name, _ in model.named_parameters() if name not in owner]
+    if missing:
+        raise ValueError(
+            "fault_tolerance.module_fqns_per_model_fragment leaves parameters in no fragment "
+            f"(never synchronised): {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     return fragments
 
 
