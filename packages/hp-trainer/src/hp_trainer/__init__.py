@@ -99,6 +99,13 @@ from hp_trainer.models.deepseek_v3 import (
 )
 from hp_trainer.models.llama3 import Llama3StateDictAdapter, parallelize_llama
 from hp_trainer.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
+from hp_trainer.models.qwen3_5 import (
+    Qwen35,
+    Qwen35Moe,
+    Qwen35MoeStateDictAdapter,
+    Qwen35StateDictAdapter,
+    parallelize_qwen3_5,
+)
 from hp_trainer.models.qwen3_moe import Qwen3MoE, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe
 from hp_trainer.planner import (
     DeviceProfile,
@@ -183,6 +190,10 @@ __all__ = [
     "Qwen3MoE",
     "Qwen3MoeStateDictAdapter",
     "Qwen3StateDictAdapter",
+    "Qwen35",
+    "Qwen35Moe",
+    "Qwen35MoeStateDictAdapter",
+    "Qwen35StateDictAdapter",
     "RNGState",
     "ShardingConfig",
     "ShardingRule",
@@ -224,6 +235,7 @@ __all__ = [
     "parallelize_deepseek_v3",
     "parallelize_llama",
     "parallelize_qwen3",
+    "parallelize_qwen3_5",
     "parallelize_qwen3_moe",
     "parse_args",
     "plan_layouts",

@@ -1,4 +1,5 @@
-"""Model families, one folder each: ``llama3``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``.
+"""Model families, one folder each: ``llama3``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``,
+``qwen3_5`` (the Gated DeltaNet hybrid, dense and MoE; ``qwen3_5_moe`` names its MoE flavor).
 
 Each folder holds the family's model (or uses :mod:`hp_trainer.models.common`'s decoder),
 ``flavors`` (its sizes), ``parallelize`` (its TP/EP plan and recipe), ``state_dict_adapter``

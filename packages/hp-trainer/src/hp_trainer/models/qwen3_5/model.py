@@ -87,7 +87,7 @@ def hybrid_layer_types(n_layers: int, full_attention_interval: int = 4) -> tuple
 
 @dataclass(kw_only=True)
 class Qwen35Args(DecoderArgs):
-    """:class:`~hp_trainer.models.common.decoder.DecoderArgs` plus Qwen3.5's hybrid options.
+    """:class:`~hp_trainer.DecoderArgs` plus Qwen3.5's hybrid options.
 
     ``n_heads`` / ``n_kv_heads`` / ``head_dim`` describe the full-attention blocks, the
     ``linear_*`` fields the Gated DeltaNet blocks.
@@ -106,7 +106,7 @@ class Qwen35Args(DecoderArgs):
     partial_rotary_factor: float = 0.25
     """Fraction of each full-attention head that is rotated (the first dimensions)."""
     layer_types: tuple[str, ...] | None = None
-    """``linear_attention`` / ``full_attention`` per block (None: :func:`hybrid_layer_types`)."""
+    """``linear_attention`` / ``full_attention`` per block (None: every fourth is full)."""
     linear_conv_kernel_dim: int = 4
     """Taps of the causal depthwise convolution."""
     linear_num_key_heads: int = 16
@@ -348,7 +348,7 @@ class GatedDeltaNet(nn.Module):
 
     Every parameter but ``norm`` (one scale shared by the heads) is laid out by heads or by
     their channels along dimension 0, so tensor parallelism shards all of them on dimension 0
-    (:func:`~hp_trainer.models.qwen3_5.parallelize.parallelize_qwen3_5`).
+    (:func:`~hp_trainer.parallelize_qwen3_5`).
 
     Args:
         args: Model arguments.
@@ -527,18 +527,18 @@ class Qwen35Block(nn.Module):
 
 
 class Qwen35(Decoder):
-    """The Qwen3.5 decoder (dense flavor; :class:`Qwen35Moe` for the MoE one).
+    """The Qwen3.5 decoder (dense flavor; :class:`~hp_trainer.Qwen35Moe` for the MoE one).
 
-    Embedding, a ``ModuleDict`` of :class:`Qwen35Block` (``"0"``, ``"1"``, ...), a final
+    Embedding, a ``ModuleDict`` of ``Qwen35Block`` (``"0"``, ``"1"``, ...), a final
     zero-centered RMSNorm and the LM head; the rotary table covers the rotated dimensions only.
 
     Args:
-        args: Model arguments (a :data:`~hp_trainer.models.qwen3_5.flavors.qwen3_5_flavors`
+        args: Model arguments (a ``qwen3_5_flavors``
             entry).
 
     See Also:
         ``transformers.Qwen3_5ForCausalLM``; HyperParallel's ``parallelize_qwen3_5`` recipe
-        (:func:`~hp_trainer.models.qwen3_5.parallelize.parallelize_qwen3_5` here).
+        (:func:`~hp_trainer.parallelize_qwen3_5` here).
     """
 
     args: Qwen35Args
@@ -576,7 +576,7 @@ class Qwen35(Decoder):
             ValueError: ``document_ids`` given.
 
         See Also:
-            :meth:`hp_trainer.models.common.decoder.Decoder.forward`.
+            :meth:`hp_trainer.Decoder.forward`.
         """
         if document_ids is not None:
             raise ValueError(
@@ -651,11 +651,11 @@ class Qwen35(Decoder):
 
 
 class Qwen35Moe(Qwen35):
-    """The Qwen3.5 MoE decoder: :class:`Qwen35` with :class:`SharedExpertMoE` feed-forwards.
+    """The Qwen3.5 MoE decoder: :class:`~hp_trainer.Qwen35` with ``SharedExpertMoE`` feed-forwards.
 
     Args:
         args: Model arguments (a
-            :data:`~hp_trainer.models.qwen3_5.flavors.qwen3_5_moe_flavors` entry).
+            ``qwen3_5_moe_flavors`` entry).
 
     See Also:
         ``transformers.Qwen3_5MoeForCausalLM``.

@@ -179,13 +179,14 @@ def parallelize_qwen3_5(
 ) -> nn.Module:
     """Apply TP, EP (MoE flavor), AC, compile and FSDP/HSDP to a Qwen3.5 model.
 
-    The table (:data:`QWEN3_5_SHARDING`, or :data:`QWEN3_5_MOE_SHARDING` with routed experts)
-    goes to the shared recipes
-    (:func:`~hp_trainer.models.common.parallelize.parallelize_dense_decoder` /
-    :func:`~hp_trainer.models.common.expert_parallel.parallelize_moe_decoder`).
+    The sharding table (``QWEN3_5_SHARDING``, or ``QWEN3_5_MOE_SHARDING`` with routed experts,
+    in ``hp_trainer.models.qwen3_5.parallelize``) goes to the recipe the dense and MoE decoders
+    share: TP (heads of both attention kinds; the Gated DeltaNet's conv kernels and decays
+    sharded with them), EP (``ExpertParallel`` / ``ExpertTensorParallel`` /
+    ``TensorParallel`` for the routed experts), activation checkpointing, compile, FSDP.
 
     Args:
-        model: A :class:`~hp_trainer.models.qwen3_5.model.Qwen35` (or a pipeline stage).
+        model: A :class:`~hp_trainer.Qwen35` (or a pipeline stage).
         parallel_dims: Degrees and meshes (``build_mesh`` done).
         job_config: The job configuration.
 
@@ -193,7 +194,8 @@ def parallelize_qwen3_5(
         The parallelized model (modified in place).
 
     Raises:
-        ValueError: Context parallelism (:data:`CONTEXT_PARALLEL_REFUSAL`), or a TP degree
+        ValueError: Context parallelism (the Gated DeltaNet state would have to pass along the
+            ring; refused, also up front by the layout check), or a TP degree
             not dividing a head count.
 
     See Also:

@@ -18,7 +18,7 @@ renamed only. Per block ``{i}`` (HF under ``model.layers.{i}.``)::
     moe.shared_expert_gate                        mlp.shared_expert_gate
 
 Experts are written one matrix per expert (the published files' layout, which ``transformers``
-fuses on load); :meth:`Qwen35StateDictAdapter.from_hf` also reads the fused
+fuses on load); :meth:`hp_trainer.Qwen35StateDictAdapter.from_hf` also reads the fused
 ``mlp.experts.gate_up_proj`` / ``down_proj`` tensors and the ``model.language_model.`` prefix
 of the vision-language checkpoints, and skips their ``mtp.`` and ``model.visual.`` tensors.
 """
@@ -79,7 +79,7 @@ _HF_TOP = {v: k for k, v in _TOP.items()}
 
 
 class Qwen35StateDictAdapter(StateDictAdapter):
-    """HF ``Qwen3_5ForCausalLM`` <-> our :class:`~hp_trainer.models.qwen3_5.model.Qwen35`.
+    """HF ``Qwen3_5ForCausalLM`` <-> our :class:`~hp_trainer.Qwen35`.
 
     Renames, and splits (stacks) the fused query/key/value projection and convolution of the
     Gated DeltaNet blocks. Exact: a round trip gives back the same tensors.
@@ -275,7 +275,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
 
 
 class Qwen35MoeStateDictAdapter(Qwen35StateDictAdapter):
-    """HF ``Qwen3_5MoeForCausalLM`` <-> our :class:`~hp_trainer.models.qwen3_5.model.Qwen35Moe`.
+    """HF ``Qwen3_5MoeForCausalLM`` <-> our :class:`~hp_trainer.Qwen35Moe`.
 
     Args:
         model_args: The model's :class:`~hp_trainer.models.qwen3_5.model.Qwen35MoeArgs`.
