@@ -23,9 +23,10 @@ Kernels:
   each expert's rows from the *unpermuted* tokens by index (no permuted copy of ``x``, nor of
   the gradient rows in the backward) and whose stores scatter the expert outputs back to
   (token, choice) order; verified under ``TRITON_INTERPRET=1`` against the reference.
-- Ascend (``torch_npu``): :mod:`hp_kernels.npu_kernels` chains ``npu_moe_token_permute``,
-  ``npu_grouped_matmul`` and ``npu_moe_token_unpermute`` for the forward; the backward runs the
-  reference on the NPU.
+- Ascend: the reference kernel, on the NPU through ordinary torch ops (one masked GEMM per
+  expert). ``torch_npu`` has the pieces (``npu_moe_token_permute`` / ``npu_grouped_matmul`` /
+  ``npu_moe_token_unpermute``) but no fused op with this contract; a kernel chaining them is
+  not shipped until it can be checked on Ascend hardware.
 
 Neither op synchronizes the host with the device: the per-expert counts are a scatter-add, the
 row groups are cumulative offsets on the device, and no index is read on the host.
@@ -60,12 +61,15 @@ _CPU_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes ``x`` times these per-expert weights here.
 
-    bfloat16 anywhere, float32/float16 on the CPU; every inner dimension times the element size
-    a multiple of 16 bytes (the same rule as :func:`hp_cp_ep.grouped_mm_supported`, eager).
+    float32/bfloat16/float16 on the CPU, bfloat16 on CUDA GPUs; every inner dimension times the
+    element size a multiple of 16 bytes (the rule of :func:`hp_cp_ep.grouped_mm_supported`).
     """
     dtype = x.dtype
-    if dtype != torch.bfloat16 and not (x.is_cpu and dtype in _CPU_GROUPED_MM_DTYPES):
-        return False
+    if x.is_cpu:
+        if dtype not in _CPU_GROUPED_MM_DTYPES:
+            return False
+    elif not (x.is_cuda and dtype == torch.bfloat16):
+        return False  # other accelerators (Ascend): the masked per-expert GEMMs
     dims = {x.shape[-1], *(d for w in weights for d in w.shape[1:])}
     return all(d * x.element_size() % _GROUPED_MM_ALIGN_BYTES == 0 for d in dims)
 

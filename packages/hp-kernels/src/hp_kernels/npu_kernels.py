@@ -10,6 +10,8 @@ op                                NPU kernel
 ================================  ===============================================
 ``permute_tokens``                ``torch_npu.npu_moe_token_permute`` (2-D tokens)
 ``unpermute_tokens``              ``torch_npu.npu_moe_token_unpermute`` (2-D tokens)
+``mega_moe``, ``mega_moe_grad``   reference (no fused ``torch_npu`` op with this contract;
+                                  masked per-expert GEMMs on the NPU)
 all other ops                     reference (torch ops on the NPU)
 ================================  ===============================================
 
