@@ -88,6 +88,11 @@ def test_tiny_layout_irope_chunks_and_interleaved_moe() -> None:
         assert param.grad is not None, name
         assert param.grad.abs().sum() > 0, name
     assert int(moe.tokens_per_expert.sum()) == 32
+    # FLOPs: active parameters (1 of 8 routed experts) and attention over 8 keys in the two
+    # chunked blocks, 32 in the NoPE block
+    params = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
+    inactive = 7 * 3 * 64 * 32
+    assert model.num_flops_per_token(32) == 6 * (params - inactive) + 12 * 4 * 16 * (8 + 8 + 32)
 
 
 def test_chunked_rope_block_sees_its_chunk_and_nope_block_everything() -> None:

@@ -50,6 +50,7 @@ from hp_trainer.config import (
     CompileConfig,
     ConfigManager,
     DataConfig,
+    DSAConfig,
     FaultToleranceConfig,
     JobConfig,
     JobSection,
@@ -97,7 +98,20 @@ from hp_trainer.models.deepseek_v3 import (
     DeepSeekV3StateDictAdapter,
     parallelize_deepseek_v3,
 )
+from hp_trainer.models.deepseek_v32 import (
+    DeepSeekV32,
+    DeepSeekV32Args,
+    DeepSeekV32StateDictAdapter,
+    parallelize_deepseek_v32,
+)
+from hp_trainer.models.gpt_oss import (
+    GptOss,
+    GptOssArgs,
+    GptOssStateDictAdapter,
+    parallelize_gpt_oss,
+)
 from hp_trainer.models.llama3 import Llama3StateDictAdapter, parallelize_llama
+from hp_trainer.models.llama4 import Llama4, Llama4Args, Llama4StateDictAdapter, parallelize_llama4
 from hp_trainer.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
 from hp_trainer.models.qwen3_5 import (
     Qwen35,
@@ -138,6 +152,7 @@ __all__ = [
     "CheckpointPolicy",
     "CompileConfig",
     "ConfigManager",
+    "DSAConfig",
     "DataConfig",
     "Decoder",
     "DecoderArgs",
@@ -145,11 +160,17 @@ __all__ = [
     "DeepSeekV3",
     "DeepSeekV3Args",
     "DeepSeekV3StateDictAdapter",
+    "DeepSeekV32",
+    "DeepSeekV32Args",
+    "DeepSeekV32StateDictAdapter",
     "DeviceProfile",
     "ExpertLoadTracker",
     "FTManager",
     "FaultToleranceConfig",
     "Float8Converter",
+    "GptOss",
+    "GptOssArgs",
+    "GptOssStateDictAdapter",
     "HostBufferPool",
     "HuggingFaceTokenizer",
     "HyperTrainerConfig",
@@ -162,6 +183,9 @@ __all__ = [
     "LayoutCandidate",
     "LayoutEstimate",
     "Llama3StateDictAdapter",
+    "Llama4",
+    "Llama4Args",
+    "Llama4StateDictAdapter",
     "LoRAConfig",
     "LoRAConverter",
     "MXConverter",
@@ -233,7 +257,10 @@ __all__ = [
     "lr_factor",
     "offload_optimizers",
     "parallelize_deepseek_v3",
+    "parallelize_deepseek_v32",
+    "parallelize_gpt_oss",
     "parallelize_llama",
+    "parallelize_llama4",
     "parallelize_qwen3",
     "parallelize_qwen3_5",
     "parallelize_qwen3_moe",

@@ -1,5 +1,8 @@
 """Model families, one folder each: ``llama3``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``,
-``qwen3_5`` (the Gated DeltaNet hybrid, dense and MoE; ``qwen3_5_moe`` names its MoE flavor).
+``deepseek_v32`` (DeepSeek-V3.2: a lightning indexer and sparse latent attention over its top-k),
+``qwen3_5`` (the Gated DeltaNet hybrid, dense and MoE; ``qwen3_5_moe`` names its MoE flavor),
+``gpt_oss`` (attention sinks, alternating sliding-window and full layers, biased experts),
+``llama4`` (iRoPE, chunked attention, interleaved MoE with a shared expert).
 
 Each folder holds the family's model (or uses :mod:`hp_trainer.models.common`'s decoder),
 ``flavors`` (its sizes), ``parallelize`` (its TP/EP plan and recipe), ``state_dict_adapter``

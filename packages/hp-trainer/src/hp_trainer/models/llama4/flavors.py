@@ -50,7 +50,7 @@ llama4_flavors: dict[str, Llama4Args] = {
     "17bx16e": _SCOUT,  # TorchTitan's names
     "17bx128e": _MAVERICK,
 }  # fmt: skip
-"""Llama 4 sizes: ``tiny`` (tests: dense/MoE/dense, the last a NoPE block, chunks of 8),
+"""Llama 4 sizes, ``tiny`` (tests, dense/MoE/dense, the last a NoPE block, chunks of 8),
 ``debugmodel`` (CPU runs: 4 blocks, MoE every 2nd, NoPE every 4th, chunks of 32) and the
 published ``Scout-17B-16E`` (16 experts in every block, QK-norm, RoPE scaled by 16 from an
 8192-token context, 10M positions) and ``Maverick-17B-128E`` (128 experts in every 2nd block,

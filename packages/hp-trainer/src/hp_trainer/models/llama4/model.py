@@ -71,7 +71,7 @@ class Llama4Args(MoEDecoderArgs):
     ``n_dense_layers`` is unused (the MoE blocks are interleaved).
 
     See Also:
-        TorchTitan's Llama 4 (``torchtitan.models.llama4``);
+        the families of :titan:`torchtitan.models` (Llama 4 among them);
         ``transformers.Llama4TextConfig``.
     """
 
@@ -80,13 +80,14 @@ class Llama4Args(MoEDecoderArgs):
     interleave_moe_layer_step: int = 1
     """Every ``step``-th block (the last of each group of ``step``) is an MoE block."""
     moe_layers: tuple[int, ...] | None = None
-    """Explicit MoE block indices (HF ``moe_layers``); None: from the interleave step."""
+    """Explicit MoE block indices (HF ``moe_layers``), or None to follow the interleave step."""
     no_rope_layer_interval: int = 4
     """Every ``interval``-th block (the last of each group) is a NoPE block."""
     no_rope_layers: tuple[int, ...] | None = None
-    """HF's per-block flags (1: RoPE, 0: NoPE); None: from the interval."""
+    """HF's per-block flags, 1 for a RoPE block and 0 for a NoPE block, or None to follow the
+    interval."""
     attention_chunk_size: int | None = 8192
-    """RoPE blocks attend inside chunks of this many positions (None: full causal)."""
+    """RoPE blocks attend inside chunks of this many positions (None for full causal)."""
     attn_temperature_tuning: bool = True
     """Scale NoPE blocks' queries up with the position (see the module docstring)."""
     floor_scale: float = 8192.0
@@ -94,9 +95,9 @@ class Llama4Args(MoEDecoderArgs):
     attn_scale: float = 0.1
     """Strength of the temperature tuning."""
     rope_table_len: int = 131072
-    """Most positions the RoPE table covers (``min(max_seq_len, rope_table_len)``): Scout's
-    ``max_position_embeddings`` of 10M would take 5 GB of table; longer sequences are
-    refused with a message naming this field."""
+    """Most positions the RoPE table covers, which is ``min(max_seq_len, rope_table_len)``
+    long (Scout's ``max_position_embeddings`` of 10M would take 5 GB of table); longer
+    sequences are refused with a message naming this field."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,7 +184,7 @@ class Llama4Attention(nn.Module):
 
     See Also:
         ``transformers.models.llama4.modeling_llama4.Llama4TextAttention``;
-        TorchTitan's ``torchtitan.models.llama4``.
+        :titan:`torchtitan.models` (TorchTitan's families, Llama 4 among them).
     """
 
     def __init__(self, args: Llama4Args, layer_id: int) -> None:
@@ -197,7 +198,7 @@ class Llama4Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        #: True: rotate (and chunk); False: a NoPE block
+        #: whether this block rotates (and chunks), else it is a NoPE block
         self.use_rope = args.uses_rope(layer_id)
         self.qk_norm_eps: float | None = args.norm_eps if args.qk_norm and self.use_rope else None
         chunk = args.attention_chunk_size if self.use_rope else None
@@ -309,7 +310,8 @@ class Llama4(MoEDecoder):
             entry).
 
     See Also:
-        TorchTitan's ``torchtitan.models.llama4``; ``transformers.Llama4ForCausalLM``.
+        :titan:`torchtitan.models` (TorchTitan's Llama 4 among them);
+        ``transformers.Llama4ForCausalLM``.
     """
 
     args: Llama4Args
@@ -355,6 +357,32 @@ class Llama4(MoEDecoder):
         if not self.enable_weight_tying:
             std_out = self.args.dim**-0.5
             nn.init.trunc_normal_(self.lm_head.weight, std=std_out, a=-3 * std_out, b=3 * std_out)
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: the active parameters' and each block's attention.
+
+        As :meth:`~hp_trainer.models.common.moe_decoder.MoEDecoder.num_flops_per_token`, with
+        a chunked block's attention over ``min(seq_len, attention_chunk_size)`` keys.
+
+        Args:
+            seq_len: Training sequence length.
+
+        Returns:
+            FLOPs per token (forward + backward).
+
+        See Also:
+            :titan:`torchtitan.models.utils.get_moe_model_nparams_and_flops`.
+        """
+        args = self.args
+        assert args.head_dim is not None
+        per_key = 12 * args.n_heads * args.head_dim
+        chunk = args.attention_chunk_size
+        keys = sum(
+            min(seq_len, chunk) if chunk is not None and args.uses_rope(i) else seq_len
+            for i in range(args.n_layers)
+        )
+        full_attention = per_key * args.n_layers * seq_len
+        return super().num_flops_per_token(seq_len) - full_attention + per_key * keys
 
     def forward(
         self, tokens: torch.Tensor, *, document_ids: torch.Tensor | None = None

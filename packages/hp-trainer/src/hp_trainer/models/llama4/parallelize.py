@@ -29,11 +29,11 @@ LLAMA4_SHARDING = ShardingConfig(
     ep=MOE_EXPERT_RULES,
     description="Llama 4 (chunked/NoPE grouped-query attention, interleaved MoE)",
 )
-"""Llama 4's table: TP with sequence parallel for the trunk, the grouped-query attention (its
+"""Llama 4's table, TP with sequence parallel for the trunk, the grouped-query attention (its
 QK-norm has no weights: nothing to shard), the dense blocks' SwiGLU and the MoE blocks
 (router and shared expert replicated, every token routed on each TP rank); the routed experts
-over the expert mesh. No ``cp`` section: chunked attention and the NoPE blocks' position-
-dependent temperature have no context-parallel path yet, so CP is refused up front."""
+over the expert mesh. No ``cp`` section (chunked attention and the NoPE blocks' position-
+dependent temperature have no context-parallel path yet), so CP is refused up front."""
 
 
 def parallelize_llama4(
@@ -50,7 +50,7 @@ def parallelize_llama4(
         The parallelized model (modified in place).
 
     See Also:
-        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp` (from TorchTitan's
-        Llama 4 recipe, ``torchtitan.models.llama4.infra.parallelize``).
+        :titan:`torchtitan.models.deepseek_v3.infra.parallelize.apply_moe_ep_tp`, the expert
+        sharding of TorchTitan's Llama 4 recipe.
     """
     return parallelize_moe_decoder(model, parallel_dims, job_config, sharding=LLAMA4_SHARDING)
