@@ -65,10 +65,18 @@ def test_flavors_layout_and_sparsity() -> None:
     assert big.rope_scaling is not None
     with torch.device("meta"):
         meta = SPEC.build("671B", n_layers=4)
+        v3 = get_model_spec("deepseek_v3").build("671B", n_layers=4, q_lora_rank=1536)
     indexer = meta.get_submodule("layers.0.attention.indexer")
     # wq_b 1536 -> 64 x 128, wk 7168 -> 128, k_norm (w, b), weights_proj 7168 -> 64
     assert sum(p.numel() for p in indexer.parameters()) == (
         1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    )
+    # FLOPs: attention over min(index_topk, seq) keys, plus the indexer scoring every key
+    dense = v3.num_flops_per_token(8192)  # type: ignore[operator]
+    own = sum(p.numel() for p in meta.get_submodule("layers.0.attention.indexer").parameters())
+    attention = 12 * 4 * 128 * 192
+    assert meta.num_flops_per_token(8192) == (  # type: ignore[operator]
+        dense + 6 * 4 * own - attention * (8192 - 2048) + 6 * 4 * 64 * 128 * 8192
     )
     model = _tiny()
     assert all(isinstance(b.attention, DSAttention) for b in model.layers.values())

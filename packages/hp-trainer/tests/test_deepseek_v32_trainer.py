@@ -25,7 +25,7 @@ def _helpers() -> ModuleType:
 def _train(folder: str, local_bs: int, par: dict[str, Any], run: str, stage: str) -> Any:
     torch.set_num_threads(1)
     job = _helpers().job(Path(folder), par, run=run, local_bs=local_bs, model="deepseek_v32")
-    job.dsa = DSAConfig(indexer_stage=stage)
+    job.dsa = DSAConfig(indexer_stage=stage)  # type: ignore[arg-type]
     trainer = Trainer(job)
     # this rank's share of every layer's indexer loss, one row per forward (micro-batch)
     shares: list[list[float]] = []

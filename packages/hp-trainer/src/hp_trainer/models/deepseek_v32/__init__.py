@@ -3,7 +3,7 @@
 ``model`` holds the lightning indexer, the sparse latent attention and the indexer's KL loss,
 ``flavors`` its sizes, ``parallelize`` its recipe, sharding table and the indexer's training
 stages, ``state_dict_adapter`` and ``hf_config`` its HuggingFace mapping, ``checks`` the
-parse-time checks. The scoring, top-k and sparse attention are :mod:`hp_cp_ep.dsa`'s.
+parse-time checks. The scoring, top-k and sparse attention are ``hp_cp_ep.dsa``'s.
 
 Registers the ``deepseek_v32`` model spec on import.
 """

@@ -6,7 +6,7 @@ LayerNorm, the first ``qk_rope_head_dim`` dimensions of both rotated in halves a
 score every earlier token as ``sum_h w_h relu(q_h . k / sqrt(index_head_dim))``, with per-query
 head weights ``w = weights_proj(x) / sqrt(index_n_heads)``. Each query then attends to its
 ``index_topk`` best-scoring visible tokens only. The scoring, the top-k and the sparse attention
-are hp-cp-ep's (:func:`hp_cp_ep.dsa.indexer_topk`, :func:`hp_cp_ep.dsa.sparse_attention`).
+are hp-cp-ep's (``hp_cp_ep.dsa.indexer_topk``, ``hp_cp_ep.dsa.sparse_attention``).
 
 The indexer is trained by its own loss (the report's two stages, see :class:`DSAttention`):
 a KL divergence between the main attention's distribution (summed over heads, normalized) and
@@ -136,7 +136,7 @@ class LightningIndexer(nn.Module):
         Returns:
             ``(q, k, weights)``: ``(batch, seq, index_n_heads, index_head_dim)``,
             ``(batch, seq, index_head_dim)`` and ``(batch, seq, index_n_heads)`` (already
-            scaled by ``index_n_heads ** -0.5``), as :func:`hp_cp_ep.dsa.indexer_topk` takes
+            scaled by ``index_n_heads ** -0.5``), as ``hp_cp_ep.dsa.indexer_topk`` takes
             them.
         """
         B, S, _ = x.shape
@@ -227,7 +227,7 @@ class DSAttention(MLAttention):
 
     See Also:
         ``transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention``;
-        :func:`hp_cp_ep.dsa.sparse_attention`.
+        ``hp_cp_ep.dsa.sparse_attention``.
     """
 
     def __init__(self, args: MoEDecoderArgs) -> None:
@@ -263,7 +263,7 @@ class DSAttention(MLAttention):
             ``(batch, seq, dim)`` output.
 
         See Also:
-            :func:`hp_cp_ep.dsa.indexer_topk`, :func:`hp_cp_ep.dsa.sparse_attention`.
+            ``hp_cp_ep.dsa.indexer_topk``, ``hp_cp_ep.dsa.sparse_attention``.
         """
         B, S, _ = x.shape
         q, k, v, q_latent = self.project(x, rope)
@@ -363,6 +363,27 @@ class DeepSeekV32(MoEDecoder):
 
     def __init__(self, args: DeepSeekV32Args) -> None:
         super().__init__(args, DSAttention, rope_dim=args.qk_rope_head_dim)
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token with attention over the selected tokens only.
+
+        The dense attention term of ``MoEDecoder.num_flops_per_token`` is replaced by the
+        same term over ``min(index_topk, seq_len)`` keys, plus the indexer scoring every key
+        (``2 * index_n_heads * index_head_dim`` per key forward, twice that for the KL
+        loss's backward).
+
+        Args:
+            seq_len: Training sequence length.
+
+        Returns:
+            FLOPs per token (forward + backward).
+        """
+        args = self.args
+        assert isinstance(args, DeepSeekV32Args)
+        per_key = 12 * args.n_layers * args.n_heads * self.attention_head_dim()
+        keys = min(args.index_topk, seq_len)
+        indexer = 6 * args.n_layers * args.index_n_heads * args.index_head_dim * seq_len
+        return super().num_flops_per_token(seq_len) - per_key * (seq_len - keys) + indexer
 
     def dsa_attentions(self) -> list[DSAttention]:
         """The sparse-attention module of every block this model (or pipeline stage) holds."""
