@@ -1,7 +1,7 @@
 """DeepSeek sparse attention under context parallelism (CP): ring top-k, then a sparse gather.
 
 Queries are sharded by sequence (head-tail load balancing by default, as
-:func:`hp_cp_ep.cp.shard_sequence` shards them). Two steps per layer:
+:func:`hp_cp_ep.shard_sequence` shards them). Two steps per layer:
 
 1. **Ring top-k** (:func:`context_parallel_indexer_topk`). The indexer keys (``Di`` values per
    position, and the document ids when documents are packed) travel around the CP ring. At each
@@ -163,7 +163,7 @@ def context_parallel_indexer_topk(
         softmax_scale: Scale of the dot products.
         mesh: The 1-D context-parallel mesh.
         load_balance: The shards are head-tail (chunks ``r`` and ``2 cp - 1 - r``) as
-            :func:`hp_cp_ep.cp.shard_sequence` cuts them; else contiguous.
+            :func:`hp_cp_ep.shard_sequence` cuts them; else contiguous.
         document_ids: This rank's shard of the document ids, ``[B, s]`` or ``[s]``.
         rotate_method: ``"ring"`` (or PyTorch's alias ``"alltoall"``): the keys travel around
             the ring, each hop overlapped with the scoring of the block in hand;
@@ -247,12 +247,14 @@ def _all_gather_blocks(
 class GatherPlan(NamedTuple):
     """Which compressed rows a rank fetches from which owner (one DSA layer, one batch).
 
-    Attributes:
-        send_counts: Rows asked of each rank (host ints, the one host synchronisation).
-        recv_counts: Rows each rank asks of this one (host ints).
-        request: The requested row ids, grouped by owner (``[sum(send_counts)]``).
-        slots: ``[B, s, K]`` the received row each selected key reads (``0`` where invalid).
-        valid: ``[B, s, K]`` bool, ``False`` at ``-1`` slots.
+    Fields: ``send_counts`` (rows asked of each rank, host ints: the one host
+    synchronisation), ``recv_counts`` (rows each rank asks of this one, host ints),
+    ``request`` (the requested row ids grouped by owner, ``[sum(send_counts)]``), ``slots``
+    (``[B, s, K]``: the received row each selected key reads, ``0`` where invalid) and
+    ``valid`` (``[B, s, K]`` bool, ``False`` at ``-1`` slots).
+
+    See Also:
+        :pt:`torch.distributed.all_to_all_single`
     """
 
     send_counts: list[int]

@@ -182,7 +182,7 @@ class DSAIndexerContextParallel(ParallelStyle):
 
     Args:
         load_balance: Keyword-only. The shards are head-tail (zigzag), as
-            :func:`hp_cp_ep.cp.shard_sequence` cuts them by default.
+            :func:`hp_cp_ep.shard_sequence` cuts them by default.
         rotate_method: Keyword-only. ``"allgather"`` (HyperParallel's: gather the indexer keys,
             then score) or ``"ring"`` / ``"alltoall"`` (ring, each hop overlapped with scoring).
 
