@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hp_cp_ep import MoE
+from hp_dtensor.testing import count_host_syncs
 from hp_trainer import ConfigManager, parse_args
 from hp_trainer.cli import nproc_for
 from hp_trainer.components.checkpoint import CheckpointManager
@@ -263,3 +264,16 @@ def test_debug_config_layout_is_valid() -> None:
     assert (cfg.model.name, cfg.model.flavor) == ("llama4", "debugmodel")
     assert nproc_for(cfg) == 4
     validate_parallel_layout(cfg, 4)  # FSDP 2 x TP 2, experts over [ep 2, tp 2]
+
+
+def test_forward_and_backward_make_no_host_sync() -> None:
+    """Chunk masks, temperature and routing stay on the device (CPU tensors stand for it)."""
+    model = _tiny()
+    tokens = _tokens()
+    docs = torch.tensor([[0] * 5 + [1] * 15, [0] * 12 + [1] * 8])
+    for document_ids in (None, docs):
+        with count_host_syncs() as syncs:
+            logits = model(tokens, document_ids=document_ids)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+            loss.backward()
+        assert syncs.total == 0, syncs.summary()
