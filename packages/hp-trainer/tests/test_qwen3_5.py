@@ -18,6 +18,7 @@ from hp_trainer.distributed.layout_validation import validate_parallel_layout
 from hp_trainer.models.common.decoder import precompute_rope
 from hp_trainer.models.qwen3_5 import (
     Qwen35,
+    causal_depthwise_conv,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
 )
@@ -53,6 +54,42 @@ def test_chunked_delta_rule_equals_recurrent_forward_and_backward(seq: int, chun
     grads_c = torch.autograd.grad((out_c * weights).sum() + state_c.sum(), leaves)
     for name, a, b in zip(["q", "k", "v", "g", "beta"], grads_c, grads_r, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+
+_DOCS = torch.tensor([[0] * 3 + [1] * 8 + [2] * 8, [0] * 16 + [1] * 3])  # edges in and at chunks
+
+
+def test_document_masking_restarts_conv_and_state_at_every_document() -> None:
+    leaves = [t.requires_grad_() for t in _inputs(19, seed=1)]
+    out_r, state_r = gated_delta_rule_recurrent(*leaves, document_ids=_DOCS)
+    out_c, state_c = gated_delta_rule_chunked(*leaves, chunk_size=8, document_ids=_DOCS)
+    torch.testing.assert_close(out_c, out_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state_c, state_r, rtol=1e-5, atol=1e-5)
+    grads_r = torch.autograd.grad(out_r.sum() + state_r.sum(), leaves)
+    grads_c = torch.autograd.grad(out_c.sum() + state_c.sum(), leaves)
+    for a, b in zip(grads_c, grads_r, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # the oracle: every document run alone from an empty state
+    q, k, v, g, beta = (t.detach() for t in leaves)
+    x = torch.randn(2, 19, 6, generator=torch.Generator().manual_seed(2))
+    weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    conv = causal_depthwise_conv(x, weight, document_ids=_DOCS)
+    torch.testing.assert_close(  # one document: the conv1d path
+        causal_depthwise_conv(x, weight, document_ids=torch.zeros(2, 19, dtype=torch.long)),
+        causal_depthwise_conv(x, weight),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    for row in range(2):
+        for doc in _DOCS[row].unique().tolist():
+            span = (_DOCS[row] == doc).nonzero().flatten()
+            sl = slice(int(span[0]), int(span[-1]) + 1)
+            alone, _ = gated_delta_rule_recurrent(
+                *(t[row : row + 1, sl] for t in (q, k, v, g, beta))
+            )
+            torch.testing.assert_close(out_c[row : row + 1, sl], alone, rtol=1e-5, atol=1e-5)
+            conv_alone = causal_depthwise_conv(x[row : row + 1, sl], weight)
+            torch.testing.assert_close(conv[row : row + 1, sl], conv_alone, rtol=1e-6, atol=1e-6)
 
 
 def test_delta_rule_equals_transformers_torch_paths() -> None:
@@ -117,8 +154,14 @@ def test_tiny_forward_backward_reaches_every_parameter(name: str) -> None:
     recurrent.load_state_dict(model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(recurrent(tokens), logits, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="does not take document_ids"):
-        model(tokens, document_ids=torch.zeros_like(tokens))
+    # packed documents: both forms restart at every document, and the mask changes the logits
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+    with torch.no_grad():
+        packed = model(tokens, document_ids=docs)
+        torch.testing.assert_close(
+            recurrent(tokens, document_ids=docs), packed, rtol=1e-5, atol=1e-5
+        )
+        assert not torch.allclose(packed[:, 5:], logits[:, 5:].detach(), atol=1e-3)
 
 
 def _export(name: str, model: torch.nn.Module, folder: Path) -> Any:

@@ -20,9 +20,11 @@ def _helpers() -> ModuleType:
     )
 
 
-def _train(folder: str, model: str, local_bs: int, par: dict[str, Any]) -> Any:
+def _train(folder: str, model: str, local_bs: int, par: dict[str, Any], mask: str) -> Any:
     h = _helpers()
-    cfg = h.job(Path(folder), par, run=f"r{dist.get_rank()}", local_bs=local_bs, model=model)
+    run = f"r{dist.get_rank()}" if dist.is_initialized() else "ref"
+    cfg = h.job(Path(folder), par, run=run, local_bs=local_bs, model=model)
+    cfg.model.attn_mask_type = mask  # block_causal: packed documents (both kinds of block)
     trainer = Trainer(cfg)
     try:
         losses = trainer.train()
@@ -39,30 +41,35 @@ def _train(folder: str, model: str, local_bs: int, par: dict[str, Any]) -> Any:
 
 
 _CASES = {
-    # name: (world size, model, parallelism, data-parallel degree)
-    "tp2xdp2": (
+    # name: (world size, model, parallelism, data-parallel degree, attention mask)
+    "tp2xdp2-documents": (
         4,
         "qwen3_5",
         {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2},
         2,
+        "block_causal",
     ),
-    "fsdp3": (3, "qwen3_5", {"data_parallel_shard_degree": 3}, 3),
-    "pp2": (2, "qwen3_5", {"pipeline_parallel_degree": 2}, 1),
+    "fsdp3": (3, "qwen3_5", {"data_parallel_shard_degree": 3}, 3, "causal"),
+    "pp2": (2, "qwen3_5", {"pipeline_parallel_degree": 2}, 1, "causal"),
     # experts over [ep 2, tp 2] (ep borrowed from dp_shard 2), attention of both kinds TP 2
     "moe-ep2xtp2": (
         4,
         "qwen3_5_moe",
         {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "expert_parallel_degree": 2},
         2,
+        "causal",
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(_CASES))
 def test_layouts_match_single_process(tmp_path: Path, case: str) -> None:
-    ws, model, par, dp = _CASES[case]
-    results = run_distributed(_train, ws, str(tmp_path), model, 2, par, timeout=240)
-    ref = _helpers().reference(tmp_path, 2 * dp, model=model)
+    ws, model, par, dp, mask = _CASES[case]
+    results = run_distributed(_train, ws, str(tmp_path), model, 2, par, mask, timeout=240)
+    if mask == "causal":  # the session's shared one-process run
+        ref = _helpers().reference(tmp_path, 2 * dp, model=model)
+    else:
+        ref = _train(str(tmp_path), model, 2 * dp, {}, mask)[:3]
     pp = par.get("pipeline_parallel_degree", 1) > 1
     _helpers().assert_matches_reference(
         [r[:3] for r in results], ref, each_rank_whole=not pp, norm_rtol=1e-5, norm_atol=1e-5

@@ -36,15 +36,20 @@ __all__ = [
 ]
 
 
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_depthwise_conv(
+    x: torch.Tensor, weight: torch.Tensor, *, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """SiLU of a causal depthwise convolution along the sequence (Gated DeltaNet's short conv).
 
     Output ``t`` of channel ``c`` is ``silu(sum_j weight[c, j] * x[t - K + 1 + j, c])`` with
-    positions before the sequence taken as zero.
+    positions before the sequence (and, with ``document_ids``, positions of an earlier document)
+    taken as zero.
 
     Args:
         x: ``(batch, seq, channels)`` input.
         weight: ``(channels, K)`` per-channel kernel (``K`` taps, the last one at ``t``).
+        document_ids: Keyword-only; ``(batch, seq)`` document of each position of packed
+            samples (None: one sequence).
 
     Returns:
         ``(batch, seq, channels)`` output in ``x``'s dtype.
@@ -54,6 +59,14 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """
     seq = x.shape[1]
     taps = weight.shape[-1]
+    if document_ids is not None:  # tap by tap, each masked to the position's own document
+        xw = x.to(weight.dtype)
+        out = xw * weight[:, taps - 1]
+        for back in range(1, min(taps, seq)):
+            same = (document_ids[:, back:] == document_ids[:, :-back]).unsqueeze(-1)
+            shifted = F.pad(xw[:, :-back] * same, (0, 0, back, 0))
+            out = out + shifted * weight[:, taps - 1 - back]
+        return F.silu(out).to(x.dtype)
     out = F.conv1d(
         x.transpose(1, 2).to(weight.dtype),
         weight.unsqueeze(1),
@@ -101,6 +114,7 @@ def gated_delta_rule_recurrent(
     beta: torch.Tensor,
     *,
     initial_state: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, one token at a time (the reference of the chunked form).
 
@@ -113,6 +127,9 @@ def gated_delta_rule_recurrent(
         beta: ``(batch, seq, value_heads)`` write strengths in ``[0, 1]``.
         initial_state: Keyword-only; ``(batch, value_heads, key_dim, value_dim)`` state before
             the first token (None: zeros).
+        document_ids: Keyword-only; ``(batch, seq)`` document of each position of packed
+            samples: the state restarts from zero at the first token of every document after
+            the first (None: one sequence).
 
     Returns:
         The outputs ``(batch, seq, value_heads, value_dim)`` in ``v``'s dtype and the final
@@ -134,6 +151,9 @@ def gated_delta_rule_recurrent(
     )
     outs = []
     for t in range(seq):
+        if document_ids is not None and t > 0:  # a new document starts from an empty state
+            keep = document_ids[:, t] == document_ids[:, t - 1]
+            state = state * keep.to(state.dtype)[:, None, None, None]
         state = state * g[:, :, t].exp()[..., None, None]
         predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, :, t])
         write = beta[:, :, t, None] * (vf[:, :, t] - predicted)
@@ -152,6 +172,7 @@ def gated_delta_rule_chunked(
     *,
     chunk_size: int = 64,
     initial_state: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule in its chunked parallel form (training): equal to the recurrent one.
 
@@ -167,6 +188,11 @@ def gated_delta_rule_chunked(
         beta: ``(batch, seq, value_heads)`` write strengths.
         chunk_size: Keyword-only; tokens per chunk (positive).
         initial_state: Keyword-only; state before the first token (None: zeros).
+        document_ids: Keyword-only; ``(batch, seq)`` document of each position of packed
+            samples: the state restarts at every document (None: one sequence). Inside a chunk
+            only pairs of one document interact; a chunk reads the state it is handed only for
+            the tokens that continue the previous chunk's last document, and hands on only
+            what its last document wrote.
 
     Returns:
         The outputs ``(batch, seq, value_heads, value_dim)`` in ``v``'s dtype and the final
@@ -193,21 +219,35 @@ def gated_delta_rule_chunked(
     chunks = (seq + pad) // size
     q, k, vf = (t.reshape(batch, heads, chunks, size, -1) for t in (q, k, vf))
     g, beta = (t.reshape(batch, heads, chunks, size) for t in (g, beta))
+    same: torch.Tensor | None = None  # (B, 1, n, C, C): query t and key i in one document
+    continues: torch.Tensor | None = None  # (B, 1, n, C): token continues the handed state
+    if document_ids is not None:
+        docs = F.pad(document_ids, (0, pad), mode="replicate") if pad else document_ids
+        docs = docs.reshape(batch, 1, chunks, size)
+        same = docs[..., :, None] == docs[..., None, :]
+        before = torch.cat([docs[..., :1, :1], docs[..., :-1, -1:]], dim=-2)  # last doc handed
+        continues = docs == before
 
     log_decay = g.cumsum(dim=-1)  # log G_t inside each chunk
     lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     # G_t / G_i for i <= t, 0 above the diagonal (masked before exp: no overflow)
     ratio = torch.where(lower, log_decay[..., :, None] - log_decay[..., None, :], -torch.inf).exp()
+    decay_from_start = log_decay.exp()
+    k_to_end = k * (log_decay[..., -1:] - log_decay).exp()[..., None]
+    chunk_decay = log_decay[..., -1].exp()[..., None, None]
+    if same is not None and continues is not None:
+        ratio = ratio * same
+        decay_from_start = decay_from_start * continues
+        k_to_end = k_to_end * same[..., -1, :, None]  # written by the last token's document
+        chunk_decay = chunk_decay * continues[..., -1, None, None]
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2) * ratio).tril(-1)
     system = system + torch.eye(size, dtype=system.dtype, device=system.device)
-    rhs = torch.cat([vf * beta[..., None], k_beta * log_decay.exp()[..., None]], dim=-1)
+    rhs = torch.cat([vf * beta[..., None], k_beta * decay_from_start[..., None]], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     writes, state_keys = solved[..., :value_dim], solved[..., value_dim:]
     scores = q @ k.transpose(-1, -2) * ratio
-    q_decayed = q * log_decay.exp()[..., None]
-    k_to_end = k * (log_decay[..., -1:] - log_decay).exp()[..., None]
-    chunk_decay = log_decay[..., -1].exp()[..., None, None]
+    q_decayed = q * decay_from_start[..., None]
 
     state = (
         vf.new_zeros(batch, heads, key_dim, value_dim)

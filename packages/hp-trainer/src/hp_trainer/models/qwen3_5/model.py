@@ -381,27 +381,36 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.value_dim, eps=args.norm_eps)
         self.wo = nn.Linear(values, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Mix the sequence causally.
 
         Args:
             x: ``(batch, seq, dim)`` input (the whole sequence: the state runs from its start).
+            document_ids: ``(batch, seq)`` document of each position of packed samples: the
+                conv and the state restart at every document (None: one sequence).
 
         Returns:
             ``(batch, seq, dim)`` output.
         """
         B, S, _ = x.shape
-        q = causal_depthwise_conv(self.wq(x), _local(self.conv_q)).view(B, S, -1, self.key_dim)
-        k = causal_depthwise_conv(self.wk(x), _local(self.conv_k)).view(B, S, -1, self.key_dim)
-        v = causal_depthwise_conv(self.wv(x), _local(self.conv_v)).view(B, S, -1, self.value_dim)
+        docs = document_ids
+
+        def conv(t: torch.Tensor, weight: torch.Tensor, size: int) -> torch.Tensor:
+            return causal_depthwise_conv(t, _local(weight), document_ids=docs).view(B, S, -1, size)
+
+        q = conv(self.wq(x), self.conv_q, self.key_dim)
+        k = conv(self.wk(x), self.conv_k, self.key_dim)
+        v = conv(self.wv(x), self.conv_v, self.value_dim)
         beta = torch.sigmoid(self.wb(x))
         g = -_local(self.A_log).float().exp() * F.softplus(
             self.wa(x).float() + _local(self.dt_bias)
         )
         if self.recurrent:
-            out, _ = gated_delta_rule_recurrent(q, k, v, g, beta)
+            out, _ = gated_delta_rule_recurrent(q, k, v, g, beta, document_ids=docs)
         else:
-            out, _ = gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=self.chunk_size)
+            out, _ = gated_delta_rule_chunked(
+                q, k, v, g, beta, chunk_size=self.chunk_size, document_ids=docs
+            )
         z = self.wz(x).view(B, S, -1, self.value_dim)
         out = (self.norm(out) * F.silu(z.float())).type_as(x)
         result: torch.Tensor = self.wo(out.reshape(B, S, -1))
@@ -503,7 +512,8 @@ class Qwen35Block(nn.Module):
         """``h = x + mix(norm(x)); h + ffn(norm(h))``."""
         normed = self.attention_norm(x)
         if self.linear_attention is not None:
-            mixed = self.linear_attention(normed)
+            docs = masks.document_ids if masks is not None else None
+            mixed = self.linear_attention(normed, document_ids=docs)
         else:
             assert self.attention is not None
             mixed = self.attention(normed, rope, masks=masks)
@@ -566,25 +576,18 @@ class Qwen35(Decoder):
 
         Args:
             tokens: ``(batch, seq)`` token ids (or hidden states in a later pipeline stage).
-            document_ids: Keyword-only; must be None: the linear-attention state would have to
-                restart at every document boundary, which these blocks do not do.
+            document_ids: Keyword-only; ``(batch, seq)`` document of each position of packed
+                samples: full attention stays inside each document (block-causal) and the
+                Gated DeltaNet blocks restart their conv and state at every document (RoPE
+                positions do not restart). None: one sequence per row.
 
         Returns:
             ``(batch, seq, vocab)`` logits.
 
-        Raises:
-            ValueError: ``document_ids`` given.
-
         See Also:
             :meth:`hp_trainer.Decoder.forward`.
         """
-        if document_ids is not None:
-            raise ValueError(
-                "Qwen3.5 does not take document_ids (block-causal document masking): its Gated "
-                "DeltaNet blocks carry one state through the whole sequence; train without "
-                "document masking"
-            )
-        return super().forward(tokens)
+        return super().forward(tokens, document_ids=document_ids)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
