@@ -205,3 +205,18 @@ def test_backends_agree_and_every_parameter_gets_a_gradient() -> None:
 def test_bad_arguments_are_refused(changes: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _args(**changes)
+
+
+def test_debug_config_is_a_valid_two_rank_job() -> None:
+    from hp_trainer import parse_args
+    from hp_trainer.cli import nproc_for
+    from hp_trainer.distributed.layout_validation import validate_parallel_layout
+
+    config = parse_args(["--config", "debug_gpt_oss"])
+    assert (config.model.name, config.model.flavor, config.training.steps) == (
+        "gpt_oss",
+        "debugmodel",
+        20,
+    )
+    assert nproc_for(config) == 2
+    validate_parallel_layout(config, 2)  # ep 2 divides the 8 experts, seq 128 fits
