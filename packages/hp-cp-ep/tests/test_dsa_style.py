@@ -9,6 +9,7 @@ and the loss), none in backward; the async indexer style rings the keys, the syn
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 
@@ -33,7 +34,7 @@ from hp_cp_ep.dsa import (
     sparse_indexer_loss,
     sparse_latent_attention,
 )
-from hp_dtensor.testing import count_host_syncs, distributed
+from hp_dtensor.testing import check_device_groups, count_host_syncs, distributed
 
 DIM, H, D, DV, C, HI, DI, TOPK, S, B = 16, 2, 6, 5, 8, 2, 4, 5, 24, 2
 
@@ -108,17 +109,27 @@ def _check(latent: bool, asynchronous: bool) -> dict[str, int]:
         hops["n"] += 1
         start(self, tensors)
 
+    local_docs, local_g = shard_sequence(docs, mesh, 1), shard_sequence(g, mesh, 1)
     RingExchange.start = counted  # type: ignore[method-assign]
+    # NCCL's rule checked on gloo: only device tensors reach the CP group. Not with the ring:
+    # RingExchange builds its P2POps from dist.isend, which the checker wraps (P2POp refuses).
+    checker = check_device_groups(device=torch.device("cpu")) if not asynchronous else None
     try:
-        with count_host_syncs() as fwd:
-            cp_out, cp_loss = cp_model(local_x, shard_sequence(docs, mesh, 1))
+        with checker or contextlib.nullcontext() as checking:
+            with count_host_syncs() as fwd:
+                cp_out, cp_loss = cp_model(local_x, local_docs)
+            with count_host_syncs() as bwd:
+                # the one-device loss is a mean over B * S queries: each rank's share of it
+                local = (cp_out * local_g).sum() + cp_loss.sum() / (B * S)
+                local.backward()
     finally:
         RingExchange.start = start  # type: ignore[method-assign]
+    if checking is not None:
+        assert not checking.violations
+        # counts + row ids (the plan, shared) + rows for the attention, latent and indexer-key
+        # rows for the loss; backward: the attention's and the indexer keys' row gradients
+        assert checking.count("all_to_all_single") == 5 + 2
     n = mesh.size()
-    with count_host_syncs() as bwd:
-        # the one-device loss is a mean over B * S queries: each rank's share of it
-        local = (cp_out * shard_sequence(g, mesh, 1)).sum() + cp_loss.sum() / (B * S)
-        local.backward()
     torch.testing.assert_close(cp_out, shard_sequence(out.detach(), mesh, 1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
         cp_loss, shard_sequence(loss.detach(), mesh, 1), rtol=1e-5, atol=1e-5

@@ -249,7 +249,9 @@ class GatherPlan(NamedTuple):
 
     Fields: ``send_counts`` (rows asked of each rank, host ints: the one host
     synchronisation), ``recv_counts`` (rows each rank asks of this one, host ints),
-    ``request`` (the requested row ids grouped by owner, ``[sum(send_counts)]``), ``slots``
+    ``request`` (the requested row ids grouped by owner, ``[sum(send_counts)]``), ``asked``
+    (this rank's row ids the others request, grouped by requester, ``[sum(recv_counts)]``),
+    ``slots``
     (``[B, s, K]``: the received row each selected key reads, ``0`` where invalid) and
     ``valid`` (``[B, s, K]`` bool, ``False`` at ``-1`` slots).
 
@@ -260,6 +262,7 @@ class GatherPlan(NamedTuple):
     send_counts: list[int]
     recv_counts: list[int]
     request: torch.Tensor
+    asked: torch.Tensor
     slots: torch.Tensor
     valid: torch.Tensor
 
@@ -271,7 +274,8 @@ def plan_sparse_gather(
 
     Each owner is asked for every row any local query selected, once. The counts are exchanged
     with one ``all_to_all_single`` of ``cp`` integers and read on the host together (the sizes
-    the uneven all-to-alls need).
+    the uneven all-to-alls need), then the row ids with a second one: every gather with the
+    plan is then one all-to-all of rows.
 
     Args:
         indices: ``[B, s, K]`` global positions or ``-1`` (the local queries' selection).
@@ -309,20 +313,21 @@ def plan_sparse_gather(
     slot_of = torch.zeros(dump, dtype=torch.long, device=indices.device)
     slot_of[wanted] = torch.arange(total, device=indices.device)
     slots = torch.where(valid, slot_of[flat.clamp(max=dump - 1)], 0)
-    return GatherPlan(send_counts, recv_counts, wanted % per_owner, slots, valid)
+    request = wanted % per_owner
+    asked = torch.empty(sum(recv_counts), dtype=torch.long, device=indices.device)
+    dist.all_to_all_single(
+        asked,
+        request,
+        output_split_sizes=recv_counts,
+        input_split_sizes=send_counts,
+        group=group,
+    )
+    return GatherPlan(send_counts, recv_counts, request, asked, slots, valid)
 
 
 def _gather_rows(rows: torch.Tensor, plan: GatherPlan, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's requested rows of ``rows [B * s, C]`` from their owners (differentiable)."""
-    asked = torch.empty(sum(plan.recv_counts), dtype=torch.long, device=rows.device)
-    dist.all_to_all_single(
-        asked,
-        plan.request,
-        output_split_sizes=plan.recv_counts,
-        input_split_sizes=plan.send_counts,
-        group=group,
-    )
-    answer = rows.index_select(0, asked)
+    answer = rows.index_select(0, plan.asked)
     return _AllToAllTokens.apply(answer, plan.send_counts, plan.recv_counts, group, None)  # type: ignore[no-untyped-call,no-any-return]
 
 
