@@ -220,3 +220,18 @@ def test_debug_config_is_a_valid_two_rank_job() -> None:
     )
     assert nproc_for(config) == 2
     validate_parallel_layout(config, 2)  # ep 2 divides the 8 experts, seq 128 fits
+
+
+def test_a_window_over_the_sequence_is_full_attention_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    args = _args()
+    model = _model(args)
+    full = GptOss(_args(layer_types=("full_attention", "full_attention")))
+    full.load_state_dict(model.state_dict())
+    tokens = _tokens()[:, :8]  # window 8 >= 8 positions
+    with caplog.at_level("INFO", logger="hp_trainer.models.gpt_oss.model"), torch.no_grad():
+        torch.testing.assert_close(model(tokens), full(tokens), rtol=0, atol=0)
+        model(tokens)
+    said = [r for r in caplog.records if "sliding_window 8 >= sequence length 8" in r.message]
+    assert len(said) == 1

@@ -529,7 +529,8 @@ class GptOss(MoEDecoder):
 
     def _say_window(self, seq: int) -> None:
         window = self.args.sliding_window
-        if not self._window_said and window is not None and window >= seq:
+        sliding = "sliding_attention" in (self.args.layer_types or ())
+        if not self._window_said and sliding and window is not None and window >= seq:
             logger.info(
                 "gpt-oss: sliding_window %d >= sequence length %d: the sliding layers attend "
                 "to the whole causal past (full attention)",
