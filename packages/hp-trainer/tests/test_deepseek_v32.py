@@ -179,8 +179,19 @@ def test_bad_indexer_sizes_and_jobs_are_refused_naming_the_values() -> None:
 
     with pytest.raises(ValueError, match=r"training.seq_len = 4: .*index_topk = 8 is larger"):
         job(training={"seq_len": 4})
-    with pytest.raises(ValueError, match=r"context_parallel_degree = 2: expected 1 with model"):
-        job(training={"seq_len": 32}, parallelism={"context_parallel_degree": 2})
+    cp2 = {"context_parallel_degree": 2}
+    with pytest.raises(ValueError, match=r"rotate_method = 'ulysses': expected one of 'ring'"):
+        job(parallelism={**cp2, "context_parallel_rotate_method": "ulysses"})
+    with pytest.raises(ValueError, match=r"indexer_stage = 'dense_warmup': expected 'sparse' w"):
+        job(parallelism=cp2, dsa={"indexer_stage": "dense_warmup"})
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree = 2: expected 1 with model"):
+        job(parallelism={**cp2, "tensor_parallel_degree": 2})
+    with pytest.raises(ValueError, match=r"attn_mask_type = 'block_causal': expected 'causal'"):
+        job(
+            model={"name": "deepseek_v32", "flavor": "tiny", "attn_mask_type": "block_causal"},
+            parallelism=cp2,
+        )
+    assert job(parallelism=cp2).parallelism.context_parallel_degree == 2
     with pytest.raises(ValueError, match=r"dsa.indexer_stage = 'dense_warmup': .*'llama3'"):
         ConfigManager().from_dict({"dsa": {"indexer_stage": "dense_warmup"}})
     with pytest.raises(ValueError, match=r"dsa.indexer_loss_coeff = -1.0: expected a number >= 0"):

@@ -1,6 +1,6 @@
-"""``--model.name deepseek_v32`` in the trainer: EP x TP x FSDP, FSDP at 3 ranks and PP train like
-one process over 3 steps (losses, gradient norms, weights and the indexers' losses at 1e-5), in
-the sparse stage and in the dense warm-up (where only the indexers move)."""
+"""``--model.name deepseek_v32`` in the trainer: EP x TP x FSDP, CP x EP x FSDP, FSDP at 3 ranks
+and PP train like one process over 3 steps (losses, gradient norms, weights and the indexers'
+losses at 1e-5), in the sparse stage and in the dense warm-up (where only the indexers move)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,17 @@ _LAYOUTS = {
     "sparse-ep2xtp2xdp2": (
         4,
         {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+        2,
+        "sparse",
+    ),
+    # the sequence over cp (head-tail shards): hp-cp-ep's DSA styles on every attention
+    "sparse-cp2xep2xdp2": (
+        4,
+        {
+            "data_parallel_shard_degree": 2,
+            "context_parallel_degree": 2,
+            "expert_parallel_degree": 2,
+        },
         2,
         "sparse",
     ),

@@ -37,7 +37,8 @@ def dsa_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
     """The first ``[dsa]`` / DeepSeek-V3.2 option of ``config`` that cannot work, or None.
 
     Checked: ``[dsa]`` options changed for a model other than ``deepseek_v32``; context
-    parallelism (DSA's context-parallel attention is not wired into the trainer); a named
+    parallelism with a rotate method DSA cannot use (``ulysses``, ``hybrid``), the dense
+    warm-up, tensor parallelism or document masking; a named
     flavor's ``index_topk`` over ``training.seq_len`` (``auto`` flavors: checked when the model
     is parallelized).
 
@@ -61,15 +62,28 @@ def dsa_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
                     f"[dsa] options train DeepSeek-V3.2's indexer (model.name = '{MODEL_NAME}')",
                 )
         return None
-    cp = config.parallelism.context_parallel_degree
+    par = config.parallelism
+    cp = par.context_parallel_degree
     if cp > 1:
-        return (
-            "parallelism",
-            "context_parallel_degree",
-            cp,
-            f"1 with model.name = '{MODEL_NAME}': its sparse attention (every query's top-k "
-            "tokens anywhere in the sequence) has no context-parallel path in the trainer",
-        )
+        from hp_cp_ep.dsa import DSA_ROTATE_METHODS
+
+        why = f"with model.name = '{MODEL_NAME}' and context_parallel_degree = {cp}: "
+        if par.context_parallel_rotate_method not in DSA_ROTATE_METHODS:
+            methods = ", ".join(repr(m) for m in DSA_ROTATE_METHODS)
+            reason = "DSA's context parallelism moves the indexer's keys and selected rows"
+            method = par.context_parallel_rotate_method
+            return ("parallelism", "context_parallel_rotate_method", method,
+                    f"one of {methods} {why}{reason}")  # fmt: skip
+        if dsa.indexer_stage != "sparse":
+            return ("dsa", "indexer_stage", dsa.indexer_stage, f"'sparse' {why}the dense "
+                    "warm-up's loss needs every key's attention probabilities")  # fmt: skip
+        if par.tensor_parallel_degree > 1:
+            return ("parallelism", "tensor_parallel_degree", par.tensor_parallel_degree,
+                    f"1 {why}the indexer loss over heads split by TP has no context-parallel "
+                    "path")  # fmt: skip
+        if config.model.attn_mask_type != "causal":
+            return ("model", "attn_mask_type", config.model.attn_mask_type, f"'causal' {why}"
+                    "the context-parallel selection does not get the documents' ids")  # fmt: skip
     from hp_trainer.protocols.model_spec import get_model_spec
 
     spec = get_model_spec(MODEL_NAME)

@@ -26,8 +26,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_ep.dsa import indexer_scores, indexer_topk, sparse_attention
+from hp_cp_ep.dsa import (
+    indexer_scores,
+    indexer_topk,
+    sparse_indexer_loss,
+    sparse_latent_attention,
+)
 from hp_trainer.models.common.attention import AttentionMasks, attention
+from hp_trainer.models.common.decoder import apply_rope
 from hp_trainer.models.common.moe_decoder import MoEDecoder, MoEDecoderArgs
 from hp_trainer.models.deepseek_v3.model import DeepSeekV3Args, MLAttention
 
@@ -248,6 +254,37 @@ class DSAttention(MLAttention):
         #: are summed into the indexer's target)
         self.head_group: dist.ProcessGroup | None = None
 
+    def latent_rows(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """One compressed key/value row per position: ``[kv_norm(latent), rotated k_rope]``.
+
+        Args:
+            x: ``(batch, seq, dim)`` input.
+            rope: RoPE table of ``qk_rope_head_dim``.
+
+        Returns:
+            ``(batch, seq, kv_lora_rank + qk_rope_head_dim)``; :meth:`expand` gives every
+            head's key and value. Under context parallelism only the selected rows travel.
+        """
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope).squeeze(2)
+        return torch.cat([self.kv_norm(latent), k_rope], dim=-1)
+
+    def expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every (local) head from compressed rows.
+
+        Args:
+            rows: ``(n, kv_lora_rank + qk_rope_head_dim)`` rows of :meth:`latent_rows`.
+
+        Returns:
+            ``(k, v)``: ``(n, heads, qk_nope_head_dim + qk_rope_head_dim)`` and
+            ``(n, heads, v_head_dim)``.
+        """
+        latent, k_rope = torch.split(rows, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(latent).view(rows.shape[0], -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)
+        return k, v
+
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, masks: AttentionMasks | None = None
     ) -> torch.Tensor:
@@ -263,12 +300,19 @@ class DSAttention(MLAttention):
             ``(batch, seq, dim)`` output.
 
         See Also:
-            ``hp_cp_ep.dsa.indexer_topk``, ``hp_cp_ep.dsa.sparse_attention``.
+            ``hp_cp_ep.dsa.indexer_topk``, ``hp_cp_ep.dsa.sparse_latent_attention`` and
+            ``hp_cp_ep.dsa.sparse_indexer_loss`` (context-parallel inside this module when
+            hp-cp-ep's DSA styles are applied to it).
         """
         B, S, _ = x.shape
-        q, k, v, q_latent = self.project(x, rope)
-        assert q_latent is not None  # DeepSeekV32Args has a query latent
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        assert self.wq_a is not None
+        assert self.q_norm is not None
+        assert self.wq_b is not None
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1).transpose(1, 2)
+        rows = self.latent_rows(x, rope)
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
         documents = masks.document_ids if masks is not None else None
         dense = self.indexer_stage == "dense_warmup"
@@ -279,6 +323,9 @@ class DSAttention(MLAttention):
             # detached: the indexer is trained by its own loss only
             iq, ik, weights = self.indexer(x.detach(), q_latent.detach(), rope)
         if dense:
+            k, v = (
+                t.view(B, S, *t.shape[1:]).transpose(1, 2) for t in self.expand(rows.flatten(0, 1))
+            )
             pad = q.shape[-1] - self.v_head_dim
             padded = F.pad(v, (0, pad)) if pad > 0 else v
             out = attention(
@@ -296,12 +343,12 @@ class DSAttention(MLAttention):
                 softmax_scale=self.indexer.softmax_scale,
                 document_ids=documents,
             )
-            out = sparse_attention(q, k, v, selected, scale=scale)
+            out = sparse_latent_attention(q, rows, selected, scale=scale, expand=self.expand)
         if with_loss:
             assert iq is not None
             assert ik is not None
             assert weights is not None
-            loss = self._indexer_loss(q, k, scale, iq, ik, weights, documents, selected)
+            loss = self._indexer_loss(q, rows, scale, iq, ik, weights, documents, selected)
             self.indexer_loss = loss.detach()
             out = _AddLossGradient.apply(out, loss * self.indexer_loss_coeff)  # type: ignore[no-untyped-call]
         result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(B, S, -1))
@@ -310,7 +357,7 @@ class DSAttention(MLAttention):
     def _indexer_loss(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
+        rows: torch.Tensor,
         scale: float,
         iq: torch.Tensor,
         ik: torch.Tensor,
@@ -318,10 +365,31 @@ class DSAttention(MLAttention):
         documents: torch.Tensor | None,
         selected: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The indexer's KL loss of this forward (summed over queries, then divided)."""
+        """The indexer's KL loss of this forward (summed over queries, then divided).
+
+        The sparse stage without tensor parallelism is hp-cp-ep's ``sparse_indexer_loss``
+        (context-parallel under its style); the dense warm-up, and the sparse stage whose heads
+        are split over TP ranks (the target sums every rank's heads), compute the target here.
+        """
         B, _, S, _ = q.shape
+        tokens = self.indexer_loss_tokens if self.indexer_loss_tokens is not None else B * S
+        if selected is not None and self.head_group is None:
+            kl = sparse_indexer_loss(
+                iq,
+                ik,
+                weights,
+                q,
+                rows,
+                selected,
+                softmax_scale=self.indexer.softmax_scale,
+                scale=scale,
+                expand=self.expand,
+            )
+            return kl.sum() / tokens
         scores = indexer_scores(iq, ik, weights, softmax_scale=self.indexer.softmax_scale)
         with torch.no_grad():
+            k, _ = self.expand(rows.flatten(0, 1))
+            k = k.view(B, S, *k.shape[1:]).transpose(1, 2)
             logits = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, H, S, T)
             if selected is None:  # the dense warm-up: every visible key
                 pos = torch.arange(S, device=q.device)
@@ -340,7 +408,6 @@ class DSAttention(MLAttention):
         if selected is not None:
             scores = scores.gather(-1, selected.clamp(min=0))
         kl = indexer_kl_divergence(target, scores, visible)
-        tokens = self.indexer_loss_tokens if self.indexer_loss_tokens is not None else B * S
         return kl.sum() / tokens
 
     def init_weights(self, init_std: float) -> None:

@@ -11,6 +11,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from hp_cp_ep import MoE
+from hp_cp_ep.dsa import (
+    DSAIndexerContextParallel,
+    DSAIndexerLossContextParallel,
+    DSASparseAttentionContextParallel,
+)
 from hp_tp import NoParallel
 from hp_trainer._parallel_api import ParallelStyle, PrepareModuleInput
 from hp_trainer.distributed.sharding import ComposedStyle
@@ -19,7 +24,7 @@ from hp_trainer.models.common.expert_parallel import (
     MOE_RULES,
     parallelize_moe_decoder,
 )
-from hp_trainer.models.common.tensor_parallel import DENSE_FFN_RULES, TRUNK_RULES
+from hp_trainer.models.common.tensor_parallel import DENSE_FFN_RULES, ROPE_CP_RULES, TRUNK_RULES
 from hp_trainer.models.deepseek_v3.parallelize import (
     LATENT_ATTENTION_RULES,
     LatentAttentionParallel,
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEEPSEEK_V32_SHARDING",
     "SPARSE_ATTENTION_RULES",
+    "apply_dsa_context_parallel",
     "configure_indexer_training",
     "parallelize_deepseek_v32",
 ]
@@ -79,10 +85,12 @@ attention probabilities of every rank's heads (one all-reduce of ``(batch, seq, 
 DEEPSEEK_V32_SHARDING = ShardingConfig(
     tp=TRUNK_RULES + SPARSE_ATTENTION_RULES + DENSE_FFN_RULES + MOE_RULES,
     ep=MOE_EXPERT_RULES,
+    cp=ROPE_CP_RULES,
     description="DeepSeek-V3.2 (sparse latent attention, MoE)",
 )
 """DeepSeek-V3.2's table: DeepSeek-V3's TP and EP sections with :data:`SPARSE_ATTENTION_RULES`;
-no CP section (context parallelism for DSA is refused when the job is parsed)."""
+under CP the RoPE table is sharded with the sequence (the attention's own context parallelism is
+hp-cp-ep's DSA styles, applied by :func:`parallelize_deepseek_v32`)."""
 
 
 def configure_indexer_training(
@@ -167,4 +175,46 @@ def parallelize_deepseek_v32(
     configure_indexer_training(
         model, dsa.indexer_stage, dsa.indexer_loss_coeff, global_batch * training.seq_len
     )
+    if parallel_dims.cp_enabled:
+        apply_dsa_context_parallel(
+            model,
+            parallel_dims.get_mesh("cp"),
+            job_config.parallelism.context_parallel_rotate_method,
+        )
     return parallelize_moe_decoder(model, parallel_dims, job_config, sharding=DEEPSEEK_V32_SHARDING)
+
+
+def apply_dsa_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str = "allgather"
+) -> list[DSAttention]:
+    """Make every :class:`DSAttention`'s selection, sparse attention and indexer loss
+    context-parallel (hp-cp-ep's DSA styles on the module; the model code is unchanged).
+
+    The sequence is sharded head-tail (load-balanced), as the trainer's context-parallel step
+    cuts it: the indexer's keys travel (``allgather``, or a ring overlapped with the scoring for
+    ``ring`` / ``alltoall``), the top-k holds global positions, and only the selected
+    compressed rows (and indexer keys for the loss) are fetched from the ranks that own them.
+
+    Args:
+        model: A DeepSeek-V3.2 model (or pipeline stage).
+        cp_mesh: The 1-D context-parallel mesh.
+        rotate_method: ``allgather``, ``ring`` or ``alltoall`` (``[parallelism]
+            context_parallel_rotate_method``).
+
+    Returns:
+        The attention modules made context-parallel.
+
+    See Also:
+        ``hp_cp_ep.dsa.DSAIndexerContextParallel``,
+        ``hp_cp_ep.dsa.DSASparseAttentionContextParallel``,
+        ``hp_cp_ep.dsa.DSAIndexerLossContextParallel``;
+        :pt:`torch.distributed.tensor.parallel.ParallelStyle`.
+    """
+    attentions = [m for m in model.modules() if isinstance(m, DSAttention)]
+    for attention in attentions:
+        DSAIndexerContextParallel(load_balance=True, rotate_method=rotate_method)._apply(
+            attention, cp_mesh
+        )
+        DSASparseAttentionContextParallel(load_balance=True)._apply(attention, cp_mesh)
+        DSAIndexerLossContextParallel(load_balance=True)._apply(attention, cp_mesh)
+    return attentions
