@@ -350,11 +350,13 @@ class Llama4(MoEDecoder):
             device = torch.device("cpu")
         self.rope_cache = self._rope_table().to(device)
         std_emb = 0.02 if self.enable_weight_tying else 1.0
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std_emb)
+        if self.tok_embeddings is not None:  # None in later pipeline stages
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std_emb)
         for layer in self.layers.values():
             layer.init_weights(device)  # type: ignore[operator]
-        self.norm.reset_parameters()
-        if not self.enable_weight_tying:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if not self.enable_weight_tying and self.lm_head is not None:
             std_out = self.args.dim**-0.5
             nn.init.trunc_normal_(self.lm_head.weight, std=std_out, a=-3 * std_out, b=3 * std_out)
 
