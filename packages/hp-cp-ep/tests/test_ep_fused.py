@@ -99,3 +99,11 @@ def test_fused_compute_under_expert_parallel_ep3() -> None:
     torch.testing.assert_close(fused_out, out, rtol=1e-6, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_fused_args_with_unfused_replacement_experts_are_refused() -> None:
+    """A model that swaps in its own experts (fused=False) cannot silently drop the fusion."""
+    _, fused = _pair()
+    fused.experts = GroupedExperts(DIM, HIDDEN, 4)
+    with pytest.raises(ValueError, match=r"MoEArgs\.fused=True but the experts \(GroupedExperts\)"):
+        fused(torch.randn(3, DIM))

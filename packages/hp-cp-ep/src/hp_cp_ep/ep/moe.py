@@ -418,6 +418,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MoE to ``x`` of shape ``[..., dim]``."""
+        if self.moe_args.fused and not getattr(self.experts, "fused", False):
+            raise ValueError(
+                f"MoEArgs.fused=True but the experts ({type(self.experts).__name__}) do not "
+                "compute through hp_kernels.mega_moe (their fused is False): expected "
+                "experts built with fused=True, or MoEArgs.fused=False"
+            )
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router.route(tokens, self.expert_bias)
