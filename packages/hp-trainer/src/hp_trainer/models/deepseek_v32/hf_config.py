@@ -21,7 +21,7 @@ def deepseek_v32_args_from_hf_config(config: Mapping[str, Any], source: str) -> 
         source: Where it came from, for error messages.
 
     Returns:
-        The :class:`~hp_trainer.models.deepseek_v32.model.DeepSeekV32Args`.
+        The :class:`~hp_trainer.DeepSeekV32Args`.
 
     Raises:
         ValueError: A missing size, a routing option the model lacks, or indexer sizes the

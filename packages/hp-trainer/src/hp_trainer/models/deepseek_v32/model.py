@@ -226,10 +226,10 @@ class DSAttention(MLAttention):
     gradient of the indexer alone. The last value is kept in ``indexer_loss`` (detached).
 
     Args:
-        args: Model arguments (:class:`DeepSeekV32Args`).
+        args: Model arguments (:class:`~hp_trainer.DeepSeekV32Args`).
 
     Raises:
-        TypeError: If ``args`` is not a :class:`DeepSeekV32Args`.
+        TypeError: If ``args`` is not a :class:`~hp_trainer.DeepSeekV32Args`.
 
     See Also:
         ``transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention``;
@@ -421,7 +421,7 @@ class DeepSeekV32(MoEDecoder):
 
     Args:
         args: Model arguments (a
-            :data:`~hp_trainer.models.deepseek_v32.flavors.deepseek_v32_flavors` entry).
+            ``deepseek_v32_flavors`` entry).
 
     See Also:
         ``transformers.DeepseekV32ForCausalLM``;

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's parallelize function and its sharding table (:data:`DEEPSEEK_V32_SHARDING`):
+"""DeepSeek-V3.2's parallelize function and its sharding table (``DEEPSEEK_V32_SHARDING``):
 DeepSeek-V3's latent attention and MoE plan, the lightning indexer replicated over the TP ranks;
 the indexer's training stage from the job's ``[dsa]`` section."""
 
@@ -88,15 +88,18 @@ DEEPSEEK_V32_SHARDING = ShardingConfig(
     cp=ROPE_CP_RULES,
     description="DeepSeek-V3.2 (sparse latent attention, MoE)",
 )
-"""DeepSeek-V3.2's table: DeepSeek-V3's TP and EP sections with :data:`SPARSE_ATTENTION_RULES`;
+"""DeepSeek-V3.2's table: DeepSeek-V3's TP and EP sections with ``SPARSE_ATTENTION_RULES``;
 under CP the RoPE table is sharded with the sequence (the attention's own context parallelism is
-hp-cp-ep's DSA styles, applied by :func:`parallelize_deepseek_v32`)."""
+hp-cp-ep's DSA styles, applied by :func:`hp_trainer.parallelize_deepseek_v32`)."""
 
 
 def configure_indexer_training(
     model: nn.Module, stage: str, coeff: float, tokens_per_step: int | None = None
 ) -> list[DSAttention]:
-    """Set the lightning indexers' training stage on every :class:`DSAttention` of ``model``.
+    """Set the lightning indexers' training stage on every DSA attention of ``model``.
+
+    Every :class:`~hp_trainer.models.deepseek_v32.model.DSAttention` gets the stage, the
+    coefficient and the divisor.
 
     ``"dense_warmup"`` freezes every parameter but the indexers' (``requires_grad`` off) and
     the MoE routing bias (its update rate set to None), as DeepSeek-V3.2's warm-up trains the
@@ -115,7 +118,7 @@ def configure_indexer_training(
 
     Raises:
         ValueError: An unknown stage, a negative coefficient, or a model without
-            :class:`DSAttention`.
+            :class:`~hp_trainer.models.deepseek_v32.model.DSAttention`.
     """
     if stage not in INDEXER_STAGES:
         raise ValueError(f"indexer stage must be one of {INDEXER_STAGES}, got {stage!r}")
@@ -187,8 +190,10 @@ def parallelize_deepseek_v32(
 def apply_dsa_context_parallel(
     model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str = "allgather"
 ) -> list[DSAttention]:
-    """Make every :class:`DSAttention`'s selection, sparse attention and indexer loss
-    context-parallel (hp-cp-ep's DSA styles on the module; the model code is unchanged).
+    """Make every DSA attention's selection, sparse attention and indexer loss context-parallel.
+
+    hp-cp-ep's DSA styles go on each
+    :class:`~hp_trainer.models.deepseek_v32.model.DSAttention` (the model code is unchanged).
 
     The sequence is sharded head-tail (load-balanced), as the trainer's context-parallel step
     cuts it: the indexer's keys travel (``allgather``, or a ring overlapped with the scoring for

@@ -13,7 +13,7 @@ class DeepSeekV32StateDictAdapter(DeepSeekV3StateDictAdapter):
     """HF ``DeepseekV32ForCausalLM`` <-> our DeepSeek-V3.2 (the indexer's weights renamed).
 
     Args:
-        model_args: The model's :class:`~hp_trainer.models.deepseek_v32.DeepSeekV32Args`.
+        model_args: The model's :class:`~hp_trainer.DeepSeekV32Args`.
         hf_assets_path: Folder of HF assets; kept for reference.
 
     See Also:
