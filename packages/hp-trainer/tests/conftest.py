@@ -10,6 +10,13 @@ call) and sorts by ``(first world size, last world size)`` after the plugin's so
 uses several pools (2 then 3) goes last among the 2s, so the 3s continue on its pool. A test
 whose world size cannot be read keeps the plugin's key; the order inside a world size is the
 collection order (the sort is stable).
+
+A test's own ``run_distributed`` calls win over a declared ``__hp_world_size__`` (a test may
+declare the size it ends on while starting on another). A test that switches pools goes last
+among its first size when its last size is the next size in the run (2 then 3: the 3s continue
+on its pool); otherwise first among its last size (2 then 4 after the 3s: one start of a 2-pool
+instead of a 4-pool started between the 2s and the 3s and started again after them). Run in
+this order the pre-existing files start 5 pools (2, 3, 2, 4, 8) instead of 7.
 """
 
 from __future__ import annotations
@@ -64,6 +71,12 @@ def _world_sizes(item: pytest.Item) -> tuple[int, int] | None:
     declared = getattr(fn, "__hp_world_size__", None)
     if declared:
         return int(declared), int(declared)
+    return _call_sizes(item)
+
+
+def _call_sizes(item: pytest.Item) -> tuple[int, int] | None:
+    """(first, last) world size of the test's own ``run_distributed`` calls, if readable."""
+    fn = getattr(item, "function", None)
     found = _world_size_calls(fn) if fn is not None else None
     if not found:
         return None
@@ -106,13 +119,25 @@ def _world_sizes(item: pytest.Item) -> tuple[int, int] | None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Sort by (first, last) world size; tests without one keep the plugin's key."""
+    """Sort by world size so that each pool starts once (see the module docstring)."""
 
-    def key(item: pytest.Item) -> tuple[int, int]:
-        sizes = _world_sizes(item)
-        if sizes is None:
+    def sizes(item: pytest.Item) -> tuple[int, int]:
+        found = _call_sizes(item) or _world_sizes(item)
+        if found is None:
             ws = int(getattr(getattr(item, "function", None), "__hp_world_size__", 0))
             return ws, ws
-        return sizes
+        return found
 
-    items.sort(key=key)
+    found = [sizes(item) for item in items]
+    firsts = sorted({first for first, _ in found})
+
+    def key(first: int, last: int) -> tuple[int, int, int]:
+        if first == last:
+            return first, 0, last
+        following = [ws for ws in firsts if ws > first]
+        if following and following[0] == last:
+            return first, 1, last  # last among its first size; the next size continues
+        return last, -1, first  # first among its last size
+
+    order = sorted(range(len(items)), key=lambda i: key(*found[i]))  # stable
+    items[:] = [items[i] for i in order]
