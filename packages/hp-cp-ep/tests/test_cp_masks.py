@@ -137,7 +137,18 @@ def _cp_run(
     return got  # type: ignore[return-value]
 
 
-def _check_parity(mesh: DeviceMesh) -> None:
+#: the cases run at cp 2 and 4 (cp 3 runs every case)
+_SUBSET = (
+    "window5",
+    "chunk10",
+    "window9_chunk16",
+    "prefix_docs",
+    "causal_sinks",
+    "window_docs_sinks",
+)
+
+
+def _check_parity(mesh: DeviceMesh, subset: tuple[str, ...] | None = None) -> None:
     q, k, v, sinks = _inputs(21)
     cases = [(name, m, None) for name, m in _MASKS.items()]
     cases += [
@@ -145,6 +156,9 @@ def _check_parity(mesh: DeviceMesh) -> None:
         ("chunk8_sinks", _MASKS["chunk8"], sinks),
     ]
     cases += [("causal_sinks", _Mask(), sinks), ("window_docs_sinks", _MASKS["window_docs"], sinks)]
+    if subset is not None:
+        cases = [c for c in cases if c[0] in subset]
+        assert len(cases) == len(subset)
     for name, mask, s in cases:
         docs = _documents() if mask.documents else None
         want = _reference((q, k, v), s, mask, docs)
@@ -166,7 +180,7 @@ def _check_parity(mesh: DeviceMesh) -> None:
 
 @distributed(world_size=2)
 def test_masks_match_reference_cp2() -> None:
-    _check_parity(init_device_mesh("cpu", (2,)))
+    _check_parity(init_device_mesh("cpu", (2,)), _SUBSET)
 
 
 @distributed(world_size=3)
@@ -176,7 +190,7 @@ def test_masks_match_reference_cp3() -> None:
 
 @distributed(world_size=4)
 def test_masks_match_reference_cp4() -> None:
-    _check_parity(init_device_mesh("cpu", (4,)))
+    _check_parity(init_device_mesh("cpu", (4,)), _SUBSET)
 
 
 def test_rule_classification_matches_the_elementwise_rule() -> None:
@@ -198,7 +212,7 @@ def test_rule_classification_matches_the_elementwise_rule() -> None:
                 k0 = q0
             block = dense[q0 : q0 + n, k0 : k0 + n]
             kind = rule.classify(q0, q0 + n - 1, k0, k0 + n - 1)
-            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            causal = torch.arange(n).view(-1, 1) >= torch.arange(n).view(1, -1)
             want = (
                 NONE if not block.any()
                 else FULL if block.all()
