@@ -398,10 +398,17 @@ class OffloadConfig:
     optimizer: bool = False
     """Keep the optimizer state (and fp32 master weights) on the host and step there, group by
     group; the device keeps the parameters it computes with (AdamW, Adam, SGD)."""
+    params: bool = False
+    """Keep the parameters (and their gradients) in host memory; each block's parameters are
+    copied to the device for its forward and again for its backward, the next block's copy
+    issued ahead (:func:`hp_trainer.distributed.param_offload.offload_params`); the optimizer
+    then steps on the host. One process, without FSDP, TP, PP, CP, EP or ``compile``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, bool):
             _fail("offload", "optimizer", self.optimizer, "true or false")
+        if not isinstance(self.params, bool):
+            _fail("offload", "params", self.params, "true or false")
 
 
 @dataclass(kw_only=True)
@@ -997,6 +1004,7 @@ class JobConfig:
         self._check_document_masking()
         self._check_attention_backend()
         self._check_dsa()
+        self._check_param_offload()
         if self.moe.aux_loss_type == "sequence" and self.parallelism.context_parallel_degree > 1:
             _fail(
                 "moe",
@@ -1014,6 +1022,31 @@ class JobConfig:
                 "a mode other than memory_budget unless compile.enable = true (the budget is "
                 "applied by torch.compile's partitioner)",
             )
+
+    def _check_param_offload(self) -> None:
+        """``offload.params`` runs in one process without sharded or compiled blocks."""
+        if not self.offload.params:
+            return
+        par = self.parallelism
+        for name in ("data_parallel_shard_degree", "data_parallel_replicate_degree",
+                     "tensor_parallel_degree", "pipeline_parallel_degree",
+                     "context_parallel_degree", "expert_parallel_degree"):  # fmt: skip
+            if getattr(par, name) > 1:
+                hint = " (under FSDP use training.enable_cpu_offload)" if "shard" in name else ""
+                _fail("offload", "params", True,
+                      f"false with parallelism.{name} = {getattr(par, name)}: parameter "
+                      f"offload runs FSDP-free in one process{hint}")  # fmt: skip
+        if self.training.enable_cpu_offload:
+            _fail("offload", "params", True,
+                  "false with training.enable_cpu_offload = true (FSDP's own offload)")  # fmt: skip
+        if self.compile.enable:
+            _fail("offload", "params", True,
+                  "false with compile.enable = true (the per-block copies run in module hooks "
+                  "that compiled blocks would trace)")  # fmt: skip
+        if self.activation_checkpoint.mode == "swap":
+            _fail("offload", "params", True,
+                  "false with activation_checkpoint.mode = 'swap' (both keep a block's saved "
+                  "tensors through saved-tensor hooks; use 'full' or 'selective')")  # fmt: skip
 
     def _check_dsa(self) -> None:
         """DeepSeek-V3.2's options against the job (``hp_trainer.models.deepseek_v32.checks``)."""

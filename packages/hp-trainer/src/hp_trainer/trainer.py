@@ -51,6 +51,7 @@ from hp_trainer.distributed.context_parallel import ContextParallelStep
 from hp_trainer.distributed.layout_validation import validate_parallel_layout
 from hp_trainer.distributed.offload import offload_optimizers
 from hp_trainer.distributed.parallel_dims import parallel_dims_from_config
+from hp_trainer.distributed.param_offload import ParamOffloader, offload_params
 from hp_trainer.distributed.pipeline import PipelinedStep
 from hp_trainer.models.common.document_mask import DocumentBoundaries
 from hp_trainer.protocols.model_spec import ModelSpec, get_model_spec
@@ -574,6 +575,9 @@ class LLMTrainer(BaseTrainer):
         self._autocast_dtype: torch.dtype | None = None if sharded else compute
 
         # -- optimizer, schedule, data, metrics -------------------------------------------------
+        self.param_offload: ParamOffloader | None = None
+        if cfg.offload.params:  # hyper-offload: parameters in host memory, copied in per block
+            self.param_offload = offload_params(self.model_parts, device=self.device)
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
         if cfg.offload.optimizer:  # hyper-offload: optimizer state and step in host memory
             self.optimizers = offload_optimizers(self.optimizers, job_config=cfg)
