@@ -1049,10 +1049,25 @@ class JobConfig:
                   "tensors through saved-tensor hooks; use 'full' or 'selective')")  # fmt: skip
 
     def _check_dsa(self) -> None:
-        """DeepSeek-V3.2's options against the job (``hp_trainer.models.deepseek_v32.checks``)."""
-        from hp_trainer.models.deepseek_v32.checks import dsa_job_error
+        """``[dsa]`` only with ``deepseek_v32``; the model family's own parse-time check (its
+        ``ModelSpec.extra["job_check"]``, e.g. DeepSeek-V3.2's)."""
+        from hp_trainer.protocols.model_spec import get_model_spec
 
-        problem = dsa_job_error(self)
+        defaults = DSAConfig()
+        if self.model.name != "deepseek_v32":
+            for name in ("indexer_stage", "indexer_loss_coeff"):
+                value = getattr(self.dsa, name)
+                if value != getattr(defaults, name):
+                    _fail("dsa", name, value,
+                          f"the default {getattr(defaults, name)!r} with model.name = "
+                          f"{self.model.name!r}: the [dsa] options train DeepSeek-V3.2's "
+                          "indexer (model.name = 'deepseek_v32')")  # fmt: skip
+        try:
+            spec = get_model_spec(self.model.name)
+        except ValueError:
+            return  # an unknown model is named when the model is resolved
+        check = spec.extra.get("job_check")
+        problem = check(self) if check is not None else None
         if problem is not None:
             _fail(*problem)
 

@@ -9,6 +9,7 @@ Registers the ``deepseek_v32`` model spec on import.
 """
 
 from hp_trainer.distributed.pipeline import pipeline_decoder
+from hp_trainer.models.deepseek_v32.checks import dsa_job_error
 from hp_trainer.models.deepseek_v32.flavors import deepseek_v32_flavors
 from hp_trainer.models.deepseek_v32.hf_config import deepseek_v32_args_from_hf_config
 from hp_trainer.models.deepseek_v32.model import (
@@ -47,6 +48,7 @@ register_model_spec(
         state_dict_adapter=DeepSeekV32StateDictAdapter,
         pipelining_fn=pipeline_decoder,
         args_from_hf_config=deepseek_v32_args_from_hf_config,
-        sharding=DEEPSEEK_V32_SHARDING,  # TP / EP table; no CP section (refused at parse time)
+        sharding=DEEPSEEK_V32_SHARDING,  # TP / EP / CP (RoPE table; DSA styles) table
+        extra={"job_check": dsa_job_error},  # called by JobConfig when the job is parsed
     )
 )

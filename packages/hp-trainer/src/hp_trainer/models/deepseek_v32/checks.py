@@ -36,8 +36,9 @@ def index_topk_error(args: Any, seq_len: int) -> str | None:
 def dsa_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
     """The first ``[dsa]`` / DeepSeek-V3.2 option of ``config`` that cannot work, or None.
 
-    Checked: ``[dsa]`` options changed for a model other than ``deepseek_v32``; context
-    parallelism with a rotate method DSA cannot use (``ulysses``, ``hybrid``), the dense
+    Registered as the spec's ``extra["job_check"]``, which
+    :class:`~hp_trainer.config.JobConfig` calls when a job names ``deepseek_v32``. Checked:
+    context parallelism with a rotate method DSA cannot use (``ulysses``, ``hybrid``), the dense
     warm-up, tensor parallelism or document masking; a named
     flavor's ``index_topk`` over ``training.seq_len`` (``auto`` flavors: checked when the model
     is parallelized).
@@ -49,19 +50,6 @@ def dsa_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
         ``(section, field, value, expected)`` of the first problem, else None.
     """
     dsa = config.dsa
-    name = config.model.name
-    if name != MODEL_NAME:
-        defaults = type(dsa)()
-        for field in ("indexer_stage", "indexer_loss_coeff"):
-            if getattr(dsa, field) != getattr(defaults, field):
-                return (
-                    "dsa",
-                    field,
-                    getattr(dsa, field),
-                    f"the default {getattr(defaults, field)!r} with model.name = {name!r}: the "
-                    f"[dsa] options train DeepSeek-V3.2's indexer (model.name = '{MODEL_NAME}')",
-                )
-        return None
     par = config.parallelism
     cp = par.context_parallel_degree
     if cp > 1:
@@ -84,13 +72,12 @@ def dsa_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
         if config.model.attn_mask_type != "causal":
             return ("model", "attn_mask_type", config.model.attn_mask_type, f"'causal' {why}"
                     "the context-parallel selection does not get the documents' ids")  # fmt: skip
-    from hp_trainer.protocols.model_spec import get_model_spec
+    from hp_trainer.models.deepseek_v32.flavors import deepseek_v32_flavors
 
-    spec = get_model_spec(MODEL_NAME)
     flavor = config.model.flavor
-    if flavor in spec.flavors:
+    if flavor in deepseek_v32_flavors:
         seq_len = config.training.seq_len
-        problem = index_topk_error(spec.flavors[flavor], seq_len)
+        problem = index_topk_error(deepseek_v32_flavors[flavor], seq_len)
         if problem is not None:
             return ("training", "seq_len", seq_len, f"a length the flavor {flavor!r} can take "
                     f"({problem})")  # fmt: skip
