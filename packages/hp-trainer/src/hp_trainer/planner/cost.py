@@ -60,6 +60,9 @@ class LayoutCandidate:
         ac: Activation checkpointing: ``none``, ``selective`` (every second block), ``full``
             or ``swap`` (activations to host memory).
         offload_optimizer: Optimizer state on the host, the step run there.
+        offload_params: Parameters and gradients on the host, copied in per block for forward
+            and backward (about two blocks and the embedding or head on the device); the
+            optimizer then steps on the host.
         compute_dtype_bytes: Bytes per element of the compute dtype (2: bf16, 4: fp32).
     """
 
@@ -76,6 +79,7 @@ class LayoutCandidate:
     ac: ACMode = "none"
     offload_optimizer: bool = False
     compute_dtype_bytes: int = 2
+    offload_params: bool = False
 
     @property
     def world_size(self) -> int:
@@ -249,6 +253,13 @@ def estimate_layout(
     if c.offload_optimizer:
         host += opt + 4 * rank_params  # moments + the fp32 master copy the host step updates
         opt = 0.0
+    if c.offload_params:  # host: parameters + gradient buffers (+ the state, stepped there)
+        host += 8 * rank_params + (0.0 if c.offload_optimizer else opt)
+        opt = 0.0
+        # resident: two blocks (the current one and the prefetched one), or the embedding or
+        # the head with its neighbour block
+        edge_max = max(s.embed_params, s.head_params)
+        mem["parameters"] = 4 * max(2 * layer_params, edge_max + layer_params) / shard
     mem["optimizer"] = opt
     # gathered parameters / autocast copies in the compute dtype
     if fs > 1:
@@ -335,7 +346,9 @@ def estimate_layout(
     t["fsdp_exposed"] = exposed
     # optimizer step: memory bound (param, grad, moments read; param, moments written)
     touched = 4 * (3 + 2 * opt_states) * rank_params
-    if c.offload_optimizer:
+    if c.offload_params:  # each unit in twice, each gradient out once, behind the compute
+        t["param_offload"] = max(0.0, 12 * rank_params / profile.host_bandwidth - busy)
+    if c.offload_optimizer or c.offload_params:
         t["optimizer"] = touched / profile.host_memory_bandwidth + 8 * rank_params / (
             profile.host_bandwidth
         )
@@ -343,7 +356,7 @@ def estimate_layout(
         t["optimizer"] = touched / profile.memory_bandwidth
     if c.ac == "swap":
         t["swap"] = max(0.0, 2 * host / profile.host_bandwidth - busy)
-    step = busy + exposed + sum(t.get(k, 0.0) for k in ("optimizer", "swap"))
+    step = busy + exposed + sum(t.get(k, 0.0) for k in ("optimizer", "swap", "param_offload"))
 
     # ---- memory ---------------------------------------------------------------------------
     last_stage = True
@@ -363,9 +376,17 @@ def estimate_layout(
     # gradients persist across micro-batches; else the LM head's (the first computed) is live
     # while the activations are
     grads_live = grads if (c.pp > 1 or n_mb > 1) else 4 * s.head_params / shard
-    fb_peak = mem["parameters"] + opt + gathered + act_total + logits + comm_buf + grads_live
+    if c.offload_params:  # moved to the host as each unit's are accumulated
+        grads_live = 0.0
+        grads = 0.0
+    # offloaded parameters: the peak is at the loss, where no unit is resident (the head's copy
+    # and gradient come in for its backward once the logits' float32 copy is freed)
+    resident = 0.0 if c.offload_params else mem["parameters"]
+    fb_peak = resident + opt + gathered + act_total + logits + comm_buf + grads_live
     # the multi-tensor step's largest temporary: sqrt(v) for every parameter (AdamW)
-    opt_temp = 0.0 if c.offload_optimizer or opt_states == 0 else 4 * rank_params
+    opt_temp = (
+        0.0 if c.offload_optimizer or c.offload_params or opt_states == 0 else 4 * rank_params
+    )
     opt_peak = mem["parameters"] + opt + grads + opt_temp
     mem["gradients"] = grads
     mem["optimizer_temporaries"] = opt_temp
