@@ -13,8 +13,9 @@ the device layer has pinned memory) except while its unit computes:
 * backward: a hook on the unit's output gradient (it fires before the unit's backward, and
   before a checkpointed block's re-forward) copies the unit in again and issues the copy of
   the unit before it; after the unit's last gradient is accumulated, the gradients are moved
-  into persistent host buffers (added there over micro-batches) and the device copy dropped.
-  At the end of the backward the host buffers become the parameters' ``.grad``.
+  into persistent host buffers (added there over micro-batches), which become the
+  parameters' ``.grad``, and the device copy is dropped (a unit some of whose parameters get
+  no gradient stays until its next forward).
 
 The optimizer therefore steps the host parameters with host gradients directly (its state is
 created in host memory). With ``--offload.optimizer`` as well, its host master copy is a
@@ -125,8 +126,6 @@ class ParamOffloader:
                 p.data = unit.host[i]
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done))  # type: ignore[no-untyped-call]
-        self._callback_queued = False
-        self._touched: set[int] = set()
         self.copied_bytes = 0
         self.max_resident_bytes = 0
         self.log: list[tuple[str, str, tuple[str, ...]]] = []
@@ -247,6 +246,9 @@ class ParamOffloader:
     def _pre_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             unit = self._order[index][1]
+            if unit.backward:  # some parameters got no gradient in the last backward
+                unit.backward = False
+                unit.pending = set()
             self._use(unit)
             if index + 1 < len(self._order) and self._order[index + 1][1] is not unit:
                 self._fetch(self._order[index + 1][1])
@@ -277,12 +279,8 @@ class ParamOffloader:
     def _backward_hook(self, index: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
             unit = self._order[index][1]
-            if not self._callback_queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-                self._callback_queued = True
             if not unit.backward:
                 unit.backward = True
-                self._touched.add(id(unit))
                 unit.pending = {i for i, p in enumerate(unit.params) if p.requires_grad}
                 for i, p in enumerate(unit.params):
                     if p.grad is None:
@@ -316,28 +314,13 @@ class ParamOffloader:
             buffer.copy_(grad, non_blocking=self._pin)
         self.copied_bytes += buffer.numel() * buffer.element_size()
         unit.accumulate[i] = True
-        p.grad = None
+        p.grad = buffer  # taken off again by the next backward's hook before it accumulates
         unit.pending.discard(i)
         if not unit.pending:
             unit.backward = False
+            if self._pin:  # one host wait per unit: its asynchronous gradient copies
+                hp_device.current_stream(self.device.type).synchronize()
             self._drop(unit)
-
-    def _finish(self) -> None:
-        """End of a backward: drop what is left, the host buffers become the gradients."""
-        self._callback_queued = False
-        if self._pin:
-            hp_device.synchronize(self.device)  # the asynchronous gradient copies
-        for unit in self.units:
-            if id(unit) not in self._touched:
-                continue
-            unit.backward = False
-            unit.pending = set()
-            if unit.device is not None:
-                self._drop(unit)
-            for i, p in enumerate(unit.params):
-                if unit.accumulate[i]:
-                    p.grad = unit.grads[i]
-        self._touched.clear()
 
     # -- reporting ---------------------------------------------------------------------------
     @property
