@@ -134,7 +134,8 @@ class ModelConfig:
     a dense mask only where the mask needs one), ``flex`` (FlexAttention block masks; compiled
     on accelerators; no backward on CPU in torch 2.13, so refused here for training on CPU) or
     ``varlen`` (variable-length attention over the documents' cumulative lengths: torch's
-    kernel on CUDA, a reference elsewhere). Under context parallel: ``sdpa`` only."""
+    kernel on CUDA, a reference elsewhere). Under context parallel: ``sdpa`` only (the
+    context-parallel engine takes every mask kind and sinks through it)."""
     converters: list[str] = field(default_factory=list)
     """Model converters applied in this order after the model is built and before it is
     parallelised (comma-separated on the command line): ``float8``, ``mx``, ``lora`` or a name
@@ -1085,7 +1086,8 @@ class JobConfig:
         if self.parallelism.context_parallel_degree > 1:
             _fail("model", "attn_backend", backend,
                   "'sdpa' with parallelism.context_parallel_degree > 1 (the context-parallel "
-                  "attention takes SDPA's causal path and the documents' ids)")  # fmt: skip
+                  "engine runs its own blockwise attention: it takes every mask spec, the "
+                  "documents' ids and sinks, through sdpa)")  # fmt: skip
 
     def _check_document_masking(self) -> None:
         """Refuse the layouts that cannot carry the documents' mask to the attention."""

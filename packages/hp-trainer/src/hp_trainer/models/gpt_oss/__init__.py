@@ -12,7 +12,11 @@ from hp_trainer.distributed.pipeline import pipeline_decoder
 from hp_trainer.models.gpt_oss.flavors import gpt_oss_flavors
 from hp_trainer.models.gpt_oss.hf_config import gpt_oss_args_from_hf_config
 from hp_trainer.models.gpt_oss.model import GptOss, GptOssArgs, GptOssAttention, GptOssExperts
-from hp_trainer.models.gpt_oss.parallelize import GPT_OSS_SHARDING, parallelize_gpt_oss
+from hp_trainer.models.gpt_oss.parallelize import (
+    GPT_OSS_SHARDING,
+    gpt_oss_job_error,
+    parallelize_gpt_oss,
+)
 from hp_trainer.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 from hp_trainer.protocols.model_spec import ModelSpec, register_model_spec
 
@@ -37,5 +41,6 @@ register_model_spec(
         pipelining_fn=pipeline_decoder,
         args_from_hf_config=gpt_oss_args_from_hf_config,
         sharding=GPT_OSS_SHARDING,  # TP / EP / CP table (CP: windows and sinks to the engine)
+        extra={"job_check": gpt_oss_job_error},  # --moe.fused refused
     )
 )

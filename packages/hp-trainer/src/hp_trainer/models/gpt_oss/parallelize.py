@@ -42,6 +42,7 @@ __all__ = [
     "GPT_OSS_MOE_RULES",
     "GPT_OSS_SHARDING",
     "SinksByHead",
+    "gpt_oss_job_error",
     "parallelize_gpt_oss",
 ]
 
@@ -137,3 +138,21 @@ def parallelize_gpt_oss(
         gpt-oss parallelize function.
     """
     return parallelize_moe_decoder(model, parallel_dims, job_config, sharding=GPT_OSS_SHARDING)
+
+
+def gpt_oss_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
+    """The first job option gpt-oss cannot train with (``ModelSpec.extra["job_check"]``).
+
+    ``moe.fused``: :func:`hp_kernels.mega_moe` computes the plain SwiGLU experts; gpt-oss's
+    experts have biases and a clamped SwiGLU.
+
+    Args:
+        config: The job configuration.
+
+    Returns:
+        ``(section, field, value, expected)`` of the first problem, else None.
+    """
+    if config.moe.fused:
+        return ("moe", "fused", True, "false with model.name = 'gpt_oss': the fused MoE "
+                "kernel has no expert biases or clamped SwiGLU")  # fmt: skip
+    return None

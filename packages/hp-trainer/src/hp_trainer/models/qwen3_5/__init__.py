@@ -31,6 +31,7 @@ from hp_trainer.models.qwen3_5.parallelize import (
     QWEN3_5_MOE_SHARDING,
     QWEN3_5_SHARDING,
     parallelize_qwen3_5,
+    qwen3_5_job_error,
     qwen3_5_layout_error,
 )
 from hp_trainer.models.qwen3_5.state_dict_adapter import (
@@ -58,7 +59,11 @@ __all__ = [
 
 # checked up front by validate_parallel_layout: CP refused with its reason, TP dividing the
 # Gated DeltaNet heads
-_LAYOUT = {"context_parallel": False, "layout_error": qwen3_5_layout_error}
+_LAYOUT = {
+    "context_parallel": False,
+    "layout_error": qwen3_5_layout_error,
+    "job_check": qwen3_5_job_error,  # compile refused
+}
 
 register_model_spec(
     ModelSpec(

@@ -57,6 +57,7 @@ __all__ = [
     "QWEN3_5_SHARDING",
     "ShardOwnParameters",
     "parallelize_qwen3_5",
+    "qwen3_5_job_error",
     "qwen3_5_layout_error",
 ]
 
@@ -148,6 +149,25 @@ QWEN3_5_MOE_SHARDING = ShardingConfig(
 )
 """The Qwen3.5 MoE table: the dense one, the MoE layers (tokens replicated over TP, router and
 shared expert replicated) and the routed experts over the expert mesh."""
+
+
+def qwen3_5_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
+    """The first job option a Qwen3.5 model cannot train with (``ModelSpec.extra["job_check"]``).
+
+    ``compile.enable``: the backward of a compiled Gated DeltaNet block fails in torch 2.13
+    (a view of a non-contiguous gradient); the full-attention blocks compile, the hybrid
+    model does not yet.
+
+    Args:
+        config: The job configuration.
+
+    Returns:
+        ``(section, field, value, expected)`` of the first problem, else None.
+    """
+    if config.compile.enable:
+        return ("compile", "enable", True, f"false with model.name = {config.model.name!r}: "
+                "a compiled Gated DeltaNet block's backward fails in torch 2.13")  # fmt: skip
+    return None
 
 
 def qwen3_5_layout_error(parallel_dims: ParallelDims, model_args: object) -> str | None:
