@@ -163,9 +163,11 @@ def test_kill_restart_recover_bitwise(tmp_path: Path) -> None:
     last_heal = max(i for i, r in enumerate(other) if r["healed"])
     mine = {r["step"]: r["params"] for r in other[last_heal:] if r["committed"]}
     theirs = {r["step"]: r["params"] for r in committed}
-    assert len(mine) >= 3
-    for step, digest in mine.items():
-        assert digest == theirs[step], f"step {step}: parameters differ after recovery"
+    # the SIGTERM may stop one group after the other group's last step: compare common steps
+    common = sorted(set(mine) & set(theirs))
+    assert len(common) >= 3, (sorted(mine), sorted(theirs)[-5:])
+    for step in common:
+        assert mine[step] == theirs[step], f"step {step}: parameters differ after recovery"
     # the data rule: committed steps tile the stream, no sample twice, none skipped
     cursor = 0
     by_step_1 = {r["step"]: r for r in other if r["committed"]}
