@@ -494,7 +494,7 @@ class DSAConfig:
     language-modelling loss and the indexers (their inputs detached) by their loss on the
     selected tokens."""
     indexer_loss_coeff: float = 1.0
-    """Weight of the indexers' KL loss (0: the indexers are not trained)."""
+    """Weight of the indexers' KL loss; 0 leaves the indexers untrained."""
 
     def __post_init__(self) -> None:
         _check_literals(self, "dsa")
@@ -656,7 +656,7 @@ class FaultToleranceConfig:
     num_fragments: int = 1
     """With DiLoCo, the number of model fragments synchronised in turn (streaming DiLoCo)."""
     module_fqns_per_model_fragment: list[list[str]] = field(default_factory=list)
-    """With DiLoCo, the fragments by name: one list of module names per fragment (e.g.
+    """With DiLoCo, the fragments by name, one list of module names per fragment (e.g.
     ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]``); every parameter must
     fall in exactly one fragment (checked when the job starts). Empty: ``num_fragments``
     consecutive slices of the blocks."""

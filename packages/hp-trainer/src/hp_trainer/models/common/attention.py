@@ -291,7 +291,7 @@ def attention(
         masks: The batch's lowered masks; None: SDPA (its own causal path when ``spec`` is
             plain causal, the path context parallelism redirects); inside a context-parallel
             step any other spec, or sinks, go to the context-parallel engine
-            (:func:`hp_cp_ep.cp.context_parallel_attention`) with the step's documents.
+            (:func:`hp_cp_ep.context_parallel_attention`) with the step's documents.
         sinks: Optional ``(heads,)`` attention-sink logits (gpt-oss).
         scale: Softmax scale (default ``head_dim ** -0.5``).
 

@@ -45,7 +45,7 @@ class MoEDecoderArgs(DecoderArgs):
     moe_args: MoEArgs = field(default_factory=MoEArgs)
     """Router, experts and balancing options of every MoE block."""
     moe_hidden_dim: int = 256
-    """Hidden size of each routed expert (shared experts: this times their number)."""
+    """Hidden size of each routed expert (the shared experts have this times their number)."""
     n_dense_layers: int = 0
     """The first blocks keep a dense SwiGLU (DeepSeek-V3's ``first_k_dense_replace``)."""
 

@@ -37,7 +37,7 @@ class DeepSeekV3Args(MoEDecoderArgs):
     hf_model_type: ClassVar[str] = "deepseek_v3"
 
     q_lora_rank: int = 0
-    """Rank of the low-rank query projection (0: a full ``wq``)."""
+    """Rank of the low-rank query projection; 0 keeps a full ``wq``."""
     kv_lora_rank: int = 512
     """Rank of the compressed key/value latent."""
     qk_nope_head_dim: int = 128
@@ -98,7 +98,7 @@ class MLAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         #: which keys a query sees, as the architecture defines it (documents come per batch)
         self.mask_spec = MaskSpec()
-        #: softmax scale: SDPA's default (None), times YaRN's ``mscale_all_dim`` correction
+        #: the softmax scale, SDPA's default (None), times YaRN's ``mscale_all_dim`` correction
         self.softmax_scale: float | None = None
         if isinstance(args.rope_scaling, YarnRopeScaling):
             factor = args.rope_scaling.softmax_scale_factor
@@ -231,8 +231,8 @@ class DeepSeekV3(MoEDecoder):
     """The DeepSeek-V3 decoder: latent attention, dense first blocks, then MoE blocks.
 
     Args:
-        args: Model arguments (a
-            :data:`~hp_trainer.models.deepseek_v3.flavors.deepseek_v3_flavors` entry).
+        args: Model arguments (an entry of ``deepseek_v3_flavors`` in
+            ``hp_trainer.models.deepseek_v3.flavors``).
 
     See Also:
         :titan:`torchtitan.models.deepseek_v3.model.model.DeepSeekV3Model`;

@@ -13,7 +13,7 @@ class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
     """HF ``DeepseekV3ForCausalLM`` <-> our DeepSeek-V3 (rotary parts stay interleaved).
 
     Args:
-        model_args: The model's :class:`~hp_trainer.models.deepseek_v3.DeepSeekV3Args`.
+        model_args: The model's :class:`~hp_trainer.DeepSeekV3Args`.
         hf_assets_path: Folder of HF assets; kept for reference.
 
     See Also:

@@ -8,7 +8,8 @@ head weights ``w = weights_proj(x) / sqrt(index_n_heads)``. Each query then atte
 ``index_topk`` best-scoring visible tokens only. The scoring, the top-k and the sparse attention
 are hp-cp-ep's (``hp_cp_ep.dsa.indexer_topk``, ``hp_cp_ep.dsa.sparse_attention``).
 
-The indexer is trained by its own loss (the report's two stages, see :class:`DSAttention`):
+The indexer is trained by its own loss (the report's two stages, see
+:class:`~hp_trainer.models.deepseek_v32.model.DSAttention`):
 a KL divergence between the main attention's distribution (summed over heads, normalized) and
 the softmax of the indexer's scores, dense during the warm-up (main model frozen, attention
 dense) and over the selected tokens in the sparse stage; its inputs are detached, so the
@@ -71,7 +72,7 @@ class DeepSeekV32Args(DeepSeekV3Args):
     hf_model_type: ClassVar[str] = "deepseek_v32"
 
     q_lora_rank: int = 1536
-    """Rank of the query latent (DeepSeek-V3.2 needs one: the indexer reads it)."""
+    """Rank of the query latent; DeepSeek-V3.2 needs one, the indexer reads it."""
     index_n_heads: int = 64
     """Heads of the lightning indexer."""
     index_head_dim: int = 128
@@ -244,14 +245,14 @@ class DSAttention(MLAttention):
         self.index_topk = args.index_topk
         #: the indexer's training stage, ``"sparse"`` or ``"dense_warmup"``
         self.indexer_stage: IndexerStage = "sparse"
-        #: weight of the indexer's KL loss (0: no loss, the indexer is not trained)
+        #: weight of the indexer's KL loss; 0 means no loss, the indexer is not trained
         self.indexer_loss_coeff = 0.0
-        #: the loss's divisor (None: the number of queries of the forward)
+        #: the loss's divisor; None divides by the number of queries of the forward
         self.indexer_loss_tokens: int | None = None
         #: the last forward's indexer loss (detached), None before or without one
         self.indexer_loss: torch.Tensor | None = None
-        #: tensor parallel: the group whose ranks hold the other heads (their probabilities
-        #: are summed into the indexer's target)
+        #: under tensor parallel, the group whose ranks hold the other heads (their
+        #: probabilities are summed into the indexer's target)
         self.head_group: dist.ProcessGroup | None = None
 
     def latent_rows(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -417,7 +418,8 @@ class DSAttention(MLAttention):
 
 
 class DeepSeekV32(MoEDecoder):
-    """The DeepSeek-V3.2 decoder: DeepSeek-V3 with :class:`DSAttention` in every block.
+    """The DeepSeek-V3.2 decoder: DeepSeek-V3 with
+    :class:`~hp_trainer.models.deepseek_v32.model.DSAttention` in every block.
 
     Args:
         args: Model arguments (a

@@ -88,7 +88,7 @@ DEEPSEEK_V32_SHARDING = ShardingConfig(
     cp=ROPE_CP_RULES,
     description="DeepSeek-V3.2 (sparse latent attention, MoE)",
 )
-"""DeepSeek-V3.2's table: DeepSeek-V3's TP and EP sections with ``SPARSE_ATTENTION_RULES``;
+"""DeepSeek-V3.2's table, DeepSeek-V3's TP and EP sections with ``SPARSE_ATTENTION_RULES``;
 under CP the RoPE table is sharded with the sequence (the attention's own context parallelism is
 hp-cp-ep's DSA styles, applied by :func:`hp_trainer.parallelize_deepseek_v32`)."""
 

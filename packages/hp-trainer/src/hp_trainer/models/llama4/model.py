@@ -306,8 +306,8 @@ class Llama4(MoEDecoder):
     """The Llama 4 text decoder: iRoPE, chunked attention, interleaved MoE with a shared expert.
 
     Args:
-        args: Model arguments (a :data:`~hp_trainer.models.llama4.flavors.llama4_flavors`
-            entry).
+        args: Model arguments (an entry of ``llama4_flavors`` in
+            ``hp_trainer.models.llama4.flavors``).
 
     See Also:
         :titan:`torchtitan.models` (TorchTitan's Llama 4 among them);

@@ -9,7 +9,8 @@ and writes it once per token::
     o_t = S_t^T q_t
 
 :func:`gated_delta_rule_recurrent` runs exactly that, token by token (the reference).
-:func:`gated_delta_rule_chunked` is the parallel form used for training: inside a chunk of
+:func:`~hp_trainer.models.qwen3_5.delta_rule.gated_delta_rule_chunked` is the parallel form used
+for training: inside a chunk of
 ``C`` tokens the writes ``u`` solve one unit lower-triangular ``C x C`` system (the delta rule's
 dependence of each write on the earlier ones of the chunk) and every output is one matrix
 product, so only ``S / C`` sequential steps remain, carrying the state from chunk to chunk.
@@ -266,7 +267,8 @@ def gated_delta_rule_chunked(
 def delta_rule_flops_per_token(
     value_heads: int, key_dim: int, value_dim: int, chunk_size: int, seq_len: int
 ) -> int:
-    """Training FLOPs per token of :func:`gated_delta_rule_chunked` (forward + 2x backward).
+    """Training FLOPs per token of
+    :func:`~hp_trainer.models.qwen3_5.delta_rule.gated_delta_rule_chunked` (forward + 2x backward).
 
     Per chunk of ``C = min(chunk_size, seq_len)`` tokens and value head, the matrix products
     are ``beta K K^T`` and ``Q K^T`` (``2 C^2 d_k`` each), ``scores @ U`` (``2 C^2 d_v``), the

@@ -179,7 +179,9 @@ def qwen3_5_moe_routing(num_experts: int, top_k: int) -> MoEArgs:
 
 @dataclass(kw_only=True)
 class Qwen35MoeArgs(Qwen35Args):
-    """:class:`Qwen35Args` with routed experts and a gated shared expert in every block.
+    """Qwen3.5 arguments with routed experts and a gated shared expert in every block.
+
+    :class:`~hp_trainer.models.qwen3_5.model.Qwen35Args` plus the MoE options.
 
     See Also:
         ``transformers.Qwen3_5MoeTextConfig``.
@@ -195,7 +197,7 @@ class Qwen35MoeArgs(Qwen35Args):
     shared_expert_hidden_dim: int = 256
     """Hidden size of the shared expert."""
     n_dense_layers: int = 0
-    """Always 0: every Qwen3.5 MoE block routes (kept for the MoE layout checks)."""
+    """Always 0, every Qwen3.5 MoE block routes (kept for the MoE layout checks)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -40,8 +40,8 @@ class Qwen3MoE(MoEDecoder):
     """The Qwen 3 MoE decoder: QK-normed grouped-query attention and MoE feed-forwards.
 
     Args:
-        args: Model arguments (a
-            :data:`~hp_trainer.models.qwen3_moe.flavors.qwen3_moe_flavors` entry).
+        args: Model arguments (an entry of ``qwen3_moe_flavors`` in
+            ``hp_trainer.models.qwen3_moe.flavors``).
 
     See Also:
         :titan:`torchtitan.models.qwen3` (its MoE flavors); ``transformers.Qwen3MoeForCausalLM``.
