@@ -136,3 +136,42 @@ def test_fake_world_builds_large_meshes_in_one_process() -> None:
 def test_rank_seed_differs_per_rank() -> None:
     seeds = run_distributed(rank_seed, 3, 5)
     assert len(set(seeds)) == 3
+
+
+#: Groups a test keeps referenced past its end (what a leaking test does): destroyed by the
+#: harness, but their gloo threads live on while these references do.
+_KEPT_GROUPS: list[dist.ProcessGroup] = []
+
+
+def _leak_groups(count: int) -> int:
+    import os
+
+    for _ in range(count):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        dist.all_reduce(torch.ones(1), group=group)
+        _KEPT_GROUPS.append(group)
+    return os.getpid()
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def test_pool_with_leaked_gloo_threads_is_replaced() -> None:
+    """A worker that keeps destroyed groups alive gains their threads: the next job gets a new
+    pool, counted apart from rebuilds after failures; a job that leaks a little keeps its pool."""
+    from hp_dtensor.testing._worker import SPARE_THREADS
+
+    before = pool_stats()
+    renewals, rebuilds = before.renewals, before.rebuilds
+    first = run_distributed(_leak_groups, 2, 1)  # 3 threads more per rank: kept
+    assert run_distributed(_pid, 2) == first
+    assert pool_stats().renewals == renewals
+    leaked = run_distributed(_leak_groups, 2, SPARE_THREADS // 3 + 1)  # over the limit
+    assert leaked == first
+    fresh = run_distributed(_pid, 2)
+    assert not set(fresh) & set(leaked), (fresh, leaked)
+    assert pool_stats().renewals == renewals + 1
+    assert pool_stats().rebuilds == rebuilds

@@ -11,8 +11,6 @@ restarted group holds the survivors' weights bitwise. docs/fault_tolerance.rst s
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -36,8 +34,8 @@ FAST = ("--lr_scheduler.warmup_steps", "2", "--fault_tolerance.min_replica_size"
 
 def _losses(tmp: Path, replica: int) -> dict[int, float]:
     path = tmp / f"g{replica}" / "losses.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in records}  # a restarted group: its last life's value
+    # a restarted group: its last life's value
+    return {r["step"]: r["loss"] for r in _procs._records(path)}
 
 
 def _group(
@@ -71,10 +69,14 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, *, kill: str) -> None:
             return after >= (4 if kill else STEPS)
 
         _procs._until(done, 300, "the restarted group's 4 steps" if kill else f"{STEPS} steps")
+        # Not a clean stop: with min_replica_size 2, a group still running after two others
+        # stopped at their next step waits for a quorum until its timeout (exit 1). The clean
+        # SIGTERM stop is test_ft_recovery's; here every group is killed at once and only what
+        # the traces and losses recorded is compared (a half-written last line is dropped).
         for proc in groups:
-            proc.send_signal(signal.SIGTERM)  # a clean stop at the next step
+            proc.send_signal(signal.SIGKILL)
         for r, proc in enumerate(groups):
-            assert _procs._wait(proc, 120, tmp, r) == 143
+            assert _procs._wait(proc, 60, tmp, r) == -signal.SIGKILL
     finally:
         _procs._cleanup(procs)
 
@@ -83,11 +85,6 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-@pytest.mark.skipif(
-    os.environ.get("HP_FT_FULL") != "1",
-    reason="HP_FT_FULL=1 (7 hp-train processes, 80-340 s; failed once under CI load: a group "
-    "exited 1 instead of 143 at the SIGTERM)",
-)
 def test_loss_curve_with_a_failure_against_an_uninterrupted_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

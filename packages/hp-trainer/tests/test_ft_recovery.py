@@ -88,11 +88,19 @@ def _group(
     return proc
 
 
-def _trace(tmp: Path, replica: int) -> list[dict[str, Any]]:
-    path = tmp / f"g{replica}" / "ft_trace_rank0.jsonl"
+def _records(path: Path) -> list[dict[str, Any]]:
+    """One JSON record per line; a last line cut by a kill (no newline yet) is dropped."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _trace(tmp: Path, replica: int) -> list[dict[str, Any]]:
+    return _records(tmp / f"g{replica}" / "ft_trace_rank0.jsonl")
 
 
 def _wait(proc: subprocess.Popen[str], timeout: float, tmp: Path, replica: int) -> int:

@@ -17,6 +17,8 @@ from hp_dtensor.testing._worker import worker_main
 
 #: Modules imported once by the fork server, so each new pool starts without re-importing torch.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor"]
+#: The stack's packages, preloaded when the test process has imported them.
+_PACKAGES = ["hp_fsdp", "hp_tp", "hp_pp", "hp_cp_ep", "hp_dcp", "hp_kernels", "hp_trainer"]
 #: Seconds a pool may take to start (imports and rendezvous of every rank).
 START_TIMEOUT_S = 180.0
 #: Seconds the other ranks get to answer once one rank has failed, before the pool is rebuilt.
@@ -45,6 +47,8 @@ class PoolStats:
     starts: list[tuple[int, float]] = field(default_factory=list)
     jobs: int = 0
     rebuilds: int = 0
+    #: pools replaced because a worker had leaked threads of destroyed gloo groups
+    renewals: int = 0
 
 
 class WorkerPool:
@@ -56,12 +60,16 @@ class WorkerPool:
 
     def __init__(self, world_size: int, stats: PoolStats) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        # The packages the tests already imported are imported once by the fork server too
+        # (it starts with the first pool, after collection): a replaced pool starts warm.
+        loaded = [name for name in _PACKAGES if name in sys.modules]
+        ctx.set_forkserver_preload([*_PRELOAD, *loaded])
         start = time.perf_counter()
         port = _free_port()
         self.world_size = world_size
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._stats = stats
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
@@ -75,6 +83,8 @@ class WorkerPool:
             self._procs.append(proc)
             self._conns.append(parent_conn)
         self.alive = True
+        #: closed because a worker wore out (leaked threads), not because a job failed
+        self.renewed = False
         replies = self._collect(START_TIMEOUT_S, "pool start-up")
         for rank, (kind, payload) in enumerate(replies):
             if kind != "ready":
@@ -82,13 +92,13 @@ class WorkerPool:
                 raise DistributedTestError(f"rank {rank} failed to start:\n{payload}")
         stats.starts.append((world_size, time.perf_counter() - start))
 
-    def _collect(self, timeout: float, what: str) -> list[tuple[str, Any]]:
-        replies: dict[int, tuple[str, Any]] = {}
+    def _collect(self, timeout: float, what: str) -> list[tuple[Any, ...]]:
+        replies: dict[int, tuple[Any, ...]] = {}
         deadline = time.monotonic() + timeout
         pending = dict(enumerate(self._conns))
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
         while pending:
-            if any(kind == "err" for kind, _ in replies.values()):
+            if any(reply[0] == "err" for reply in replies.values()):
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -135,7 +145,11 @@ class WorkerPool:
             # A failed rank may leave collectives half-done on the others: start afresh next time.
             self.close()
             raise DistributedTestError(_format_errors(errors, hung=[]))
-        return [pickle.loads(payload) for _, payload in replies]
+        if any(reply[2] for reply in replies):  # a worn worker: the next job gets a fresh pool
+            self._stats.renewals += 1
+            self.renewed = True
+            self.close()
+        return [pickle.loads(reply[1]) for reply in replies]
 
     def close(self) -> None:
         """Stop the workers: politely when idle, by SIGKILL when they do not exit at once."""
@@ -170,7 +184,7 @@ class PoolManager:
 
     def get(self, world_size: int) -> WorkerPool:
         if self.pool is not None and (not self.pool.alive or self.pool.world_size != world_size):
-            if not self.pool.alive:
+            if not self.pool.alive and not self.pool.renewed:
                 self.stats.rebuilds += 1
             self.pool.close()
             self.pool = None

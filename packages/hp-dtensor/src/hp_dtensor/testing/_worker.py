@@ -16,6 +16,11 @@ from typing import Any
 
 #: Set in worker processes so that decorated tests called inside a worker run directly.
 IN_WORKER_ENV = "HP_DTENSOR_TESTING_WORKER"
+#: Threads a worker may gain over its start before the pool is replaced. Every gloo group a test
+#: leaves referenced keeps three threads alive after ``destroy_process_group``; some of those
+#: loops spin once the peer's side is freed, so a long-lived pool slowed every later job (4-10x
+#: on two cores, CI run of issue 34).
+SPARE_THREADS = 48
 
 
 def _load_module(name: str, file: str | None) -> ModuleType:
@@ -70,6 +75,7 @@ class _StateGuard:
         self._py_rng = random.getstate()
         self._dtype = torch.get_default_dtype()
         self._groups = set(c10d_world.pg_map)
+        self._threads = set(_threads())
 
     def restore(self) -> None:
         import torch
@@ -95,6 +101,34 @@ class _StateGuard:
         torch.set_num_threads(1)
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
+
+    def worn(self) -> str:
+        """Why this worker should be replaced (leaked gloo threads), or ``""``."""
+        extra = [tid for tid in _threads() if tid not in self._threads]
+        if len(extra) > SPARE_THREADS:
+            return f"{len(extra)} threads more than at start"
+        for tid in extra:
+            name, state = _thread_state(tid)
+            if name == "gloo_tcp_loop" and state == "R":
+                return "a gloo loop of a destroyed group is running"
+        return ""
+
+
+def _threads() -> list[str]:
+    try:
+        return os.listdir("/proc/self/task")
+    except OSError:  # not Linux: no thread accounting, pools are never replaced
+        return []
+
+
+def _thread_state(tid: str) -> tuple[str, str]:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return "", ""
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return name, stat[stat.rindex(")") + 2 : stat.rindex(")") + 3]
 
 
 def worker_main(
@@ -131,9 +165,11 @@ def worker_main(
             reply: tuple[str, Any] = ("ok", pickle.dumps(result))
         except BaseException as exc:  # report everything, including KeyboardInterrupt-like exits
             reply = ("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        worn = ""
         try:
             guard.restore()
+            worn = guard.worn()
         except Exception:
             reply = ("err", f"state reset failed after the test:\n{traceback.format_exc()}")
-        conn.send(reply)
+        conn.send((*reply, worn))
     dist.destroy_process_group()

@@ -60,10 +60,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     stats = pool_stats()
     if stats.starts:
-        starts = ", ".join(f"ws={ws}: {sec:.2f} s" for ws, sec in stats.starts)
+        sizes = sorted({ws for ws, _ in stats.starts})
+        per_size = ", ".join(f"ws={n}: {sum(w == n for w, _ in stats.starts)}" for n in sizes)
+        total = sum(sec for _, sec in stats.starts)
         terminalreporter.write_line(
-            f"hp_dtensor.testing: {stats.jobs} distributed jobs; pool start-ups {starts}; "
-            f"rebuilds after failures: {stats.rebuilds}"
+            f"hp_dtensor.testing: {stats.jobs} distributed jobs; {len(stats.starts)} pool "
+            f"start-ups ({per_size}) in {total:.1f} s; "
+            f"rebuilds after failures: {stats.rebuilds}; "
+            f"pools replaced for leaked gloo threads: {stats.renewals}"
         )
     budgets = _budgets()
     if not budgets:
