@@ -45,7 +45,7 @@ def layout_overlay(
             "expert_parallel_degree": c.ep,
         },
         "activation_checkpoint": {"mode": ac},
-        "offload": {"optimizer": c.offload_optimizer},
+        "offload": {"optimizer": c.offload_optimizer, "params": c.offload_params},
     }
 
 

@@ -9,7 +9,8 @@ whose parameters, gradients and optimizer state alone exceed the memory limit (a
 schedule or AC mode can reduce; they are kept as "closest" candidates for the report). Every
 structure left is checked by the trainer's own ``validate_parallel_layout``
 (the message of a refusal becomes the candidate's "why"), then expanded over the pipeline
-schedules, micro-batch sizes, AC modes and optimizer offload and estimated.
+schedules, micro-batch sizes, AC modes and offload (the optimizer; on one rank the parameters)
+and estimated.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ __all__ = ["PlanResult", "RejectedLayout", "plan_layouts"]
 _GIB = 2**30
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 AC_MODES = ("none", "selective", "full")
+
+
+def _offload_label(c: LayoutCandidate) -> str:
+    return "params" if c.offload_params else "opt" if c.offload_optimizer else "-"
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,7 +110,7 @@ class PlanResult:
         for i, e in enumerate(rows, 1):
             c = e.candidate
             lines.append(
-                f"{i:>3}  {c.label():<40} {c.ac:<9} {'opt' if c.offload_optimizer else '-':<7} "
+                f"{i:>3}  {c.label():<40} {c.ac:<9} {_offload_label(c):<7} "
                 f"{e.step_time:>9.3f} {e.tokens_per_second_per_device:>10.1f} "
                 f"{100 * e.mfu:>5.1f}% {e.peak_memory / _GIB:>9.2f}  {'yes' if e.fits else 'no':<4}"
                 f"  {e.why}"
@@ -190,7 +195,8 @@ def plan_layouts(
         optimizer: Optimizer name (its state size).
         ac_modes: Activation-checkpointing modes to consider.
         schedules: Pipeline schedules to consider.
-        offload: Also consider optimizer offload.
+        offload: Also consider optimizer offload, and on one rank parameter offload
+            (``offload.params``, which runs without FSDP or any other parallelism).
         max_cp: Largest context-parallel degree considered.
         compute_dtype_bytes: 2 (bf16 mixed precision) or 4 (fp32).
 
@@ -273,8 +279,12 @@ def _expand(result: PlanResult, base: LayoutCandidate, base_job: Any, args: Any,
     shard = base.dp_shard * base.cp * base.tp
     layers = -(-stats.n_layers // base.pp)
     stage = layers * (max(stats.layer_dense_params) + max(stats.layer_expert_params))
+    param_offload = offload and result.world_size == 1  # offload.params: one process only
     per_param = 8 if offload else 8 + 4 * {"SGD": 0, "Muon": 1}.get(optimizer, 2)
-    bound = per_param * stage / shard
+    # with parameter offload only the largest block is resident (its compute-dtype copy)
+    bound = (
+        (stage / layers * base.compute_dtype_bytes) if param_offload else per_param * stage / shard
+    )
     if bound > limit:
         result.rejected.append(
             RejectedLayout(
@@ -307,9 +317,14 @@ def _expand(result: PlanResult, base: LayoutCandidate, base_job: Any, args: Any,
         # AC and offload never make a step faster in this model: a stronger option is
         # estimated only when the weaker ones do not fit
         done = False
-        for off in (False, True) if offload else (False,):
+        tiers = [(False, False)] + [(True, False)] * offload + [(False, True)] * param_offload
+        for off_optimizer, off_params in tiers:
             for ac in ac_modes:
-                c = dataclasses.replace(cand, ac=ac, offload_optimizer=off)  # type: ignore[arg-type]
+                if off_params and ac == "swap":
+                    continue  # both hold a block's saved tensors through saved-tensor hooks
+                c = dataclasses.replace(  # type: ignore[arg-type]
+                    cand, ac=ac, offload_optimizer=off_optimizer, offload_params=off_params
+                )
                 e = estimate_layout(stats, c, profile, memory_limit=limit, optimizer=optimizer)
                 result.estimates.append(e)
                 if e.fits:
