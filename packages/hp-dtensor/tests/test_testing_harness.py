@@ -143,35 +143,35 @@ def test_rank_seed_differs_per_rank() -> None:
 _KEPT_GROUPS: list[dist.ProcessGroup] = []
 
 
-def _leak_groups(count: int) -> int:
+def _leak_groups(count: int, *, in_cycle: bool = False) -> tuple[int, int]:
+    """Create ``count`` groups kept referenced: by a module list, or by a garbage cycle."""
     import os
 
+    cycle: list[object] = []
+    cycle.append(cycle)
     for _ in range(count):
         group = dist.new_group(list(range(dist.get_world_size())))
         dist.all_reduce(torch.ones(1), group=group)
-        _KEPT_GROUPS.append(group)
-    return os.getpid()
+        (cycle if in_cycle else _KEPT_GROUPS).append(group)
+    return os.getpid(), len(os.listdir("/proc/self/task"))
 
 
-def _pid() -> int:
-    import os
+def test_pool_with_leaked_gloo_threads_is_collected_then_replaced() -> None:
+    """Groups held by garbage cycles are collected (the pool stays); too many threads left
+    after the collection: the next job gets a new pool, counted apart from failures."""
+    from hp_dtensor.testing._worker import COLLECT_THREADS, SPARE_THREADS
 
-    return os.getpid()
-
-
-def test_pool_with_leaked_gloo_threads_is_replaced() -> None:
-    """A worker that keeps destroyed groups alive gains their threads: the next job gets a new
-    pool, counted apart from rebuilds after failures; a job that leaks a little keeps its pool."""
-    from hp_dtensor.testing._worker import SPARE_THREADS
-
-    before = pool_stats()
-    renewals, rebuilds = before.renewals, before.rebuilds
-    first = run_distributed(_leak_groups, 2, 1)  # 3 threads more per rank: kept
-    assert run_distributed(_pid, 2) == first
-    assert pool_stats().renewals == renewals
-    leaked = run_distributed(_leak_groups, 2, SPARE_THREADS // 3 + 1)  # over the limit
-    assert leaked == first
-    fresh = run_distributed(_pid, 2)
-    assert not set(fresh) & set(leaked), (fresh, leaked)
-    assert pool_stats().renewals == renewals + 1
-    assert pool_stats().rebuilds == rebuilds
+    stats = pool_stats()
+    renewals, rebuilds = stats.renewals, stats.rebuilds
+    over = COLLECT_THREADS // 3 + 1
+    first = run_distributed(_leak_groups, 2, over, in_cycle=True)
+    after = run_distributed(_leak_groups, 2, 0)
+    assert [pid for pid, _ in after] == [pid for pid, _ in first]  # the same pool
+    assert all(now < then - 3 * over + 10 for (_, now), (_, then) in zip(after, first))
+    assert stats.renewals == renewals
+    leaked = run_distributed(_leak_groups, 2, SPARE_THREADS // 3 + 1)  # module-held: stay
+    assert [pid for pid, _ in leaked] == [pid for pid, _ in first]
+    fresh = run_distributed(_leak_groups, 2, 0)
+    assert not {pid for pid, _ in fresh} & {pid for pid, _ in leaked}, (fresh, leaked)
+    assert stats.renewals == renewals + 1
+    assert stats.rebuilds == rebuilds
