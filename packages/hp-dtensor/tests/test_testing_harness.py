@@ -167,7 +167,7 @@ def test_pool_with_leaked_gloo_threads_is_collected_then_replaced() -> None:
     first = run_distributed(_leak_groups, 2, over, in_cycle=True)
     after = run_distributed(_leak_groups, 2, 0)
     assert [pid for pid, _ in after] == [pid for pid, _ in first]  # the same pool
-    assert all(now < then - 3 * over + 10 for (_, now), (_, then) in zip(after, first))
+    assert all(now < then - 3 * over + 10 for (_, now), (_, then) in zip(after, first, strict=True))
     assert stats.renewals == renewals
     leaked = run_distributed(_leak_groups, 2, SPARE_THREADS // 3 + 1)  # module-held: stay
     assert [pid for pid, _ in leaked] == [pid for pid, _ in first]

@@ -203,14 +203,16 @@ def test_parameter_offload_is_searched_on_one_rank(tmp_path: Path) -> None:
     # fit even with the optimizer offloaded; with the parameters on the host they do
     result = plan_layouts("llama3", "8B", 1, "h100", seq_len=2048, memory_limit=40 * gib)
     best = result.best
-    assert best is not None and best.fits
+    assert best is not None
+    assert best.fits
     assert best.candidate.offload_params
     assert best.candidate.ac != "swap"
     assert not any(e.fits for e in result.estimates if not e.candidate.offload_params)
     assert "params" in result.table(3)
     path = write_overlay(tmp_path / "plan.toml", "llama3", "8B", best, header="test")
     cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
-    assert cfg.offload.params and not cfg.offload.optimizer
+    assert cfg.offload.params
+    assert not cfg.offload.optimizer
     # on two ranks parameter offload is never proposed (it runs without FSDP)
     two = plan_layouts("llama3", "8B", 2, "h100", seq_len=2048, memory_limit=40 * gib)
     assert not any(e.candidate.offload_params for e in two.estimates)

@@ -322,8 +322,11 @@ def _expand(result: PlanResult, base: LayoutCandidate, base_job: Any, args: Any,
             for ac in ac_modes:
                 if off_params and ac == "swap":
                     continue  # both hold a block's saved tensors through saved-tensor hooks
-                c = dataclasses.replace(  # type: ignore[arg-type]
-                    cand, ac=ac, offload_optimizer=off_optimizer, offload_params=off_params
+                c = dataclasses.replace(
+                    cand,
+                    ac=ac,  # type: ignore[arg-type]
+                    offload_optimizer=off_optimizer,
+                    offload_params=off_params,
                 )
                 e = estimate_layout(stats, c, profile, memory_limit=limit, optimizer=optimizer)
                 result.estimates.append(e)
