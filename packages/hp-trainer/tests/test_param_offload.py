@@ -182,3 +182,38 @@ def test_param_offload_bad_input(tmp_path: Path) -> None:
         OffloadConfig(params="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"model\.layers"):
         offload_params([torch.nn.Linear(2, 2)])
+
+
+def test_param_offload_stop_and_resume_exact(tmp_path: Path) -> None:
+    """A checkpoint written with the parameters in host memory resumes bitwise: 2 + 2 steps
+    equal 4 uninterrupted ones (losses and weights), and the resumed run still offloads."""
+    h = _helpers()
+    ckpt = {"enable": True, "interval": 2, "keep_latest_k": 0, "last_save_model_only": False}
+
+    def train(run: str, stop_after: int | None = None) -> tuple[list[float], Any, Any, bool]:
+        cfg = h.job(tmp_path, {}, run=run, steps=4, checkpoint=ckpt)
+        cfg.offload.params = True
+        trainer = Trainer(cfg)
+        if stop_after is not None:
+            h.stop_at(trainer, stop_after)
+        try:
+            losses = trainer.train()
+            offloaded = trainer.param_offload is not None and all(
+                p.data_ptr() == host.data_ptr()
+                for unit in trainer.param_offload.units
+                for p, host in zip(unit.params, unit.host, strict=True)
+            )  # between steps every parameter's data is its host tensor
+            state = h.full_state(trainer.model_parts)
+            return losses, state, trainer.checkpointer.loaded_step, offloaded
+        finally:
+            trainer.close()
+
+    full, full_state, _, _ = train("full")
+    stopped, _, _, _ = train("stop", stop_after=2)
+    resumed, state, loaded, offloaded = train("stop")
+    assert loaded == 2
+    assert offloaded
+    assert stopped + resumed == full  # bitwise
+    assert set(state) == set(full_state)
+    for key, value in full_state.items():
+        assert torch.equal(value, state[key]), key
