@@ -133,9 +133,7 @@ def test_kill_restart_recover_bitwise(tmp_path: Path) -> None:
     """Group 1 dies four times (forward, recovery, backward, optimizer); group 0 never stops."""
     procs: list[subprocess.Popen[str]] = []
     steps = 100000  # both run until stopped with SIGTERM once the last life trained in step
-    lives = ["optimizer:3", "recovery:0", ""]  # CI; HP_FT_ALL_KILLS=1: every point
-    if os.environ.get("HP_FT_ALL_KILLS") == "1":
-        lives = ["forward:3", "recovery:0", "backward:2", "optimizer:2", ""]
+    lives = ["forward:3", "recovery:0", "backward:2", "optimizer:2", ""]  # every kill point
     try:
         lighthouse = _lighthouse(procs)
         survivor = _group(tmp_path, 0, lighthouse, steps, procs, sleep=0.3)

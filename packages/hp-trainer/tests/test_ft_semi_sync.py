@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,19 +28,7 @@ def _traces(tmp: Path, replica: int, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-_FULL = os.environ.get("HP_FT_FULL") == "1"  # CI runs DiLoCo; HP_FT_FULL=1 adds LocalSGD
-
-
-@pytest.mark.parametrize(
-    "method",
-    [
-        pytest.param(
-            "local_sgd",
-            marks=pytest.mark.skipif(not _FULL, reason="HP_FT_FULL=1 (6 processes, ~80 s here)"),
-        ),
-        "diloco",
-    ],
-)
+@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
 def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
     steps, sync = 6, 3
     procs: list[subprocess.Popen[str]] = []
@@ -116,7 +103,6 @@ def _losses(tmp: Path, run: str) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.skipif(not _FULL, reason="HP_FT_FULL=1 (9 processes)")
 def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
     """The oracle of the synchronous mode: 2 groups x FSDP 2 = a plain FSDP 4 job (same data)."""
     steps = 4
