@@ -85,8 +85,8 @@ def test_cp_with_a_model_without_a_cp_path_fails_up_front(monkeypatch: Any) -> N
     import hp_trainer.protocols.model_spec as model_spec
 
     spec = model_spec.get_model_spec("deepseek_v3")
-    # an attention without a CP path: no cp section (no table) and no extra flag
-    plain = dataclasses.replace(spec, extra={}, sharding=None)
+    # an attention without a CP path: no cp section (no table) and no context_parallel flag
+    plain = dataclasses.replace(spec, context_parallel=False, sharding=None)
     monkeypatch.setattr(model_spec, "get_model_spec", lambda name: plain)
     with pytest.raises(ValueError, match="deepseek_v3/tiny's attention has no context-parallel"):
         validate_parallel_layout(_cfg({"context_parallel_degree": 2}, "deepseek_v3"), 2)

@@ -1,4 +1,4 @@
-"""Parse-time refusals that model families register (``ModelSpec.extra["job_check"]``)."""
+"""Parse-time refusals that model families register (``ModelSpec.job_check``)."""
 
 from __future__ import annotations
 

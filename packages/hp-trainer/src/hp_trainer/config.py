@@ -1051,7 +1051,7 @@ class JobConfig:
 
     def _check_dsa(self) -> None:
         """``[dsa]`` only with ``deepseek_v32``; the model family's own parse-time check (its
-        ``ModelSpec.extra["job_check"]``, e.g. DeepSeek-V3.2's)."""
+        ``ModelSpec.job_check``, e.g. DeepSeek-V3.2's)."""
         from hp_trainer.protocols.model_spec import get_model_spec
 
         defaults = DSAConfig()
@@ -1067,8 +1067,7 @@ class JobConfig:
             spec = get_model_spec(self.model.name)
         except ValueError:
             return  # an unknown model is named when the model is resolved
-        check = spec.extra.get("job_check")
-        problem = check(self) if check is not None else None
+        problem = spec.job_check(self) if spec.job_check is not None else None
         if problem is not None:
             _fail(*problem)
 

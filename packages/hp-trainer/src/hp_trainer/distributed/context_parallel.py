@@ -107,7 +107,7 @@ def supports_context_parallel(spec: ModelSpec) -> bool:
 
     A spec opts in with a sharding table whose ``cp`` section places its buffers indexed by
     position (``ModelSpec.sharding``; its parallelize function applies that table), or, for
-    a family without a table, ``extra["context_parallel"] = True`` (its parallelize function
+    a family without a table, ``ModelSpec.context_parallel = True`` (its parallelize function
     then calls :func:`hp_trainer.apply_sharding` with ``cp_mesh``
     itself). Its attention calls ``F.scaled_dot_product_attention`` (causal, no dense mask).
 
@@ -120,7 +120,7 @@ def supports_context_parallel(spec: ModelSpec) -> bool:
     sharding = getattr(spec, "sharding", None)
     if sharding is not None and sharding.cp:
         return True
-    return bool(spec.extra.get("context_parallel", False))
+    return spec.context_parallel
 
 
 class ContextParallelStep:

@@ -127,8 +127,7 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
                 f"training.local_batch_size = {training.local_batch_size} (the activation "
                 "shapes the stages exchange)"
             )
-    family_check = spec.extra.get("layout_error")  # fn(dims, args) -> reason or None
-    problem = family_check(dims, args) if family_check is not None else None
+    problem = spec.layout_check(dims, args) if spec.layout_check is not None else None
     if problem is not None:
         _fail(f"{model}: {problem}")
     if dims.cp > 1:

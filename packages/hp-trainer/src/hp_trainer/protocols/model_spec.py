@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -64,13 +64,20 @@ class ModelSpec:
         args_from_hf_config: Keyword-style extension: ``fn(config, source) -> model args``
             building this family's arguments from an HF ``config.json`` (``--model.flavor
             auto``; None: not supported).
-        extra: Further capabilities, e.g. ``{"context_parallel": True}`` when a family
-            without a sharding table has a context-parallel path (SDPA attention; its
-            parallelize function applies the CP placements itself).
         sharding: Keyword-style extension: the family's declarative sharding table (TP, EP
             and CP sections), the one its parallelize function gives to
             :func:`hp_trainer.apply_sharding`; a ``cp`` section declares
             the context-parallel path (None: no table).
+        context_parallel: Keyword-style extension: True when a family without a ``cp``
+            section in its table still has a context-parallel path (SDPA attention; its
+            parallelize function applies the CP placements itself).
+        job_check: Keyword-style extension: ``fn(job_config) -> (section, field, value,
+            expected) or None``, the family's own refusals, run when a job naming it is parsed
+            (e.g. DeepSeek-V3.2's ``[dsa]`` options, Qwen3.5 with ``compile``).
+        layout_check: Keyword-style extension: ``fn(parallel_dims, model_args) -> reason or
+            None``, the family's own layout refusals, run by
+            :func:`hp_trainer.distributed.layout_validation.validate_parallel_layout` before a
+            rank starts (e.g. TP not dividing Qwen3.5's linear-attention heads).
 
     See Also:
         :titan:`torchtitan.protocols.model_spec.ModelSpec`: TorchTitan's spec.
@@ -83,8 +90,10 @@ class ModelSpec:
     pipelining_fn: Callable[..., Any] | None = None
     state_dict_adapter: type | None = None
     args_from_hf_config: Callable[[Mapping[str, Any], str], Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     sharding: ShardingConfig | None = None
+    context_parallel: bool = False
+    job_check: Callable[[Any], tuple[str, str, object, str] | None] | None = None
+    layout_check: Callable[[Any, Any], str | None] | None = None
 
     def model_args(self, flavor: str) -> Any:
         """Return the arguments of one flavor.

@@ -49,6 +49,6 @@ register_model_spec(
         pipelining_fn=pipeline_decoder,
         args_from_hf_config=deepseek_v32_args_from_hf_config,
         sharding=DEEPSEEK_V32_SHARDING,  # TP / EP / CP (RoPE table; DSA styles) table
-        extra={"job_check": dsa_job_error},  # called by JobConfig when the job is parsed
+        job_check=dsa_job_error,  # called by JobConfig when the job is parsed
     )
 )

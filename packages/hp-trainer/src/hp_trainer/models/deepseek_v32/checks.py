@@ -36,7 +36,7 @@ def index_topk_error(args: Any, seq_len: int) -> str | None:
 def dsa_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
     """The first ``[dsa]`` / DeepSeek-V3.2 option of ``config`` that cannot work, or None.
 
-    Registered as the spec's ``extra["job_check"]``, which
+    Registered as the spec's ``job_check``, which
     :class:`~hp_trainer.config.JobConfig` calls when a job names ``deepseek_v32``. Checked:
     context parallelism with a rotate method DSA cannot use (``ulysses``, ``hybrid``), the dense
     warm-up, tensor parallelism or document masking; a named

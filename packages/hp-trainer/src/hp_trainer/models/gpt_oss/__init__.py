@@ -41,6 +41,6 @@ register_model_spec(
         pipelining_fn=pipeline_decoder,
         args_from_hf_config=gpt_oss_args_from_hf_config,
         sharding=GPT_OSS_SHARDING,  # TP / EP / CP table (CP: windows and sinks to the engine)
-        extra={"job_check": gpt_oss_job_error},  # --moe.fused refused
+        job_check=gpt_oss_job_error,  # --moe.fused refused
     )
 )

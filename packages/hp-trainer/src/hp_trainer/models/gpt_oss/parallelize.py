@@ -141,7 +141,7 @@ def parallelize_gpt_oss(
 
 
 def gpt_oss_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
-    """The first job option gpt-oss cannot train with (``ModelSpec.extra["job_check"]``).
+    """The first job option gpt-oss cannot train with (``ModelSpec.job_check``).
 
     ``moe.fused``: :func:`hp_kernels.mega_moe` computes the plain SwiGLU experts; gpt-oss's
     experts have biases and a clamped SwiGLU.

@@ -57,14 +57,6 @@ __all__ = [
     "qwen3_5_moe_flavors",
 ]
 
-# checked up front by validate_parallel_layout: CP refused with its reason, TP dividing the
-# Gated DeltaNet heads
-_LAYOUT = {
-    "context_parallel": False,
-    "layout_error": qwen3_5_layout_error,
-    "job_check": qwen3_5_job_error,  # compile refused
-}
-
 register_model_spec(
     ModelSpec(
         name="qwen3_5",
@@ -75,7 +67,10 @@ register_model_spec(
         state_dict_adapter=Qwen35StateDictAdapter,
         args_from_hf_config=qwen3_5_args_from_hf_config,
         sharding=QWEN3_5_SHARDING,  # TP only: CP refused (the linear-attention state)
-        extra=dict(_LAYOUT),
+        # checked up front: CP refused with its reason and TP dividing the Gated DeltaNet heads
+        # (validate_parallel_layout), compile refused (when the job is parsed)
+        layout_check=qwen3_5_layout_error,
+        job_check=qwen3_5_job_error,
     )
 )
 
@@ -89,6 +84,9 @@ register_model_spec(
         state_dict_adapter=Qwen35MoeStateDictAdapter,
         args_from_hf_config=qwen3_5_moe_args_from_hf_config,
         sharding=QWEN3_5_MOE_SHARDING,  # TP / EP; CP refused (the linear-attention state)
-        extra=dict(_LAYOUT),
+        # checked up front: CP refused with its reason and TP dividing the Gated DeltaNet heads
+        # (validate_parallel_layout), compile refused (when the job is parsed)
+        layout_check=qwen3_5_layout_error,
+        job_check=qwen3_5_job_error,
     )
 )

@@ -152,7 +152,7 @@ shared expert replicated) and the routed experts over the expert mesh."""
 
 
 def qwen3_5_job_error(config: JobConfig) -> tuple[str, str, object, str] | None:
-    """The first job option a Qwen3.5 model cannot train with (``ModelSpec.extra["job_check"]``).
+    """The first job option a Qwen3.5 model cannot train with (``ModelSpec.job_check``).
 
     ``compile.enable``: the backward of a compiled Gated DeltaNet block fails in torch 2.13
     (a view of a non-contiguous gradient); the full-attention blocks compile, the hybrid
