@@ -340,3 +340,25 @@ def test_moe_under_torch_compile(dtype: torch.dtype) -> None:
     for p, r in zip(moe.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r.grad)
     assert torch.equal(moe.tokens_per_expert, reference.tokens_per_expert)
+
+
+def test_bf16_moe_compiles_as_one_graph_and_counts_recompute_once() -> None:
+    """``fullgraph=True``: the expert-load count reads whether a backward runs through an opaque
+    op decided when the graph runs (an activation checkpoint's recompute adds nothing), not a
+    Python branch that dynamo cannot trace."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(11)
+    moe = MoE(MoEArgs(num_experts=4, top_k=2), 16, 32).to(torch.bfloat16)
+    reference = copy.deepcopy(moe)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    out = checkpoint(compiled, x, use_reentrant=False)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)
+    out.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    assert torch.equal(moe.tokens_per_expert, reference.tokens_per_expert)
+    assert float(moe.tokens_per_expert.sum()) == 2 * 5 * 2  # every choice once
+    for p, r in zip(moe.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad)

@@ -20,7 +20,7 @@ import torch
 
 from hp_dtensor._torch_compat import require
 
-__all__ = ["PRIVATE_NAMES", "grouped_mm", "in_backward", "single_device_sdpa"]
+__all__ = ["PRIVATE_NAMES", "grouped_mm", "in_backward", "outside_backward", "single_device_sdpa"]
 
 _PACKAGE = "hp-cp-ep"
 
@@ -40,3 +40,20 @@ PRIVATE_NAMES = (
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass in this thread right now."""
     return int(_current_graph_task_id()) != -1
+
+
+@torch.library.custom_op("hp_cp_ep::outside_backward", mutates_args=())
+def outside_backward(like: torch.Tensor) -> torch.Tensor:
+    """``1`` outside a backward pass, ``0`` inside one, as a 0-d tensor like ``like``.
+
+    The form of :func:`in_backward` that compiled graphs keep: dynamo cannot trace the graph-task
+    id, but it keeps this opaque op, which reads it each time the graph runs (an activation
+    checkpoint recomputing a compiled block runs it inside the backward). No host sync: the
+    value is written into a new tensor.
+    """
+    return torch.full((), 0 if in_backward() else 1, dtype=like.dtype, device=like.device)
+
+
+@outside_backward.register_fake
+def _outside_backward_fake(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(())

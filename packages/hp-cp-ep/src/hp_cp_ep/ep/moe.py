@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_ep._torch_compat import in_backward
+from hp_cp_ep._torch_compat import in_backward, outside_backward
 from hp_cp_ep.ep.dispatch import BackwardOverlap
 from hp_cp_ep.ep.experts import GroupedExperts
 from hp_cp_ep.ep.router import (
@@ -427,9 +427,13 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router.route(tokens, self.expert_bias)
-        if not in_backward():  # an activation checkpoint's recompute must not count twice
-            with torch.no_grad():
-                self.tokens_per_expert.add_(routing.num_tokens_per_expert.to(torch.float32))
+        # an activation checkpoint's recompute must not count twice
+        with torch.no_grad():
+            counts = routing.num_tokens_per_expert.to(torch.float32)
+            if torch.compiler.is_compiling():  # decided when the graph runs, not when traced
+                self.tokens_per_expert.add_(counts * outside_backward(counts))
+            elif not in_backward():
+                self.tokens_per_expert.add_(counts)
         selected = routing.selected_experts
         num_bins = self.num_experts
         if self.moe_args.capacity_factor is not None:
