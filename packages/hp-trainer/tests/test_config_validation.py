@@ -183,3 +183,20 @@ def test_preflight_runs_the_layout_check() -> None:
     # hp-train calls preflight before it starts any rank
     with pytest.raises(ValueError, match="tensor_parallel_degree = 3 must divide"):
         preflight(_cfg({"tensor_parallel_degree": 3}, model="deepseek_v3"), 3)
+
+
+def test_fullgraph_compile_of_an_moe_with_ep_or_fp32_fails_up_front() -> None:
+    fp32 = {"mixed_precision_param": "float32"}
+    for par, training in (({"expert_parallel_degree": 2}, {}), ({}, fp32)):
+        cfg = _cfg(
+            {"data_parallel_shard_degree": 2, **par}, "qwen3_moe", compile={"enable": True},
+            training={"local_batch_size": 2, "seq_len": 32, **training},
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=r"compile\.fullgraph = true with model qwen3_moe"):
+            validate_parallel_layout(cfg, 2)
+    # bf16 without EP compiles as one graph; fullgraph = false accepts the graph breaks
+    validate_parallel_layout(_cfg({"data_parallel_shard_degree": 2}, "qwen3_moe",
+                                  compile={"enable": True}), 2)  # fmt: skip
+    cfg = _cfg({"expert_parallel_degree": 2, "data_parallel_shard_degree": 2}, "qwen3_moe",
+               compile={"enable": True, "fullgraph": False})  # fmt: skip
+    validate_parallel_layout(cfg, 2)

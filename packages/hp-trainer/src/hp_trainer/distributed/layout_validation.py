@@ -195,3 +195,14 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
         problem = moe_layout_error(dims, args)
         if problem is not None:
             _fail(f"{model}: {problem}")
+        low = config.training.mixed_precision_param == "bfloat16"
+        if config.compile.enable and config.compile.fullgraph and (dims.ep > 1 or not low):
+            # the split sizes of the EP all-to-all, and of the per-expert loop that replaces
+            # the grouped GEMM while compiling outside bf16, are read on the host: graph breaks
+            _fail(
+                f"compile.fullgraph = true with {model}, expert_parallel_degree = {dims.ep} and "
+                f"training.mixed_precision_param = {config.training.mixed_precision_param!r}: "
+                "an MoE compiles as one graph only in bfloat16 without expert parallelism (the "
+                "all-to-all's and the per-expert loop's split sizes are graph breaks); set "
+                "compile.fullgraph = false"
+            )
