@@ -83,39 +83,43 @@ def _job(folder: str, name: str, suffix: str = "") -> Any:
     )
 
 
-def _worker(folder: str, rounds: int) -> dict[str, Any]:
+def _worker(folder: str, rounds: int, names: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hp_trainer import Trainer
-    from hp_trainer.planner._measure import step_peak_bytes
+    from hp_trainer.planner._measure import step_peak
 
-    names = list(LAYOUTS)
-    trainers = {name: Trainer(_job(folder, name)) for name in names}
-    batches = {name: t.data_iterator() for name, t in trainers.items()}
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds + WARMUP):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            batch = next(batches[name])
-            dist.barrier()
-            start = time.perf_counter()
-            trainers[name].train_step(batch)
-            dist.barrier()
-            times[name].append(time.perf_counter() - start)
-    for trainer in trainers.values():
-        trainer.close()
-    # memory: one trainer alive at a time (the profiler's record of a step is exact only when
-    # no other trainer's tensors are freed during it), its second step (with optimizer state)
-    peaks = {}
+    if rounds:
+        trainers = {name: Trainer(_job(folder, name)) for name in names}
+        batches = {name: t.data_iterator() for name, t in trainers.items()}
+        for r in range(rounds + WARMUP):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
+                batch = next(batches[name])
+                dist.barrier()
+                start = time.perf_counter()
+                trainers[name].train_step(batch)
+                dist.barrier()
+                times[name].append(time.perf_counter() - start)
+        for trainer in trainers.values():
+            trainer.close()
+    # memory: one trainer alive at a time (no other trainer's tensors are freed during the
+    # profiled step), its second step (with optimizer state)
+    peaks, where = {}, {}
     for name in names:
         dist.barrier()
         trainer = Trainer(_job(folder, name, "_mem"))
         it = trainer.data_iterator()
         trainer.train_step(next(it))
-        peaks[name] = step_peak_bytes(trainer, next(it))[0]
+        peaks[name], at, _ = step_peak(trainer, next(it))
+        where[name] = {
+            "at": " > ".join(at.at[-3:]),
+            "live_mib": {k: round(v / 2**20, 2) for k, v in list(at.live.items())[:8]},
+        }
         trainer.close()
-    return {"median": {n: statistics.median(ts[WARMUP:]) for n, ts in times.items()},
-            "peak": peaks}  # fmt: skip
+    median = {n: statistics.median(ts[WARMUP:]) if ts else 0.0 for n, ts in times.items()}
+    return {"median": median, "peak": peaks, "where": where}
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -169,7 +173,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--profile", default="cpu")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="measure the peaks only (no timing rounds), print them, write no results",
+    )
+    parser.add_argument("--layouts", nargs="*", default=None, help="a subset (with --memory-only)")
     opts = parser.parse_args()
+    names = list(LAYOUTS) if not opts.layouts else opts.layouts
 
     from hp_dtensor.testing import run_distributed
     from hp_trainer import load_documents
@@ -179,13 +190,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         text = "\n".join(load_documents("tiny_stories_synth")[:600]) + "\n"
         (Path(folder) / "corpus.txt").write_text(text)
-        results = run_distributed(_worker, 4, folder, opts.rounds, timeout=1800)
-    names = list(LAYOUTS)
+        rounds = 0 if opts.memory_only else opts.rounds
+        results = run_distributed(_worker, 4, folder, rounds, names, timeout=1800)
+    if opts.memory_only:
+        for name in names:
+            est = predict(name, profile)
+            worst = max(range(len(results)), key=lambda r: results[r]["peak"][name])
+            measured = results[worst]["peak"][name]
+            print(f"{name}: predicted {est.peak_memory / 2**20:.2f} MiB, measured "
+                  f"{measured / 2**20:.2f} MiB (rank {worst}), error "
+                  f"{100 * (est.peak_memory - measured) / measured:+.1f}%")  # fmt: skip
+            print("  predicted parts:", {k: round(v / 2**20, 2) for k, v in est.memory.items()})
+            print("  measured:", results[worst]["where"][name])
+        return
     rows = []
     for name in names:
         est = predict(name, profile)
         measured_t = max(r["median"][name] for r in results)
-        measured_m = max(r["peak"][name] for r in results)
+        worst_rank = max(range(len(results)), key=lambda r: results[r]["peak"][name])
+        measured_m = results[worst_rank]["peak"][name]
         rows.append({
             "layout": name,
             "predicted_step_s": est.step_time,
@@ -193,6 +216,8 @@ def main() -> None:
             "predicted_peak_mib": est.peak_memory / 2**20,
             "measured_peak_mib": measured_m / 2**20,
             "memory_error": (est.peak_memory - measured_m) / measured_m,
+            "predicted_parts_mib": {k: v / 2**20 for k, v in est.memory.items()},
+            "measured_peak_at": results[worst_rank]["where"][name],
         })  # fmt: skip
     rho = spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows])
     worst = max(abs(r["memory_error"]) for r in rows)

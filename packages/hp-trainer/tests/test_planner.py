@@ -1,9 +1,10 @@
 """The auto-parallel planner: memory model against tensor-level measurements, search, hp-plan.
 
-The memory model is pinned on three layouts of the tiny Llama at world size 2 (FSDP 2, TP 2,
-PP 2 with 1F1B), each rank on its own data: the predicted peak of a step with optimizer state is
-within 15% of the measured one (the bytes alive at the step's start plus the peak of the
-allocations minus frees the profiler records, see ``hp_trainer.planner._measure``). The search
+The memory model is pinned on four layouts of the tiny Llama at world size 2 (FSDP 2, TP 2,
+PP 2 with 1F1B, FSDP 2 with full AC), each rank on its own data: the predicted peak of a step
+with optimizer state is within 15% of the measured one (the bytes alive at the step's start plus
+the peak of the live blocks the profiler's allocator events give, replayed by address, see
+``hp_trainer.planner._measure``). The search
 goes through the trainer's own layout validation (every ranked layout passes it; a refused one
 carries its message), the table ranks what fits first, the overlay is a config ``hp-train``
 reads, and bad input gets a useful answer: the closest candidates with their shortfall, the
@@ -38,6 +39,9 @@ _LAYOUTS: dict[str, tuple[dict[str, Any], LayoutCandidate]] = {
          "pipeline_parallel_microbatch_size": 2},
         LayoutCandidate(pp=2, microbatch_size=2),
     ),
+    # full AC: the loss without a recomputed block and a block's backward with one (and FSDP's
+    # reduce-scatter in flight) are two moments, not one sum
+    "fsdp2 full AC": ({"data_parallel_shard_degree": 2}, LayoutCandidate(dp_shard=2, ac="full")),
 }  # fmt: skip
 _LOCAL_BATCH = 4
 
@@ -54,7 +58,9 @@ def _measure(folder: str) -> dict[str, int]:
 
     out = {}
     for name, (par, _) in _LAYOUTS.items():
-        trainer = Trainer(_helpers().job(Path(folder), par, run=name, local_bs=_LOCAL_BATCH))
+        cfg = _helpers().job(Path(folder), par, run=name.replace(" ", "_"), local_bs=_LOCAL_BATCH)
+        cfg.activation_checkpoint.mode = _LAYOUTS[name][1].ac
+        trainer = Trainer(cfg)
         try:
             batches = trainer.data_iterator()
             trainer.train_step(next(batches))  # creates the optimizer state

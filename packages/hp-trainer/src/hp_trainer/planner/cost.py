@@ -19,11 +19,12 @@ this rank's shard (fp32 master weights; AdamW keeps two fp32 moments); gathered 
 (FSDP: two blocks in the compute dtype, all of the stage when pipeline parallel keeps them);
 autocast's weight casts without FSDP; activations per micro-batch per block in the compute
 dtype (``ModelStats.layer_act_elems`` per token), times the micro-batches the schedule keeps in
-flight (the simulator's peak), with AC keeping only block inputs and one block in full; logits
-(compute dtype, fp32 copy and its log-softmax); the TP / CP / EP communication buffers; the
-optimizer step's temporaries. Gradients count during the backward only when they persist
-across micro-batches (pipeline, accumulation); otherwise the peak is the larger of the
-forward/backward peak and the optimizer step's.
+flight (the simulator's peak), with AC keeping only block inputs and one block in full; the
+loss's backward (logits and float32 tensors); the TP / CP / EP communication buffers; the
+optimizer step's temporaries. Without pipeline parallelism the peak is the largest of three
+moments: the loss, a block's backward, the optimizer step. With it, a micro-batch's loss and
+backward overlap the other micro-batches in flight, so the terms add up; gradients persist
+across micro-batches. ``docs/planner.rst`` states each term and how it is checked.
 """
 
 from __future__ import annotations
@@ -360,9 +361,14 @@ def estimate_layout(
 
     # ---- memory ---------------------------------------------------------------------------
     last_stage = True
-    logits = (
-        tokens_mb * s.vocab_size / c.tp * (cb + 8 + (4 if cb < 4 else 0)) if last_stage else 0.0
-    )  # logits, their fp32 copy (mixed precision), log-softmax, its gradient
+    # the peak of the loss is in its backward. Without TP, log-softmax's: the logits (held by
+    # the step), the float32 log-softmax output, its gradient, and the float32 logits' gradient
+    # being made (under mixed precision the logits' float32 copy is freed once log-softmax has
+    # run). Under TP, loss parallel's fused backward on the vocabulary shard: the logits, the
+    # saved float32 log-probabilities, the negative one-hot, the probabilities, their sum and
+    # its product with the incoming gradient (five float32 tensors)
+    per_logit = cb + (20 if c.tp > 1 else 12)
+    logits = tokens_mb * s.vocab_size / c.tp * per_logit if last_stage else 0.0
     comm_buf = 0.0
     if c.tp > 1:
         comm_buf += 2 * act_bytes
@@ -383,6 +389,21 @@ def estimate_layout(
     # and gradient come in for its backward once the logits' float32 copy is freed)
     resident = 0.0 if c.offload_params else mem["parameters"]
     fb_peak = resident + opt + gathered + act_total + logits + comm_buf + grads_live
+    if c.pp == 1 and not c.offload_params:
+        # one micro-batch: the loss and a block's backward are two moments. At the loss: every
+        # kept activation but no recomputed block yet, the logits' peak, no gradient yet, and
+        # of FSDP's units only the LM head's gathered (not resharded after the forward); in a
+        # block's backward: the recomputed block, the gathered block and the one prefetched,
+        # its float32 gradient, the head's gradient, the logits gone
+        recomputed = act_layer if c.ac in ("selective", "full") else 0.0
+        at_loss = gathered if fs == 1 else s.head_params / c.tp * cb
+        loss_peak = resident + opt + at_loss + act_total - recomputed + logits + comm_buf
+        in_backward = gathered
+        if fs > 1:  # the previous block's reduce-scatter input, still in flight
+            in_backward += layer_params / c.tp * 4
+        held_logits = tokens_mb * s.vocab_size / c.tp * cb  # the step holds them to its end
+        bwd_peak = resident + opt + in_backward + act_total + held_logits + comm_buf + grads_live
+        fb_peak = max(loss_peak, bwd_peak)
     # the multi-tensor step's largest temporary: sqrt(v) for every parameter (AdamW)
     opt_temp = (
         0.0 if c.offload_optimizer or c.offload_params or opt_states == 0 else 4 * rank_params

@@ -126,13 +126,19 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
         dense += params
         out = _linear_out(child)
         if "attention" in name or "attn" in name:
-            act += out + dim  # projections' outputs and the attention output
+            heads, head_dim = getattr(child, "n_heads", None), getattr(child, "head_dim", None)
+            if isinstance(heads, int) and isinstance(head_dim, int):
+                # q, k and v as the attention kernel keeps them (rotated, the key/value heads
+                # repeated to the query heads), its output, and the residual sum
+                act += 4 * heads * head_dim + dim
+            else:  # other attentions: the projections' outputs and the residual sum
+                act += out + dim
             kernels += 12 + 3 * linears
         else:
-            # SwiGLU: w1 and w3 outputs (= 2/3 of the outputs that are not the w2 output) and
-            # the gated product
+            # SwiGLU: w1 and w3 outputs (2/3 of the outputs that are not the w2 output), silu's
+            # output and the gated product (each hidden-sized), and the residual sum (dim)
             inner = max(out - dim, 0)
-            act += out + inner // 2
+            act += 2 * inner + dim
             kernels += 4 + 3 * linears
     return dense, expert, n_experts, act, kernels
 
