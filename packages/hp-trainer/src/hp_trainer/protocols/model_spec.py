@@ -76,7 +76,7 @@ class ModelSpec:
             (e.g. DeepSeek-V3.2's ``[dsa]`` options, Qwen3.5 with ``compile``).
         layout_check: Keyword-style extension: ``fn(parallel_dims, model_args) -> reason or
             None``, the family's own layout refusals, run by
-            :func:`hp_trainer.distributed.layout_validation.validate_parallel_layout` before a
+            ``validate_parallel_layout`` (``hp_trainer.distributed.layout_validation``) before a
             rank starts (e.g. TP not dividing Qwen3.5's linear-attention heads).
 
     See Also:
