@@ -15,9 +15,17 @@ The predictions come from :func:`hp_trainer.planner.estimate_layout` with the ``
 predicted and measured step times (target >= 0.8), and the peak-memory error of each layout
 (target <= 15%).
 
+``--offload`` checks hyper-offload instead, in one process (where host memory is device memory,
+so the figures are tensor-level: the device side is what the training thread allocates): the tiny
+Llama (seq 32, local batch 2, fp32, AdamW; the job of ``test_offload.py`` and
+``test_param_offload.py``) without offload, with ``offload.optimizer`` (the peak of a step with
+optimizer state, the bytes between steps, the host bytes) and with ``offload.params`` (the peak
+of a forward + backward, the bytes copied per step), each against the planner's prediction.
+
 Usage::
 
     python benchmarks/planner_check.py [--rounds 6] [--profile cpu] [--out benchmarks/results]
+    python benchmarks/planner_check.py --offload
 """
 
 from __future__ import annotations
@@ -168,6 +176,132 @@ def predict(name: str, profile: Any) -> Any:
     return estimate_layout(model_stats(model, flavor, SEQ), cand, profile)
 
 
+def _offload_job(folder: str, run: str, *, optimizer: bool, params: bool) -> Any:
+    from hp_trainer import ConfigManager
+
+    cfg = ConfigManager().from_dict(
+        {
+            "job": {"run_name": run, "dump_folder": folder},
+            "model": {"name": "llama3", "flavor": "tiny"},
+            "training": {
+                "local_batch_size": 2,
+                "seq_len": 32,
+                "steps": 1000,
+                "seed": 0,
+                "max_norm": 1.0,
+                "mixed_precision_param": "float32",
+                "mixed_precision_reduce": "float32",
+            },
+            "optimizer": {"lr": 5e-3, "eps": 1e-6},
+            "lr_scheduler": {"warmup_steps": 1},
+            "metrics": {"log_freq": 100000, "enable_plot": False, "enable_progress_bar": False},
+            "data": {"dataset": str(Path(folder) / "corpus.txt")},
+        }
+    )
+    cfg.offload.optimizer = optimizer
+    cfg.offload.params = params
+    return cfg
+
+
+def _offload_measure(folder: str, run: str, *, optimizer: bool, params: bool) -> dict[str, Any]:
+    """Tensor-level figures of the tiny Llama's second step (the one with optimizer state)."""
+    import torch
+
+    from hp_trainer import Trainer
+    from hp_trainer.planner._measure import (
+        forward_backward_peak,
+        live_device_bytes,
+        step_peak_bytes,
+    )
+
+    trainer = Trainer(_offload_job(folder, run, optimizer=optimizer, params=params))
+    try:
+        batches = trainer.data_iterator()
+        trainer.train_step(next(batches))
+        batch = next(batches)
+        fb_peak, where = forward_backward_peak(trainer, batch)
+        out: dict[str, Any] = {"fb_peak": fb_peak, "fb_at": " > ".join(where.at[-3:])}
+        out["fb_live"] = {k: v for k, v in list(where.live.items())[:6]}
+        if trainer.param_offload is not None:
+            # the host step's temporaries are host memory allocated by this thread: the step's
+            # peak is the forward + backward's
+            trainer.param_offload.reset_stats()
+            trainer.train_step(batch)
+            out["step_peak"] = 0
+        else:
+            out["step_peak"] = step_peak_bytes(trainer, batch)[0]
+        if trainer.param_offload is not None:
+            out["copied"] = trainer.param_offload.copied_bytes
+            # parameters and gradient buffers, and the optimizer's state (created on the host)
+            state = [
+                v for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
+            ]
+            out["host"] = trainer.param_offload.host_bytes + sum(
+                v.untyped_storage().nbytes() for v in state if isinstance(v, torch.Tensor)
+            )
+        else:
+            out["host"] = int(getattr(trainer.optimizers, "host_bytes", 0))
+        trainer.optimizers.zero_grad()
+        if trainer.param_offload is None:
+            out["between_steps"] = live_device_bytes(trainer.model_parts, [trainer.optimizers])
+        else:  # the parameters are their host tensors between steps: the buffers stay
+            buffers = trainer.model.buffers()
+            out["between_steps"] = sum(b.untyped_storage().nbytes() for b in buffers)
+        out["params"] = sum(p.numel() for p in trainer.model.parameters())
+        return out
+    finally:
+        trainer.close()
+
+
+def offload_check(profile: Any) -> list[dict[str, Any]]:
+    """Measure and predict the tiny Llama without offload, with the optimizer offloaded and
+    with the parameters offloaded (one process); print and return one row per setting."""
+    from hp_trainer import load_documents
+    from hp_trainer.planner import LayoutCandidate, estimate_layout, model_stats
+
+    stats = model_stats("llama3", "tiny", 32)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        text = "\n".join(load_documents("tiny_stories_synth")[:200]) + "\n"
+        (Path(folder) / "corpus.txt").write_text(text)
+        for name, optimizer, params in (
+            ("none", False, False),
+            ("offload.optimizer", True, False),
+            ("offload.params", False, True),
+        ):
+            m = _offload_measure(folder, name.replace(".", "_"), optimizer=optimizer, params=params)
+            cand = LayoutCandidate(
+                local_batch_size=2,
+                seq_len=32,
+                compute_dtype_bytes=4,
+                offload_optimizer=optimizer,
+                offload_params=params,
+            )
+            est = estimate_layout(stats, cand, profile)
+            # the planner's peak is of a step with optimizer state; with the parameters
+            # offloaded the step's peak is the forward + backward's (the host steps)
+            measured = m["fb_peak"] if params else m["step_peak"]
+            rows.append({
+                "offload": name, **m, "predicted_peak": est.peak_memory,
+                "predicted_host": est.host_memory,
+                "error": (est.peak_memory - measured) / measured,
+            })  # fmt: skip
+    n = rows[0]["params"]
+    print(f"tiny llama3: {n:,} parameters ({4 * n:,} fp32 bytes), seq 32, local batch 2, AdamW")
+    print("| offload | step peak B | fwd+bwd peak B | predicted peak B | error | between steps B "
+          "| host B | predicted host B | copied per step B |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        step = f"{r['step_peak']:,}" if r["step_peak"] else "(host step)"
+        print(f"| {r['offload']} | {step} | {r['fb_peak']:,} | {r['predicted_peak']:,.0f} | "
+              f"{100 * r['error']:+.1f}% | {r['between_steps']:,} | {r['host']:,} | "
+              f"{r['predicted_host']:,.0f} | {r.get('copied', 0):,} |")  # fmt: skip
+    for r in rows:
+        print(f"{r['offload']}: forward + backward peak at {r['fb_at']}; live bytes there by "
+              f"site: {r['fb_live']}")  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -179,7 +313,17 @@ def main() -> None:
         help="measure the peaks only (no timing rounds), print them, write no results",
     )
     parser.add_argument("--layouts", nargs="*", default=None, help="a subset (with --memory-only)")
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="check hyper-offload's figures instead (one process, the tiny Llama), print them",
+    )
     opts = parser.parse_args()
+    if opts.offload:
+        from hp_trainer.planner import load_device_profile as _load
+
+        offload_check(_load(opts.profile))
+        return
     names = list(LAYOUTS) if not opts.layouts else opts.layouts
 
     from hp_dtensor.testing import run_distributed

@@ -6,8 +6,8 @@ values), in one process and under FSDP at world size 3 (uneven shards: the host 
 local shards). Observed, tensor-level (``hp_trainer.planner._measure``): no optimizer state on
 the device; the device bytes between steps drop by the AdamW moments (8 bytes per parameter);
 in one process the measured peak of a step drops by at least as much, and the planner's memory
-model predicts both peaks within 15%; the host holds the moments, the master weights and the
-gradient buffers (16 bytes per parameter).
+model predicts both peaks within 6% (and the host bytes exactly); the host holds the moments,
+the master weights and the gradient buffers (16 bytes per parameter).
 """
 
 from __future__ import annotations
@@ -104,8 +104,12 @@ def test_offload_single_process_bitwise_and_device_memory(tmp_path: Path) -> Non
         c = LayoutCandidate(
             local_batch_size=2, seq_len=32, compute_dtype_bytes=4, offload_optimizer=offload
         )
-        predicted = estimate_layout(stats, c, prof).peak_memory
-        assert abs(predicted - measured) <= 0.15 * measured, (offload, predicted, measured)
+        est = estimate_layout(stats, c, prof)
+        predicted = est.peak_memory
+        # within 6% (-0.5% and -2.0% in benchmarks/planner_check.py --offload)
+        assert abs(predicted - measured) <= 0.06 * measured, (offload, predicted, measured)
+        # the host bytes the planner counts are those the container holds
+        assert est.host_memory == (16 * n if offload else 0), (est.host_memory, off["host"])
 
 
 def _fsdp(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:

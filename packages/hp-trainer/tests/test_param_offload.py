@@ -140,14 +140,15 @@ def test_param_offload_bitwise_residency_and_memory(tmp_path: Path) -> None:
     saved = ref["fb_peak"] - off["fb_peak"]
     print(f"fb peak: ref {ref['fb_peak']} off {off['fb_peak']}")
     assert saved >= 0.95 * 3 * total, (saved, total, ref["fb_peak"], off["fb_peak"])
-    # the planner's memory model predicts the offloaded peak within 15%
+    # the planner's memory model predicts the offloaded peak within 6% (-3.5% in
+    # benchmarks/planner_check.py --offload)
     from hp_trainer.planner import LayoutCandidate, estimate_layout, load_device_profile
     from hp_trainer.planner.model_stats import model_stats
 
     c = LayoutCandidate(local_batch_size=2, seq_len=32, compute_dtype_bytes=4, offload_params=True)
     predicted = estimate_layout(model_stats("llama3", "tiny", 32), c, load_device_profile("cpu"))
     measured = off["fb_peak"]
-    assert abs(predicted.peak_memory - measured) <= 0.15 * measured, (predicted, measured)
+    assert abs(predicted.peak_memory - measured) <= 0.06 * measured, (predicted, measured)
 
 
 def test_param_offload_full_ac_refetches_for_recompute(tmp_path: Path) -> None:

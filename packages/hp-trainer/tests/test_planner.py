@@ -147,7 +147,8 @@ def test_offload_and_ac_are_modelled() -> None:
     assert full.step_time > none.step_time  # the recomputed forward
     assert off.memory["optimizer"] == 0
     assert none.memory["optimizer"] == pytest.approx(8 * stats.total_params / 8)
-    assert off.host_memory == pytest.approx(12 * stats.total_params / 8)
+    # moments, master weights and gradient buffers (test_offload.py measures 16 bytes)
+    assert off.host_memory == pytest.approx(16 * stats.total_params / 8)
     assert off.step_time > none.step_time  # the copies and the host step
 
 

@@ -32,7 +32,14 @@ import torch
 
 from hp_dtensor import DTensor
 
-__all__ = ["StepPeak", "live_device_bytes", "peak_step_bytes", "step_peak_bytes", "timed"]
+__all__ = [
+    "StepPeak",
+    "forward_backward_peak",
+    "live_device_bytes",
+    "peak_step_bytes",
+    "step_peak_bytes",
+    "timed",
+]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -212,3 +219,26 @@ def step_peak_bytes(trainer: Any, batch: Any) -> tuple[int, Any]:
     (see :func:`step_peak`)."""
     peak, _, result = step_peak(trainer, batch)
     return peak, result
+
+
+def forward_backward_peak(trainer: Any, batch: Any) -> tuple[int, StepPeak]:
+    """Peak device bytes of one forward + backward of ``batch`` (no optimizer step), and where
+    it is: the tensors alive before it (parameters, buffers, device optimizer state; with
+    ``offload.params`` only the buffers, the rest is host memory) + the peak of what it
+    allocates."""
+    import gc
+
+    trainer.optimizers.zero_grad()
+    gc.collect()
+    if getattr(trainer, "param_offload", None) is None:
+        base = live_device_bytes(trainer.model_parts, [trainer.optimizers])
+    else:
+        base = sum(b.untyped_storage().nbytes() for m in trainer.model_parts for b in m.buffers())
+    inputs, labels = batch[0]
+    tokens = (labels != -100).sum().float()
+    gc.disable()
+    try:
+        where = profile_peak(lambda: trainer.forward_backward_step(inputs, labels, tokens))
+    finally:
+        gc.enable()
+    return base + where.peak, where

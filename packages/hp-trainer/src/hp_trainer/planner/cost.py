@@ -252,7 +252,8 @@ def estimate_layout(
     grads = 4 * rank_params
     opt = 4 * opt_states * rank_params
     if c.offload_optimizer:
-        host += opt + 4 * rank_params  # moments + the fp32 master copy the host step updates
+        # moments, the fp32 master copy the host step updates, the gradients' host buffers
+        host += opt + 8 * rank_params
         opt = 0.0
     if c.offload_params:  # host: parameters + gradient buffers (+ the state, stepped there)
         host += 8 * rank_params + (0.0 if c.offload_optimizer else opt)
