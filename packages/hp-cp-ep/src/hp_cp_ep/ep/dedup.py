@@ -19,6 +19,14 @@ stage, for ``U`` units of ``dim`` elements of ``e`` bytes:
 - plain: ``C * dim * e`` where ``C`` counts the routed choices (one row each);
 - de-duplicated: ``U * (dim + 2k) * e`` with ``U <= C`` the distinct (token, destination) pairs.
 
+Under tensor parallelism over the experts' hidden units (``ExpertTensorParallel(dedup=True)``,
+``tp_group``), every TP rank sends the same tokens over its own EP group (the ranks of its TP
+index), fans them out and in locally, and sends back its *partial* sums: weighting, fan-in and
+the all-to-alls are linear, so the TP all-reduce runs once, after the combine, on the ``T``
+tokens (``T * dim`` elements; the plain dispatcher reduces its received rows, one per choice).
+In the backward the tokens' and weights' gradients, partial on each TP rank, are all-reduced
+before the dispatch (``T * (dim + k)``; plain: one row of ``dim`` per choice).
+
 Host syncs: one per forward, as for the plain dispatcher (all split sizes of both stages, read
 at once after two small count exchanges over the inter and intra groups); none in the backward.
 
@@ -122,13 +130,16 @@ class DedupTokenDispatcher(TokenDispatcher):
     the tokens with their top-k experts and weights (:meth:`dispatch_tokens`) instead of one row
     per choice, and gets back the weighted sum over the choices (:meth:`combine_tokens`). The
     outputs and gradients are those of the plain dispatcher (the same sums, in another order).
-    Installed by ``ExpertParallel(dedup=True)``; HyperParallel calls it
+    Installed by ``ExpertParallel(dedup=True)`` and ``ExpertTensorParallel(dedup=True)``;
+    HyperParallel calls it
     ``DeredundencyTokenDispatcher`` (an alias here).
 
     Args:
         num_local_experts: Experts held by this rank.
         ep_group: Expert-parallel group (one stage), or ``None`` (one device, or ``node_groups``).
-        tp_group: Tensor-parallel group over the experts' hidden dimension, or ``None``.
+        tp_group: Tensor-parallel group over the experts' hidden dimension, or ``None``: the
+            tokens are replicated over it, each TP rank's partial outputs are summed once on
+            the combined tokens (``ExpertTensorParallel(dedup=True)``).
         node_groups: Keyword-only: ``(inter, intra)`` groups of a node axis (EP rank
             ``inter_rank * intra_size + intra_rank``): two-stage dispatch, one transfer per node
             then one per rank inside it. Exclusive with ``ep_group``.
@@ -281,11 +292,12 @@ class DedupTokenDispatcher(TokenDispatcher):
         ep_rank = me_outer * intra + me_inner
         ids = selected_experts.to(torch.int64)
         dim = tokens.shape[-1]
-        payload = torch.cat(
-            [tokens, weights.to(tokens.dtype), ids.to(id_dtype).view(tokens.dtype)], dim=1
-        )
+        carried = torch.cat([tokens, weights.to(tokens.dtype)], dim=1)
         if self.tp_group is not None:
-            payload = _CopyToTensorParallel.apply(payload, self.tp_group)  # type: ignore[no-untyped-call]
+            # each TP rank's slice of the experts gives a partial gradient of the tokens and of
+            # the weights (they scale partial inputs or outputs): summed over TP in the backward
+            carried = _CopyToTensorParallel.apply(carried, self.tp_group)  # type: ignore[no-untyped-call]
+        payload = torch.cat([carried, ids.to(id_dtype).view(tokens.dtype)], dim=1)
 
         # -- counts (device only): units and choices per destination, then two small exchanges
         rank_of = ids // local  # dropped: ep_size
@@ -381,8 +393,6 @@ class DedupTokenDispatcher(TokenDispatcher):
             overlap: Keyword-only: a :class:`~hp_cp_ep.BackwardOverlap` whose backward runs
                 while the backward all-to-all of the last stage is in flight.
         """
-        if self.tp_group is not None:
-            expert_out = _ReduceFromTensorParallel.apply(expert_out, self.tp_group)  # type: ignore[no-untyped-call]
         if not handle._score_before:
             expert_out = expert_out * handle._row_weight.unsqueeze(-1)
         out = expert_out.new_zeros((handle._num_units, expert_out.shape[-1]))
@@ -395,6 +405,10 @@ class DedupTokenDispatcher(TokenDispatcher):
                 overlap.attach(None)
             summed = out.new_zeros((stage.num_inputs, out.shape[-1]))
             out = summed.index_add(0, stage.source_rows, out)
+        if self.tp_group is not None:
+            # weighting, fan-in and all-to-all are linear: the TP ranks' partial sums travel
+            # back as they are and are summed once here, on the T tokens (the fewest rows)
+            out = _ReduceFromTensorParallel.apply(out, self.tp_group)  # type: ignore[no-untyped-call]
         return out
 
 

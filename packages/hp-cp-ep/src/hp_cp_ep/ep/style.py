@@ -169,20 +169,44 @@ class ExpertTensorParallel(ParallelStyle):
     computes its slice of every local expert's hidden units, and the partial outputs are summed
     over TP before the combine. The MoE input must be replicated over TP.
 
+    Args:
+        dedup: Keyword-only extension: install a :class:`~hp_cp_ep.DedupTokenDispatcher` with
+            the TP group (a token goes once to each EP rank holding some of its experts, fans
+            out to them there; the partial outputs are summed over TP once, on the combined
+            tokens, after the combine). The node axis of ``ExpertParallel(dedup=True)`` is not
+            available here: the mesh stays 2-D ``[ep, tp]``.
+        overlap_backward: Keyword-only extension: as for :class:`ExpertParallel` (the
+            combine's backward all-to-all overlaps the shared experts' backward).
+
     Raises:
         ValueError: When the mesh is not 2-D, or ``num_experts`` (by ep) or the hidden size (by
             tp) does not divide.
-        TypeError: When the module is not ``GroupedExperts``-like.
+        TypeError: When the module is not ``GroupedExperts``-like, or an option is not a bool.
 
     See Also:
         :titan:`torchtitan.distributed.expert_parallel.ExpertTensorParallel`.
     """
 
+    def __init__(self, *, dedup: bool = False, overlap_backward: bool = False) -> None:
+        super().__init__()
+        for name, value in (("dedup", dedup), ("overlap_backward", overlap_backward)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        self.dedup = dedup
+        self.overlap_backward = overlap_backward
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
         if device_mesh.ndim != 2:
+            node_axis = (
+                " (a node axis [inter, intra, tp] is not supported: the two-stage dedup "
+                "dispatch is ExpertParallel's, without TP)"
+                if self.dedup and device_mesh.ndim == 3
+                else ""
+            )
             raise ValueError(
                 f"{style} needs a 2-D [ep, tp] mesh, got shape {tuple(device_mesh.shape)}"
+                + node_axis
             )
         num_experts = _check_experts(module, style)
         ep, tp = device_mesh.size(0), device_mesh.size(1)
@@ -194,10 +218,12 @@ class ExpertTensorParallel(ParallelStyle):
             _check_divisible(f"{name}.shape[{dim}]", param.shape[dim], tp, style)
             placements[name] = (Shard(0), Shard(dim))
         _distribute(module, device_mesh, placements, self.src_data_rank)
-        dispatcher = TokenDispatcher(
+        kind = DedupTokenDispatcher if self.dedup else TokenDispatcher
+        dispatcher = kind(
             num_experts // ep,
             ep_group=device_mesh.get_group(0),
             tp_group=device_mesh.get_group(1),
+            overlap_backward=self.overlap_backward,
         )
         _install(module, dispatcher)
         return module
