@@ -437,17 +437,19 @@ class MoEConfig:
     """An extension. Send a token routed to several experts on the same expert-parallel rank once
     and fan it out there (:class:`hp_cp_ep.DedupTokenDispatcher`, HyperParallel's
     ``DeredundencyTokenDispatcher``): fewer all-to-all bytes whenever ``top_k > 1``. Needs
-    ``parallelism.expert_parallel_degree > 1`` and ``tensor_parallel_degree = 1``."""
+    ``parallelism.expert_parallel_degree > 1``; with ``tensor_parallel_degree > 1`` the experts'
+    partial outputs are summed over TP once per token, after the combine."""
     dedup_ranks_per_node: int = 1
     """An extension. With ``dedup_dispatch``: the expert-parallel ranks form nodes of this many
     consecutive ranks, and dispatch has two stages (a token crosses to each destination node once,
     then to each destination rank inside it; the EP mesh becomes ``[ep_inter, ep_intra]``). 1:
     one stage. Must divide ``parallelism.expert_parallel_degree``; not with
-    ``hot_expert_replicas`` (replicas need a flat EP group)."""
+    ``hot_expert_replicas`` (replicas need a flat EP group) nor ``tensor_parallel_degree > 1``
+    (the expert mesh is then ``[ep, tp]``)."""
     overlap_backward: bool = False
     """An extension. Issue the combine's backward all-to-all before the shared experts' backward
     and wait for it after (:class:`hp_cp_ep.BackwardOverlap`); off, the backward all-to-alls
-    block. Needs ``parallelism.expert_parallel_degree > 1`` and ``tensor_parallel_degree = 1``."""
+    block. Needs ``parallelism.expert_parallel_degree > 1`` (any ``tensor_parallel_degree``)."""
     fused: bool = False
     """An extension. The routed experts compute through the fused op :func:`hp_kernels.mega_moe`
     (HyperParallel's ``mega_moe``: a Triton kernel on CUDA, the composed reference elsewhere;

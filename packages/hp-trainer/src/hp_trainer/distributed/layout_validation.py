@@ -178,11 +178,18 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
         for name in ("dedup_dispatch", "overlap_backward")
         if getattr(moe, name)
     ]
-    if dispatch_options and (dims.ep == 1 or dims.tp > 1):
+    if dispatch_options and dims.ep == 1:
         _fail(
             f"{' and '.join(dispatch_options)} options the expert-parallel all-to-all dispatcher: "
-            f"they need expert_parallel_degree > 1 and tensor_parallel_degree = 1, got "
-            f"expert_parallel_degree = {dims.ep}, tensor_parallel_degree = {dims.tp}"
+            f"they need expert_parallel_degree > 1, got expert_parallel_degree = {dims.ep}"
+        )
+    if moe.dedup_ranks_per_node > 1 and dims.tp > 1:
+        # ExpertTensorParallel's mesh is [ep, tp]: no room for the [inter, intra] node axis
+        _fail(
+            f"moe.dedup_ranks_per_node = {moe.dedup_ranks_per_node} with "
+            f"tensor_parallel_degree = {dims.tp}: the two-stage (node-axis) dispatch runs on a "
+            "flat expert mesh; under expert tensor parallelism the dedup dispatch has one "
+            "stage, expected moe.dedup_ranks_per_node = 1"
         )
     if moe.dedup_ranks_per_node > 1 and dims.ep % moe.dedup_ranks_per_node:
         _fail(

@@ -265,7 +265,8 @@ def moe_layout_error(parallel_dims: ParallelDims, model_args: Any) -> str | None
 
 
 def _dispatcher_options(job_config: JobConfig) -> dict[str, bool]:
-    """The ``--moe`` dispatcher switches that are on, as ``ExpertParallel`` options."""
+    """The ``--moe`` dispatcher switches that are on, as ``ExpertParallel`` /
+    ``ExpertTensorParallel`` options."""
     moe = job_config.moe
     options = {"dedup": moe.dedup_dispatch, "overlap_backward": moe.overlap_backward}
     return {name: value for name, value in options.items() if value}
@@ -360,7 +361,7 @@ def parallelize_moe_decoder(
         expert_layout=layout,
         cp_mesh=dims.get_mesh("cp") if dims.cp_enabled else None,
         loss_parallel=not par.disable_loss_parallel,
-        dispatcher=_dispatcher_options(job_config) if layout == "ep" else None,
+        dispatcher=_dispatcher_options(job_config) if layout != "tp" else None,
     )
     if dims.dp_degree * dims.cp > 1:
         # the auxiliary loss counts the tokens of every rank that routes others (dp x cp):
