@@ -257,6 +257,26 @@ def test_dedup_etp_one_host_sync_per_forward_none_in_backward() -> None:
 
 
 @distributed(world_size=4)
+def test_dedup_etp_with_a_hot_expert_replica_equals_plain() -> None:
+    """Hot-expert replication (the replica fetches its TP slice from the owner over the EP group
+    of its TP index) composes with the dedup ETP: the unreplicated plain ETP's numbers."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    reference = _skewed_moe(4, (0, 1))
+    x, target = _batch(mesh.get_local_rank("ep"))
+    plain = copy.deepcopy(reference)
+    parallelize_module(plain.experts, mesh, ExpertTensorParallel())
+    expected_out, expected = _step(plain, x, target)
+    moe = copy.deepcopy(reference)
+    parallelize_module(moe.experts, mesh, ExpertTensorParallel(dedup=True, overlap_backward=True))
+    plan = moe.experts.token_dispatcher.replicate_hot_experts([10.0, 9.0, 1.0, 0.0], 1)
+    assert plan == [(0, 1)]  # expert 0 (rank 0) gets a copy on EP rank 1
+    out, grads = _step(moe, x, target)
+    torch.testing.assert_close(out, expected_out, **EXACT)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], **EXACT, msg=name)
+
+
+@distributed(world_size=4)
 def test_etp_dispatch_options_are_checked() -> None:
     with pytest.raises(TypeError, match="dedup must be a bool, got int"):
         ExpertTensorParallel(dedup=1)  # type: ignore[arg-type]
