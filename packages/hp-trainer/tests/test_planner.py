@@ -1,10 +1,12 @@
 """The auto-parallel planner: memory model against tensor-level measurements, search, hp-plan.
 
-The memory model is pinned on four layouts of the tiny Llama at world size 2 (FSDP 2, TP 2,
-PP 2 with 1F1B, FSDP 2 with full AC), each rank on its own data: the predicted peak of a step
+The memory model is pinned on five layouts at world size 2 (FSDP 2, TP 2, PP 2 with 1F1B,
+FSDP 2 with full AC of the tiny Llama; FSDP 2 with EP 2 of the tiny Qwen 3 MoE), each rank on
+its own data: the predicted peak of a step
 with optimizer state is within 15% of the measured one (the bytes alive at the step's start plus
 the peak of the live blocks the profiler's allocator events give, replayed by address, see
-``hp_trainer.planner._measure``). The search
+``hp_trainer.planner._measure``); each block's activation term matches the tensors autograd saves
+in its forward within 1% (dense, QK-norm, MoE, multi-head latent attention). The search
 goes through the trainer's own layout validation (every ranked layout passes it; a refused one
 carries its message), the table ranks what fits first, the overlay is a config ``hp-train``
 reads, and bad input gets a useful answer: the closest candidates with their shortfall, the
@@ -33,6 +35,9 @@ from hp_trainer.planner import (
 
 _LAYOUTS: dict[str, tuple[dict[str, Any], LayoutCandidate]] = {
     "fsdp2": ({"data_parallel_shard_degree": 2}, LayoutCandidate(dp_shard=2)),
+    # the tiny Qwen 3 MoE (8 experts, top 2), experts over 2 ranks: the MoE terms
+    "fsdp2 ep2 moe": ({"data_parallel_shard_degree": 2, "expert_parallel_degree": 2},
+                      LayoutCandidate(dp_shard=2, ep=2)),
     "tp2": ({"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}, LayoutCandidate(tp=2)),
     "pp2": (
         {"data_parallel_shard_degree": 1, "pipeline_parallel_degree": 2,
@@ -44,6 +49,10 @@ _LAYOUTS: dict[str, tuple[dict[str, Any], LayoutCandidate]] = {
     "fsdp2 full AC": ({"data_parallel_shard_degree": 2}, LayoutCandidate(dp_shard=2, ac="full")),
 }  # fmt: skip
 _LOCAL_BATCH = 4
+
+
+def _model(name: str) -> str:
+    return "qwen3_moe" if "moe" in name else "llama3"
 
 
 def _helpers() -> ModuleType:
@@ -58,7 +67,9 @@ def _measure(folder: str) -> dict[str, int]:
 
     out = {}
     for name, (par, _) in _LAYOUTS.items():
-        cfg = _helpers().job(Path(folder), par, run=name.replace(" ", "_"), local_bs=_LOCAL_BATCH)
+        cfg = _helpers().job(
+            Path(folder), par, run=name.replace(" ", "_"), local_bs=_LOCAL_BATCH, model=_model(name)
+        )
         cfg.activation_checkpoint.mode = _LAYOUTS[name][1].ac
         trainer = Trainer(cfg)
         try:
@@ -72,15 +83,58 @@ def _measure(folder: str) -> dict[str, int]:
 
 def test_memory_model_matches_tensor_level_peaks(tmp_path: Path) -> None:
     measured = run_distributed(_measure, 2, str(tmp_path), timeout=300)
-    stats = model_stats("llama3", "tiny", 32)
     profile = load_device_profile("cpu")
     for name, (_, cand) in _LAYOUTS.items():
         cand = dataclasses.replace(
             cand, local_batch_size=_LOCAL_BATCH, seq_len=32, compute_dtype_bytes=4
         )
+        stats = model_stats(_model(name), "tiny", 32)
         predicted = estimate_layout(stats, cand, profile).peak_memory
         peak = max(m[name] for m in measured)  # the worst rank, as the model predicts
         assert abs(predicted - peak) <= 0.15 * peak, (name, predicted, peak)
+        print(f"{name}: predicted {predicted:,.0f} measured {peak:,} B "
+              f"({100 * (predicted - peak) / peak:+.1f}%)")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "flavor", "q_lora_rank"),
+    [("llama3", "tiny", None), ("qwen3_moe", "tiny", None), ("deepseek_v3", "tiny", None),
+     ("deepseek_v3", "tiny", 24)],
+)  # fmt: skip
+def test_block_activation_terms_match_saved_tensors(
+    model: str, flavor: str, q_lora_rank: int | None
+) -> None:
+    """Each block's activation term (elements in the compute dtype plus the MoE router's
+    float32 / int64 bytes) against the storages autograd saves in one block's forward: dense
+    SwiGLU and grouped-query attention with QK-norm (Qwen 3), MoE with top-k routing and
+    grouped-GEMM experts (Qwen 3 MoE: softmax scores, weights applied at the combine;
+    DeepSeek-V3: sigmoid scores, group-limited routing, a shared expert, weights before the
+    experts) and multi-head latent attention (with and without a query LoRA rank)."""
+    import torch
+
+    from hp_trainer.planner._measure import saved_tensor_bytes
+    from hp_trainer.protocols.model_spec import get_model_spec
+
+    spec = get_model_spec(model)
+    args = spec.model_args(flavor)
+    if q_lora_rank is not None:
+        args = dataclasses.replace(args, q_lora_rank=q_lora_rank)
+    torch.manual_seed(0)
+    net: Any = spec.model_cls(args)
+    net.init_weights()
+    stats = model_stats(model, args, 32)
+    batch, seq = 2, 32
+    rope = net.rope_cache
+    for i, block in enumerate(net.layers.values()):
+        x = torch.randn(batch, seq, args.dim, requires_grad=True) * 1.0  # a block's input
+
+        def forward(block: Any = block, x: torch.Tensor = x) -> Any:
+            return block(x, rope)
+
+        saved, _ = saved_tensor_bytes(forward, exclude=[*block.parameters(), rope])
+        elems, fixed = stats.layer_act_elems[i], stats.layer_act_fixed_bytes[i]
+        predicted = (4 * elems + fixed) * batch * seq
+        assert abs(predicted - saved) <= 0.01 * saved, (model, i, predicted, saved)
 
 
 def test_plan_llama3_8b_on_64_h100_is_ranked_and_valid(tmp_path: Path) -> None:

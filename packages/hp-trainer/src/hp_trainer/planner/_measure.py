@@ -37,6 +37,7 @@ __all__ = [
     "forward_backward_peak",
     "live_device_bytes",
     "peak_step_bytes",
+    "saved_tensor_bytes",
     "step_peak_bytes",
     "timed",
 ]
@@ -242,3 +243,30 @@ def forward_backward_peak(trainer: Any, batch: Any) -> tuple[int, StepPeak]:
     finally:
         gc.enable()
     return base + where.peak, where
+
+
+def saved_tensor_bytes(
+    fn: Callable[[], Any], *, exclude: Iterable[torch.Tensor] = ()
+) -> tuple[int, list[tuple[tuple[int, ...], torch.dtype, int]]]:
+    """Bytes of the unique storages autograd saves for the backward while ``fn`` runs (what a
+    forward keeps alive for its backward), and each storage's (shape, dtype, bytes) as first
+    saved, in order.
+
+    Args:
+        fn: The forward region.
+        exclude: Tensors whose storages are not activations (parameters, the RoPE table).
+    """
+    skip = {_local(t).untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, tuple[tuple[int, ...], torch.dtype, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _local(t).untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() and ptr not in skip and ptr not in seen:
+            seen[ptr] = (tuple(t.shape), t.dtype, storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    rows = list(seen.values())
+    return sum(r[2] for r in rows), rows

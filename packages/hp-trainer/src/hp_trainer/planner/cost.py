@@ -17,10 +17,11 @@ optimizer states move over the host link, swap behind compute, offload exposed.
 Memory (bytes per rank, the worst pipeline stage): parameters, gradients and optimizer state of
 this rank's shard (fp32 master weights; AdamW keeps two fp32 moments); gathered parameters
 (FSDP: two blocks in the compute dtype, all of the stage when pipeline parallel keeps them);
-autocast's weight casts without FSDP; activations per micro-batch per block in the compute
-dtype (``ModelStats.layer_act_elems`` per token), times the micro-batches the schedule keeps in
-flight (the simulator's peak), with AC keeping only block inputs and one block in full; the
-loss's backward (logits and float32 tensors); the TP / CP / EP communication buffers; the
+autocast's weight casts without FSDP; activations per micro-batch per block
+(``ModelStats.layer_act_bytes``: elements in the compute dtype plus a MoE router's float32 and
+int64 bytes, per token), times the micro-batches the schedule keeps in flight (the simulator's
+peak), with AC keeping only block inputs and one block in full; the loss's backward (logits and
+float32 tensors); the TP / CP / EP communication buffers (EP's in a block's backward); the
 optimizer step's temporaries. Without pipeline parallelism the peak is the largest of three
 moments: the loss, a block's backward, the optimizer step. With it, a micro-batch's loss and
 backward overlap the other micro-batches in flight, so the terms add up; gradients persist
@@ -274,7 +275,9 @@ def estimate_layout(
 
     mb_samples = c.microbatch_size if c.pp > 1 else c.local_batch_size
     tokens_mb = mb_samples * c.seq_len / c.cp
-    act_layer = max(s.layer_act_elems) / c.tp * tokens_mb * cb
+    act_layer = s.layer_act_bytes(cb) / c.tp * tokens_mb
+    if s.is_moe and c.ep > 1:  # the received rows' order by local expert: dispatch, combine
+        act_layer += 2 * 8 * s.top_k / c.tp * tokens_mb
     block_input = s.dim / c.tp * tokens_mb * cb
     layers_rank = layers
     if c.ac == "none":
@@ -375,8 +378,12 @@ def estimate_layout(
         comm_buf += 2 * act_bytes
     if c.cp > 1:
         comm_buf += 2 * kv_bytes
-    if s.is_moe and c.ep > 1:
-        comm_buf += 2 * tokens_mb / c.tp * s.top_k * s.dim * cb
+    # EP: the all-to-alls' received rows are the experts' saved input and the combine's saved
+    # output (counted in the activations); what is extra is the backward's pair, the gradient
+    # rows sent and received (one row per token and choice each way), live in a MoE block's
+    # backward, not at the loss
+    ep_buf = 2 * tokens_mb / c.tp * s.top_k * s.dim * cb if s.is_moe and c.ep > 1 else 0.0
+    comm_buf += ep_buf
     mem["activations"] = act_total
     mem["logits"] = logits
     mem["comm_buffers"] = comm_buf
@@ -399,6 +406,7 @@ def estimate_layout(
         recomputed = act_layer if c.ac in ("selective", "full") else 0.0
         at_loss = gathered if fs == 1 else s.head_params / c.tp * cb
         loss_peak = resident + opt + at_loss + act_total - recomputed + logits + comm_buf
+        loss_peak -= ep_buf
         in_backward = gathered
         if fs > 1:  # the previous block's reduce-scatter input, still in flight
             in_backward += layer_params / c.tp * 4

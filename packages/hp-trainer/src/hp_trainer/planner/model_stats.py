@@ -35,9 +35,11 @@ class ModelStats:
         num_experts: Routed experts of a MoE block (0: dense model).
         top_k: Experts per token.
         layer_act_elems: Per block: activation elements per token kept for the backward
-            (inputs of the matmuls and of the nonlinearities), before any TP split.
-        layer_tp_split_elems: The part of ``layer_act_elems`` that tensor parallel splits (the
-            rest is the sequence-parallel part, split as well: TP shards the sequence there).
+            (inputs of the matmuls and of the nonlinearities), in the compute dtype, before any
+            TP split.
+        layer_act_fixed_bytes: Per block: activation bytes per token kept for the backward whose
+            dtype does not follow the compute dtype (a MoE router's float32 scores, its int64
+            expert indices and token permutation).
         flops_per_token: Training FLOPs per token at ``seq_len`` (the trainer's MFU formula:
             ``6 * active non-embedding params + 12 * layers * heads * head_dim * seq``).
         seq_len: The sequence length ``flops_per_token`` is for.
@@ -61,6 +63,13 @@ class ModelStats:
     flops_per_token: float
     seq_len: int
     kernels_per_layer: int
+    layer_act_fixed_bytes: tuple[float, ...] = ()
+
+    def layer_act_bytes(self, dtype_bytes: int) -> float:
+        """The largest block's activation bytes per token for a compute dtype of
+        ``dtype_bytes`` bytes (before any TP split)."""
+        fixed = self.layer_act_fixed_bytes or (0.0,) * len(self.layer_act_elems)
+        return max(e * dtype_bytes + f for e, f in zip(self.layer_act_elems, fixed, strict=True))
 
     @property
     def total_params(self) -> int:
@@ -89,10 +98,39 @@ def _linear_out(module: nn.Module) -> int:
     return sum(int(m.weight.shape[0]) for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int, float, int]:
-    """(dense params, expert params, experts, activation elements per token, kernels)."""
+def _norm_act(norm: nn.Module | None, width: int, rows: int) -> float:
+    """Elements per token an RMSNorm over ``rows`` vectors of ``width`` keeps: its input, the
+    normalized input (the weight's gradient) and one statistic per vector."""
+    if not isinstance(norm, nn.Module) or not any(True for _ in norm.parameters()):
+        return 0.0
+    return float(rows * (2 * width + 1))
+
+
+def _mla_act(attn: nn.Module, dim: int) -> float:
+    """Elements per token DeepSeek's multi-head latent attention keeps: its input (the
+    projections' input), the query latent's RMSNorm and ``wq_b``'s input (with a query LoRA
+    rank), the key/value latent's (``wkv_a``'s output, the normalized latent, ``wkv_b``'s
+    input), q, k and v as the attention kernel keeps them (v padded to the query/key head size),
+    its output at that size, and ``wo``'s input (the output sliced to the value head size)."""
+    heads = int(getattr(attn, "n_heads"))  # noqa: B009
+    qk = int(getattr(attn, "qk_nope_head_dim")) + int(getattr(attn, "qk_rope_head_dim"))  # noqa: B009
+    vd = int(getattr(attn, "v_head_dim"))  # noqa: B009
+    latent = int(getattr(attn, "kv_lora_rank"))  # noqa: B009
+    q_rank = int(getattr(attn, "q_lora_rank", 0) or 0)
+    act = float(dim)
+    if q_rank:
+        act += 3 * q_rank + 1
+    act += latent + int(getattr(attn, "qk_rope_head_dim")) + 2 * latent + 1  # noqa: B009
+    act += 4 * heads * max(qk, vd) + heads + heads * vd
+    return act
+
+
+def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int, float, float, int]:
+    """(dense params, expert params, experts, activation elements per token, activation bytes
+    per token in fixed dtypes, kernels)."""
     dense = expert = n_experts = 0
     act = 0.0
+    fixed = 0.0
     kernels = 0
     for name, child in block.named_children():
         params = sum(p.numel() for p in child.parameters())
@@ -112,16 +150,24 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
             expert += e_params
             dense += params - e_params
             hidden = e_params // (3 * n_experts * dim)
-            # per routed copy: gathered input, two projections, their SwiGLU product, output
+            # per routed copy (one row per token and choice, permuted; under EP the rows this
+            # rank received): the experts' input rows, w1's and w3's outputs, silu's output,
+            # their product (w2's input), and the experts' output rows (kept by the combine to
+            # weight them, or before the experts the scored input rows)
             act += top_k * (2 * dim + 4 * hidden)
-            rest = params - e_params
             shared = getattr(child, "shared_experts", None)
             if isinstance(shared, nn.Module):
-                sh = _linear_out(shared)
-                act += dim + sh + sh // 2  # SwiGLU: w1, w3 outputs and their product
-            act += n_experts + dim  # router scores, combined output
+                # a SwiGLU on every token (its input is the router's, counted below): w1's and
+                # w3's outputs, silu's output and their product (its linears put out w1: h,
+                # w3: h, w2: dim)
+                act += 4 * ((_linear_out(shared) - dim) // 2)
+            # the router: its input (the normalized tokens, the gate's input) and the combine
+            # weights of the top-k choices in the compute dtype; in float32 its scores over
+            # the experts (kept by the top-k gather), the top-k scores and their sum (route
+            # normalization); in int64 the chosen experts and the token permutation
+            act += dim + top_k
+            fixed += 4 * n_experts + 4 * (top_k + 1) + 2 * 8 * top_k
             kernels += 30 + 3 * linears
-            del rest
             continue
         dense += params
         out = _linear_out(child)
@@ -131,6 +177,12 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
                 # q, k and v as the attention kernel keeps them (rotated, the key/value heads
                 # repeated to the query heads), its output, and the residual sum
                 act += 4 * heads * head_dim + dim
+                # QK-norm: an RMSNorm per query head and per key/value head
+                kv_heads = getattr(child, "n_kv_heads", None) or heads
+                act += _norm_act(getattr(child, "q_norm", None), head_dim, heads)
+                act += _norm_act(getattr(child, "k_norm", None), head_dim, int(kv_heads))
+            elif isinstance(getattr(child, "kv_lora_rank", None), int):
+                act += _mla_act(child, dim)
             else:  # other attentions: the projections' outputs and the residual sum
                 act += out + dim
             kernels += 12 + 3 * linears
@@ -140,7 +192,7 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
             inner = max(out - dim, 0)
             act += 2 * inner + dim
             kernels += 4 + 3 * linears
-    return dense, expert, n_experts, act, kernels
+    return dense, expert, n_experts, act, fixed, kernels
 
 
 def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
@@ -173,13 +225,15 @@ def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
     dense: list[int] = []
     expert: list[int] = []
     acts: list[float] = []
+    fixed: list[float] = []
     n_experts = 0
     kernels = 0
     for block in model.layers.values():  # type: ignore[operator]
-        d, e, n, a, k = _block_stats(block, dim, top_k)
+        d, e, n, a, f, k = _block_stats(block, dim, top_k)
         dense.append(d)
         expert.append(e)
         acts.append(a)
+        fixed.append(f)
         n_experts = max(n_experts, n)
         kernels = max(kernels, k)
     tied = bool(getattr(args, "enable_weight_tying", False))
@@ -205,4 +259,5 @@ def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
         flops_per_token=float(model.num_flops_per_token(seq_len)),  # type: ignore[operator]
         seq_len=seq_len,
         kernels_per_layer=kernels,
+        layer_act_fixed_bytes=tuple(fixed),
     )
