@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -41,6 +42,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hp_fsdp
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
 
@@ -63,6 +69,17 @@ ROWS: dict[str, dict[str, Any]] = {
         "mlp_mesh": (2, 2),
     },
     "torch vs torch ws=2 (noise floor)": {"world": 2, "mesh": (2,), "mp": False, "control": True},
+}
+
+#: Short names for ``--rows``.
+ROW_ALIASES = {
+    "ws2": "FSDP ws=2 fp32",
+    "bf16": "FSDP ws=2 bf16/fp32",
+    "ws3": "FSDP ws=3 fp32",
+    "ws4": "FSDP ws=4 fp32",
+    "hsdp": "HSDP 2x2 fp32",
+    "mlp": "FSDP ws=4, MLP weights on a 2x2 HSDP mesh (two groups per block)",
+    "noise": "torch vs torch ws=2 (noise floor)",
 }
 
 
@@ -150,15 +167,40 @@ def _peak_bytes(model: nn.Module, step: Callable[[int], None], i: int) -> int:
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
+#: Ops that return a fresh tensor storage (what the caching allocator or malloc serves).
+_ALLOC_OPS = frozenset(
+    {
+        "aten.empty.memory_format",
+        "aten.empty_strided.default",
+        "aten.new_empty.default",
+        "aten.new_empty_strided.default",
+        "aten.new_zeros.default",
+        "aten.zeros.default",
+        "aten.zeros_like.default",
+        "aten.empty_like.default",
+        "aten.clone.default",
+        "aten._to_copy.default",
+    }
+)
+
+
 class _OpCounter(TorchDispatchMode):
-    """Counts the ops dispatched (aten, c10d, hp_kernels) inside the block."""
+    """Counts the ops dispatched (aten, c10d, hp_kernels) inside the block, and of them the
+    allocating ones and the profiler ranges (``record_function`` enters)."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.count = 0
+        self.allocs = 0
+        self.ranges = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += 1
+        name = str(func)
+        if name in _ALLOC_OPS:
+            self.allocs += 1
+        elif name.startswith("profiler._record_function_enter"):
+            self.ranges += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -167,27 +209,55 @@ def _host_counts(step: Callable[[int], None], i: int) -> dict[str, int]:
 
     Python calls are counted with ``sys.setprofile`` (every Python-level call, C calls apart),
     split into the FSDP engine's own frames (hp-fsdp / hp-kernels / hp-dtensor's device layer,
-    or torch's ``_fully_shard``) and the rest; ops with a dispatch mode over the next step.
+    or torch's ``_fully_shard``) and the rest, with the DTensor and ``nn.Parameter``
+    constructions among them; ops with a dispatch mode over the next step (all, allocating,
+    profiler ranges); minor page faults of the process over a third step (fresh memory the
+    kernel maps and zeroes: a host cost outside Python).
     """
     engine_markers = ("hp_fsdp", "hp_kernels", "hp_dtensor", "_fully_shard", "_composable")
-    counts = {"python_calls": 0, "engine_calls": 0, "ops": 0}
+    counts = {"python_calls": 0, "engine_calls": 0, "dtensors": 0, "parameters": 0}
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             counts["python_calls"] += 1
-            filename = frame.f_code.co_filename
+            code = frame.f_code
+            filename = code.co_filename
             if any(marker in filename for marker in engine_markers):
                 counts["engine_calls"] += 1
+            elif code.co_name == "__new__" and filename.endswith(
+                ("nn/parameter.py", "nn\\parameter.py")
+            ):
+                counts["parameters"] += 1
 
+    # DTensor.__new__ is a C function (torch 2.13): count constructions with a wrapper whose
+    # own frames are left out of the Python call counts.
+    from torch.distributed.tensor import DTensor
+
+    original_new = DTensor.__dict__["__new__"]
+    native_new = DTensor.__new__
+
+    def counted_new(*args: Any, **kwargs: Any) -> Any:
+        counts["dtensors"] += 1
+        return native_new(*args, **kwargs)
+
+    DTensor.__new__ = counted_new  # type: ignore[method-assign]
     sys.setprofile(profile)
     try:
         step(i)
     finally:
         sys.setprofile(None)
+        DTensor.__new__ = original_new  # type: ignore[method-assign]
+    counts["python_calls"] -= counts["dtensors"]
     ops = _OpCounter()
     with ops:
         step(i + 1)
     counts["ops"] = ops.count
+    counts["allocs"] = ops.allocs
+    counts["ranges"] = ops.ranges
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+    step(i + 2)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+    counts["page_faults"] = after - before
     return counts
 
 
@@ -211,15 +281,19 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         built[name] = (model, _step_fn(model, opt))
     times: dict[str, list[float]] = {name: [] for name in order}
+    cpu: dict[str, list[float]] = {name: [] for name in order}
     for i in range(warmup + steps):
         for name in order:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             built[name][1](i)
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if i >= warmup:
                 times[name].append(elapsed)
+                cpu[name].append(elapsed_cpu)
     result: dict[str, Any] = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in order:  # process CPU time (all threads): far less sensitive to load than wall
+        result[f"{name}_cpu"] = statistics.median(cpu[name])
     for name in order:
         model, step = built[name]
         result[f"{name}_peak"] = _peak_bytes(model, step, warmup + steps)
@@ -228,11 +302,55 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
     return result
 
 
+def count_row(row: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """Load-independent figures of one row on every rank (no wall-clock timing).
+
+    Both implementations are built and stepped alternately; after the warm-up, each one's host
+    counts (:func:`_host_counts`) and its CPU time per step (process and main thread, median
+    over ``steps`` steps: CPU time, not wall time, so other processes on the machine inflate
+    it much less than they inflate a step's duration) are taken.
+    """
+    mesh = init_device_mesh(
+        "cpu", row["mesh"], mesh_dim_names=("replicate", "shard") if len(row["mesh"]) == 2 else None
+    )
+    mlp_mesh = None
+    if "mlp_mesh" in row:
+        mlp_mesh = init_device_mesh("cpu", row["mlp_mesh"], mesh_dim_names=("mlp_rep", "mlp_shard"))
+    torch.manual_seed(0)
+    base = TiedTransformer(VOCAB, DIM, HEADS, BLOCKS)
+    control = bool(row.get("control"))
+    built: dict[str, Callable[[int], None]] = {}
+    for name in ("ours", "torch"):
+        sharded = copy.deepcopy(base)
+        api = torch_fsdp if (name == "torch" or control) else hp_fsdp
+        _shard(sharded, api, mesh, row["mp"], mlp_mesh)
+        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3, foreach=True)
+        built[name] = _step_fn(sharded, opt)
+    cpu: dict[str, list[float]] = {name: [] for name in built}
+    main: dict[str, list[float]] = {name: [] for name in built}
+    for i in range(warmup + steps):
+        for name, step in built.items():
+            dist.barrier()
+            p0, t0 = time.process_time(), time.thread_time()
+            step(i)
+            if i >= warmup:
+                cpu[name].append(time.process_time() - p0)
+                main[name].append(time.thread_time() - t0)
+    result: dict[str, Any] = {}
+    for name, step in built.items():
+        result[f"{name}_host"] = _host_counts(step, warmup + steps + 10)
+        result[f"{name}_cpu_s"] = statistics.median(cpu[name])
+        result[f"{name}_main_cpu_s"] = statistics.median(main[name])
+    return result
+
+
 def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:
     worst = {key: max(r[key] for r in results) for key in ("ours", "torch")}
     peaks = {key: max(r[f"{key}_peak"] for r in results) for key in ("ours", "torch")}
+    cpu = {f"{key}_cpu": sum(r[f"{key}_cpu"] for r in results) for key in ("ours", "torch")}
     return {
         **worst,
+        **cpu,
         "ours_peak": peaks["ours"],
         "torch_peak": peaks["torch"],
         "ours_comms": results[0]["ours_comms"],
@@ -253,15 +371,112 @@ def _host_cells(entry: dict[str, Any]) -> str:
     )
 
 
+def _load() -> str:
+    """The 1-minute load average (``uptime``), where the platform has one."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        return "n/a"
+
+
+def _resolve_rows(names: list[str]) -> list[str]:
+    """Full row names from full names or short aliases (``ws3``, ``noise``, ...)."""
+    rows = []
+    for name in names:
+        full = name if name in ROWS else ROW_ALIASES.get(name)
+        if full is None:
+            raise SystemExit(
+                f"unknown row {name!r}; rows are {sorted(ROWS)} or aliases {sorted(ROW_ALIASES)}"
+            )
+        rows.append(full)
+    return rows
+
+
+def _print_counts(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    keys = ("engine_calls", "python_calls", "ops", "allocs", "ranges", "dtensors", "parameters")
+    lines = [
+        "# hp-fsdp vs torch FSDP2: host work per unit per step (rank 0; counts, not times)",
+        "",
+        f"Model: vocab {VOCAB}, dim {DIM}, {BLOCKS} blocks (+ root = {UNITS} units), seq {SEQ}, "
+        f"batch {BATCH}; {args.warmup} warm-up and {args.steps} CPU-timed steps per engine.",
+        "",
+        "| configuration | engine | " + " | ".join(keys) + " | page faults/step | "
+        "process CPU ms/step (all ranks) | main-thread CPU ms/step (all ranks) |",
+        "|---|---|" + "---|" * (len(keys) + 3),
+    ]
+    for name, entry in rows.items():
+        for engine in ("ours", "torch"):
+            host = entry[f"{engine}_host_per_unit"]
+            lines.append(
+                f"| {name} | {engine} | "
+                + " | ".join(f"{host[k]:.1f}" for k in keys)
+                + f" | {host['page_faults'] * UNITS:.0f} | {entry[f'{engine}_cpu_ms']:.1f} | "
+                f"{entry[f'{engine}_main_cpu_ms']:.1f} |"
+            )
+    lines.append("")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fsdp_counts.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (args.out / "fsdp_counts.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     from hp_dtensor.testing import run_distributed, shutdown_pool
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rows", nargs="*", default=list(ROWS))
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per engine")
+    parser.add_argument("--warmup", type=int, default=3, help="discarded steps per engine")
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        default=None,
+        help=f"rows to run (full names or aliases {', '.join(ROW_ALIASES)}); default: all",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="short run: rows ws2 ws3 ws4 noise, 8 timed steps after 2 warm-up (unless given)",
+    )
+    parser.add_argument(
+        "--counts",
+        action="store_true",
+        help="no timing: host work per unit per step (Python calls, ops, allocations, ranges, "
+        "DTensor/Parameter constructions, page faults) and CPU time per step, ours and torch's; "
+        "writes fsdp_counts.json/.md",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.quick:
+        args.rows = args.rows or ["ws2", "ws3", "ws4", "noise"]
+        if "--steps" not in sys.argv:
+            args.steps = 8
+        if "--warmup" not in sys.argv:
+            args.warmup = 2
+    args.rows = _resolve_rows(args.rows) if args.rows else list(ROWS)
+    if args.counts:
+        counted: dict[str, dict[str, Any]] = {}
+        for name in sorted(args.rows, key=lambda n: ROWS[n]["world"]):
+            row = ROWS[name]
+            per_rank = run_distributed(
+                count_row, row["world"], row, args.steps, args.warmup, timeout=900
+            )
+            counted[name] = {
+                "load": _load(),
+                **{
+                    f"{engine}_host_per_unit": {
+                        k: v / UNITS for k, v in per_rank[0][f"{engine}_host"].items()
+                    }
+                    for engine in ("ours", "torch")
+                },
+                **{
+                    f"{engine}_{kind}_ms": 1e3 * sum(r[f"{engine}_{kind}_s"] for r in per_rank)
+                    for engine in ("ours", "torch")
+                    for kind in ("cpu", "main_cpu")
+                },
+            }
+        shutdown_pool()
+        _print_counts(counted, args)
+        return
     report: dict[str, Any] = {
         "model": {"vocab": VOCAB, "dim": DIM, "blocks": BLOCKS, "seq": SEQ, "batch": BATCH},
         "steps": args.steps,
@@ -281,8 +496,11 @@ def main() -> None:
             orders.append(_gather(per_rank))
         time_ratios = [o["ours"] / o["torch"] for o in orders]
         mem_ratios = [o["ours_peak"] / o["torch_peak"] for o in orders]
+        cpu_ratios = [o["ours_cpu"] / o["torch_cpu"] for o in orders]
         entry = {
             "step_time_ratio": math.sqrt(time_ratios[0] * time_ratios[1]),
+            # process CPU time per step, summed over ranks (all threads: compute, gloo, hooks)
+            "cpu_time_ratio": math.sqrt(cpu_ratios[0] * cpu_ratios[1]),
             "peak_memory_ratio": math.sqrt(mem_ratios[0] * mem_ratios[1]),
             "timed_steps": args.steps,
             "ours_median_s": [o["ours"] for o in orders],
@@ -297,7 +515,9 @@ def main() -> None:
         }
         report["rows"][name] = entry
         print(
-            f"{name}: time {entry['step_time_ratio']:.3f}, memory {entry['peak_memory_ratio']:.3f}",
+            f"{name}: time {entry['step_time_ratio']:.3f} (each order "
+            f"{time_ratios[0]:.3f}, {time_ratios[1]:.3f}), CPU time {entry['cpu_time_ratio']:.3f}, "
+            f"memory {entry['peak_memory_ratio']:.3f}, load {_load()}",
             flush=True,
         )
     shutdown_pool()

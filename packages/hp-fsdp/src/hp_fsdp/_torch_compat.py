@@ -44,6 +44,7 @@ __all__ = [
     "flatten_mesh",
     "functorch_transforms_active",
     "local_tensor",
+    "profiler_enabled",
     "queue_engine_callback",
     "symm_mem_empty",
     "symm_mem_get_backend",
@@ -67,6 +68,9 @@ functorch_transforms_active: Callable[[], bool] = require(
 )
 #: A context manager switching functorch transforms off inside it.
 disable_functorch: Callable[[], Any] = require(_PACKAGE, "torch._C._DisableFuncTorch")
+#: Whether the autograd profiler (``torch.profiler.profile``, ``emit_nvtx``) records on this
+#: thread: a C function, cheap enough to ask before every profiler range.
+profiler_enabled: Callable[[], bool] = require(_PACKAGE, "torch.autograd._profiler_enabled")
 #: The autograd engine's "run this when the current backward ends".
 queue_engine_callback: Callable[[Callable[[], None]], None] = require(
     _PACKAGE, "torch.autograd.Variable._execution_engine.queue_callback"
@@ -96,6 +100,7 @@ PRIVATE_NAMES = (
     "torch.distributed.device_mesh.DeviceMesh._concatenate",
     "torch._dynamo.disable",
     "torch.autograd.Variable._execution_engine.queue_callback",
+    "torch.autograd._profiler_enabled",
     "torch.distributed._symmetric_memory.empty",
     "torch.distributed._symmetric_memory.rendezvous",
     "torch.distributed._symmetric_memory.set_backend",

@@ -110,27 +110,24 @@ def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Register ``param`` as ``module.<name>`` (fast path when ``__setattr__`` is nn.Module's)."""
-    if getattr(type(module).__setattr__, "__func__", type(module).__setattr__) is (
-        nn.Module.__setattr__
-    ):
-        module._parameters[name] = param
-    else:
-        setattr(module, name, param)
+#: Per module class: whether its ``__setattr__`` is ``nn.Module``'s (a cache keyed by class).
+_PLAIN_SETATTR: dict[type, bool] = {}
+
+
+def _plain_setattr(cls: type) -> bool:
+    """Whether ``cls.__setattr__`` is ``nn.Module``'s, so a parameter can go straight into
+    ``_parameters`` (asked once per class)."""
+    plain = _PLAIN_SETATTR.get(cls)
+    if plain is None:
+        method = cls.__setattr__
+        plain = _PLAIN_SETATTR[cls] = getattr(method, "__func__", method) is nn.Module.__setattr__
+    return plain
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.size() != 0:
         storage.resize_(0)
-
-
-def _alloc_storage(tensor: torch.Tensor) -> None:
-    nbytes = tensor.numel() * tensor.element_size()
-    storage = tensor.untyped_storage()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
 
 
 def _spmd_sharded_layout(
@@ -362,6 +359,11 @@ class ShardedParam:
         self.origin = existing if isinstance(existing, ParamOrigin) else ParamOrigin()
         setattr(param, MANAGED_FLAG, self.origin)
         self._mark(self.sharded_param)
+        #: Every (module, name) the parameter is registered under (first, then tied ones).
+        self._registrations: tuple[tuple[nn.Module, str], ...] = (
+            (module_info.module, module_info.name),
+            *module_info.shared,
+        )
         self._set_on_modules(self.sharded_param)
         self.state = ShardedState.SHARDED
         self.orig_dtype: torch.dtype = param.dtype
@@ -505,6 +507,8 @@ class ShardedParam:
         """The flat tensors this rank contributes: the extension's inputs, else the shard."""
         ext = self.extension
         if ext is None:
+            if self.state is ShardedState.SHARDED and not self.offload_to_cpu:
+                return [self._padded_shard]
             return [self.all_gather_input()]
         local = cast(DTensor, self.sharded_param)._local_tensor
         if self.offload_to_cpu and local.device != self.device:
@@ -544,14 +548,17 @@ class ShardedParam:
         Returns:
             The flat buffer, with storage allocated.
         """
-        numel = self.padded_sharded_numel * self.mesh_info.shard_size
         data = self._unsharded_data
         if data is None or data.dtype != self.compute_dtype:
+            numel = self.padded_sharded_numel * self.mesh_info.shard_size
             data = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
             self._unsharded_data = data
             self._unsharded_param = None
         else:
-            _alloc_storage(data)
+            storage = data.untyped_storage()
+            nbytes = data.numel() * data.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
         return data
 
     def init_unsharded_param(self) -> None:
@@ -597,14 +604,27 @@ class ShardedParam:
 
     # ----------------------------------------------------------------- transitions
     def _set_on_modules(self, param: nn.Parameter) -> None:
-        _set_param(self.module_info.module, self.module_info.name, param)
-        for module, name in self.module_info.shared:
-            _set_param(module, name, param)
+        for module, name in self._registrations:
+            if _PLAIN_SETATTR.get(type(module)) or _plain_setattr(type(module)):
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
 
     def to_sharded(self) -> None:
         """Register the sharded parameter and free the unsharded storage."""
-        self._set_on_modules(self.sharded_param)
-        self.free_unsharded()
+        param = self.sharded_param
+        for module, name in self._registrations:  # _set_on_modules, inlined (hot path)
+            if _PLAIN_SETATTR.get(type(module)) or _plain_setattr(type(module)):
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
+        if self.extension is not None:
+            self.extension.free()
+        data = self._unsharded_data
+        if data is not None:
+            storage = data.untyped_storage()
+            if storage.size() != 0:
+                storage.resize_(0)
         self._post_forward_data = None
         self.state = ShardedState.SHARDED
 
@@ -630,9 +650,28 @@ class ShardedParam:
     def to_unsharded(self) -> None:
         """Register the unsharded parameter (its data must have been gathered)."""
         param = self.unsharded_param
-        if param.requires_grad != self.sharded_param.requires_grad:
-            param.requires_grad_(self.sharded_param.requires_grad)
+        requires_grad = self.sharded_param.requires_grad
+        if param.requires_grad != requires_grad:
+            param.requires_grad_(requires_grad)
         self._set_on_modules(param)
+        self._post_forward_data = None
+        self.state = ShardedState.UNSHARDED
+
+    def init_and_register_unsharded(self) -> None:
+        """:meth:`init_unsharded_param` then :meth:`to_unsharded` (one call on the hot path)."""
+        if self.extension is not None or self._unsharded_param is None:
+            self.init_unsharded_param()
+        param = self._unsharded_param
+        if param is None:
+            raise RuntimeError(f"parameter {self.fqn!r} has not been unsharded yet")
+        requires_grad = self.sharded_param.requires_grad
+        if param.requires_grad != requires_grad:
+            param.requires_grad_(requires_grad)
+        for module, name in self._registrations:  # _set_on_modules, inlined
+            if _PLAIN_SETATTR.get(type(module)) or _plain_setattr(type(module)):
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
         self._post_forward_data = None
         self.state = ShardedState.UNSHARDED
 
@@ -674,7 +713,7 @@ class ShardedParam:
             return None
         grad = param.grad
         param.grad = None
-        return self._local_grad(grad)
+        return grad if self._tp_spec is None else self._local_grad(grad)
 
     def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The local tensor of a tensor-parallel gradient in the parameter's placements."""
@@ -762,7 +801,11 @@ class ShardedParam:
         Returns:
             The DTensor (no autograd history).
         """
-        return _make_dtensor(local, _with_dtype(self._spec, local.dtype), False)
+        spec = self._spec
+        meta = spec.tensor_meta
+        if meta is not None and meta.dtype != local.dtype:
+            spec = _with_dtype(spec, local.dtype)
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
     @property
     def padded_shard(self) -> torch.Tensor:
@@ -851,6 +894,8 @@ class ShardedParam:
     def readopt(self) -> None:
         """Re-adopt the registered sharded parameter and re-tie every registration."""
         self.reset_sharded_param()
+        info = self.module_info
+        self._registrations = ((info.module, info.name), *info.shared)
         self._set_on_modules(self.sharded_param)
 
     def __repr__(self) -> str:

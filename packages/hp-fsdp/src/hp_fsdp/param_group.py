@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from hp_dtensor.device import DEVICE_TYPE_CPU, DEVICE_TYPE_META
+from hp_fsdp._profiling import NO_RANGE, profiler_enabled
 from hp_fsdp._torch_compat import (
     current_graph_task_id,
     disable_functorch,
@@ -167,6 +169,8 @@ class ParamGroup:
         self._replicated = [p for p in self.params if p.mesh_info.replicate_only]
         #: A gathered parameter has an all-gather extension (fixed at construction).
         self._extended = any(p.extension is not None for p in self._gathered)
+        #: Every parameter is sharded on dim 0: gradients are packed as they are.
+        self._dim0_only = all(p.shard_dim == 0 for p in self.params)
         self._local_pending = False
         if not isinstance(reshard_after_forward, bool) and any(
             p.is_tensor_parallel for p in self.params
@@ -438,8 +442,7 @@ class ParamGroup:
             with self.profile_range("FSDP::all_gather_copy_out"):
                 self._wait_gathered(result)
         for param in self.params:
-            param.init_unsharded_param()
-            param.to_unsharded()
+            param.init_and_register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
     @torch.no_grad()
@@ -484,7 +487,11 @@ class ParamGroup:
         regroup: list[tuple[ShardedParam, torch.Tensor, torch.Tensor]] = []
         inputs, self._ag_inputs = self._ag_inputs, []
         for param, param_inputs in zip(self._gathered, inputs, strict=True):
-            param_outs = param.all_gather_outputs(param_inputs, world_size)
+            param_outs = (
+                [param.unsharded_out(world_size)]
+                if param.extension is None
+                else param.all_gather_outputs(param_inputs, world_size)
+            )
             if param.shard_dim != 0 and not self._ag_from_post_forward:
                 (out,) = param_outs
                 staging = torch.empty_like(out)
@@ -658,15 +665,18 @@ class ParamGroup:
             self._own_streams = CommStreams.for_device(self.device)
         return self._own_streams
 
-    def profile_range(self, label: str) -> record_function:
+    def profile_range(self, label: str) -> AbstractContextManager[object]:
         """A profiler range named like PyTorch's (``"FSDP::pre_forward (layers.0)"``).
 
         Args:
             label: PyTorch's label, e.g. ``"FSDP::all_gather"``.
 
         Returns:
-            The ``torch.profiler.record_function`` context.
+            The ``torch.profiler.record_function`` context while a profiler records, else a
+            shared no-op context (no op dispatched, no label built).
         """
+        if not profiler_enabled():
+            return NO_RANGE
         return record_function(f"{label} ({self.fqn})" if self.fqn else label)
 
     @run_eagerly
@@ -675,7 +685,8 @@ class ParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         with self.profile_range("FSDP::post_backward_accumulate"):
             for param in self.params:
-                param.accumulate_unsharded_grad_if_needed()
+                if param.unsharded_accumulated_grad is not None:
+                    param.accumulate_unsharded_grad_if_needed()
         with self.profile_range("FSDP::post_backward_reshard"):
             taken = self._take_grads_and_reshard()
         if taken is None:
@@ -686,7 +697,11 @@ class ParamGroup:
             # end-of-backward callback still finishes this backward's reductions.
             ctx.states[0].queue_final_callback()
         if ctx is not None and ctx.pending_reductions:
-            with record_function(f"FSDP::post_backward_rs_wait ({self.fqn})"):
+            with (  # PyTorch's label keeps the parentheses for the root (empty fqn)
+                record_function(f"FSDP::post_backward_rs_wait ({self.fqn})")
+                if profiler_enabled()
+                else NO_RANGE
+            ):
                 ctx.advance_reductions(self.options.max_inflight_reductions)
         with_grad, grads = taken
         del taken  # ``grads`` is the only reference: the copy-in frees each gradient
@@ -787,7 +802,9 @@ class ParamGroup:
             in_place = self._rs_in_place[rs_group] = reduce_scatter_in_place(rs_group, self.device)
         with streams.on(rs_stream):
             streams.mark("reduce_scatter")
-            shard_dims = pack_layouts(rs_stream if streams.active else None, params, grads)
+            shard_dims = pack_layouts(
+                rs_stream if streams.active else None, params, grads, dim0_only=self._dim0_only
+            )
             rs_input, rs_output, work = issue_reduce_scatter(
                 grads,
                 shard_dims,

@@ -30,17 +30,25 @@ __all__ = ["PendingReduction", "pack_layouts"]
 
 
 def pack_layouts(
-    stream: Stream | None, params: list[ShardedParam], grads: list[torch.Tensor]
+    stream: Stream | None,
+    params: list[ShardedParam],
+    grads: list[torch.Tensor],
+    *,
+    dim0_only: bool = False,
 ) -> list[int]:
     """Put each gradient in its reduce-scatter layout, in place in ``grads``; the shard dims.
 
     The gradients are produced on the compute stream and read on ``stream`` (None: no
     streams). No reference to them outlives this call (the caller's list is the only one,
     cleared by the collective's copy-in), so each is freed as soon as it is packed.
+    ``dim0_only`` (every parameter sharded on dim 0) packs them as they are, without asking
+    each parameter.
     """
     if stream is not None:
         for grad in grads:
             stream.record_tensor(grad)
+    if dim0_only:
+        return [0] * len(grads)
     layouts = [p.reduce_scatter_layout(g) for p, g in zip(params, grads, strict=True)]
     grads[:] = [t for t, _ in layouts]
     return [d for _, d in layouts]

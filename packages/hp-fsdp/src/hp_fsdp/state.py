@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.profiler import record_function
 
 from hp_dtensor.device import Event, is_accelerator
+from hp_fsdp._profiling import profile_range
 from hp_fsdp._torch_compat import queue_engine_callback
 from hp_fsdp.dynamo import run_eagerly
 from hp_fsdp.param import ParamOrigin
@@ -168,7 +168,7 @@ class FSDPState:
             return args, kwargs
         ctx.iter_forward_root = self
         ctx.current_forward_order = []
-        with record_function("FSDP::root_pre_forward"):
+        with profile_range("FSDP::root_pre_forward"):
             streams = ctx.comm.streams_for(self.device)
             event = ctx.post_optim_event
             if not streams.active:  # no streams (CPU): program order
@@ -185,7 +185,7 @@ class FSDPState:
                 streams.all_gather.wait_stream(compute)
             if is_accelerator(self.device) and (args or kwargs):
                 device = self.device
-                with record_function("FSDP::inputs_to_device"):
+                with profile_range("FSDP::inputs_to_device"):
                     args, kwargs = map_tensors(lambda t: t.to(device), (args, kwargs))
             return args, kwargs
 
@@ -196,7 +196,7 @@ class FSDPState:
         if not self.mp_policy.cast_forward_inputs or dtype is None:
             return args, kwargs
         cast = functools.partial(_cast_floating, dtype)
-        with record_function("FSDP::cast_forward_inputs"):
+        with profile_range("FSDP::cast_forward_inputs"):
             new_args, new_kwargs = map_tensors(cast, (args, kwargs))
         return new_args, new_kwargs
 
@@ -204,7 +204,7 @@ class FSDPState:
         dtype = self.mp_policy.output_dtype
         if dtype is None:
             return output
-        with record_function("FSDP::cast_forward_outputs"):
+        with profile_range("FSDP::cast_forward_outputs"):
             return map_tensors(functools.partial(_cast_floating, dtype), output)
 
     @run_eagerly
@@ -239,7 +239,7 @@ class FSDPState:
             ctx.current_forward_order.append(self)
         if self.forward_prefetch is not None:
             for state in self.forward_prefetch:
-                with record_function(f"FSDP::forward_prefetch for {state.fqn}"):
+                with profile_range(f"FSDP::forward_prefetch for {state.fqn}"):
                     state.prefetch(TrainingState.FORWARD)
             return
         if not self.groups:
@@ -353,7 +353,7 @@ class FSDPState:
             group.finish_pre_backward()
         if self.backward_prefetch is not None:
             for state in self.backward_prefetch:
-                with record_function(f"FSDP::backward_prefetch for {state.fqn}"):
+                with profile_range(f"FSDP::backward_prefetch for {state.fqn}"):
                     state.prefetch(TrainingState.PRE_BACKWARD)
         elif fresh:
             self._default_backward_prefetch(fresh)
@@ -372,7 +372,7 @@ class FSDPState:
         while index >= 0 and order[index].modules is modules:
             target = order[index]
             with (
-                record_function(f"FSDP::backward_prefetch for {target.fqn}"),
+                profile_range(f"FSDP::backward_prefetch for {target.fqn}"),
                 target.use_training_state(TrainingState.PRE_BACKWARD),
             ):
                 target.unshard(target.options.unshard_async_op)
@@ -393,7 +393,7 @@ class FSDPState:
 
     @run_eagerly
     def _final_callback(self) -> None:
-        with record_function("FSDP::root_post_backward_callback"):
+        with profile_range("FSDP::root_post_backward_callback"):
             self._finish_backward()
 
     def _finish_backward(self) -> None:
