@@ -213,6 +213,16 @@ def test_no_feasible_layout_lists_the_closest() -> None:
     assert len(closest) == 5
     assert all("memory short by" in why for _, why, _ in closest)
     assert "no layout of llama3/3.1-405B fits 8 x h100" in result.table()
+    # memory and divisibility together: the nearest estimates (with their offload tier) and the
+    # distinct reasons of the structures refused before estimation
+    tight = plan_layouts("llama3", "8B", 6, "h100", global_batch_size=4, memory_limit=16 * 2**30)
+    assert not tight.feasible
+    table = tight.table()
+    assert "memory short by" in table
+    assert " opt " in table
+    assert "refused before estimation" in table
+    assert "global batch 4 is not a multiple of the data-parallel degree 6" in table
+    assert "training.seq_len = 8192 must be a multiple of 12" in table
 
 
 def test_bad_input() -> None:

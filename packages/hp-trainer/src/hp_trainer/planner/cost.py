@@ -142,6 +142,7 @@ class LayoutEstimate:
     host_memory: float = 0.0
 
 
+@lru_cache(maxsize=64)
 def _stages_per_rank(schedule: str) -> int:
     from hp_trainer.distributed.pipeline import stages_per_rank_of
 

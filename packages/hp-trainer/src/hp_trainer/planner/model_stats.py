@@ -7,6 +7,7 @@ for a 671B model), so every registered family is covered the same way the traine
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -68,8 +69,7 @@ class ModelStats:
     def layer_act_bytes(self, dtype_bytes: int) -> float:
         """The largest block's activation bytes per token for a compute dtype of
         ``dtype_bytes`` bytes (before any TP split)."""
-        fixed = self.layer_act_fixed_bytes or (0.0,) * len(self.layer_act_elems)
-        return max(e * dtype_bytes + f for e, f in zip(self.layer_act_elems, fixed, strict=True))
+        return _layer_act_bytes(self.layer_act_elems, self.layer_act_fixed_bytes, dtype_bytes)
 
     @property
     def total_params(self) -> int:
@@ -91,6 +91,12 @@ class ModelStats:
         head_dim = self.dim // self.n_heads
         attn = 12 * self.n_layers * self.n_heads * head_dim
         return self.flops_per_token + attn * (seq_len - self.seq_len)
+
+
+@lru_cache(maxsize=256)
+def _layer_act_bytes(elems: tuple[float, ...], fixed: tuple[float, ...], dtype_bytes: int) -> float:
+    fixed = fixed or (0.0,) * len(elems)
+    return max(e * dtype_bytes + f for e, f in zip(elems, fixed, strict=True))
 
 
 def _linear_out(module: nn.Module) -> int:

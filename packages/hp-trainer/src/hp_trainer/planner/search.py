@@ -121,7 +121,17 @@ class PlanResult:
                 f"{self.profile.name} at {self.memory_limit / _GIB:.1f} GiB; the closest:"
             )
             for c, why, _ in self.closest():
-                lines.append(f"     {c.label():<40} {c.ac:<9} {why}")
+                lines.append(f"     {c.label():<40} {c.ac:<9} {_offload_label(c):<7} {why}")
+            # what the structures refused before any estimate lack (divisibility, the
+            # trainer's validation), one line per distinct reason
+            reasons: dict[str, LayoutCandidate] = {}
+            for r in self.rejected:
+                if r.shortfall == 0 and r.why not in reasons:
+                    reasons[r.why] = r.candidate
+            if reasons:
+                lines.append(f"refused before estimation ({len(reasons)} distinct reasons):")
+                for why, c in list(reasons.items())[:5]:
+                    lines.append(f"     {c.label():<40} {why}")
         return "\n".join(lines)
 
 
