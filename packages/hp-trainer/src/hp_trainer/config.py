@@ -445,7 +445,7 @@ class MoEConfig:
     then to each destination rank inside it; the EP mesh becomes ``[ep_inter, ep_intra]``). 1:
     one stage. Must divide ``parallelism.expert_parallel_degree``; not with
     ``hot_expert_replicas`` (replicas need a flat EP group) nor ``tensor_parallel_degree > 1``
-    (the expert mesh is then ``[ep, tp]``)."""
+    (the trainer's expert mesh is then ``[ep, tp]``, one stage)."""
     overlap_backward: bool = False
     """An extension. Issue the combine's backward all-to-all before the shared experts' backward
     and wait for it after (:class:`hp_cp_ep.BackwardOverlap`); off, the backward all-to-alls

@@ -173,14 +173,15 @@ class ExpertTensorParallel(ParallelStyle):
         dedup: Keyword-only extension: install a :class:`~hp_cp_ep.DedupTokenDispatcher` with
             the TP group (a token goes once to each EP rank holding some of its experts, fans
             out to them there; the partial outputs are summed over TP once, on the combined
-            tokens, after the combine). The node axis of ``ExpertParallel(dedup=True)`` is not
-            available here: the mesh stays 2-D ``[ep, tp]``.
+            tokens, after the combine). With ``dedup`` the mesh may be 3-D
+            ``[inter, intra, tp]``: the node axis of ``ExpertParallel(dedup=True)`` (EP rank
+            ``inter * intra_size + intra``, two-stage dispatch) with TP over the last dimension.
         overlap_backward: Keyword-only extension: as for :class:`ExpertParallel` (the
             combine's backward all-to-all overlaps the shared experts' backward).
 
     Raises:
-        ValueError: When the mesh is not 2-D, or ``num_experts`` (by ep) or the hidden size (by
-            tp) does not divide.
+        ValueError: When the mesh is not 2-D (3-D with ``dedup``), or ``num_experts`` (by ep)
+            or the hidden size (by tp) does not divide.
         TypeError: When the module is not ``GroupedExperts``-like, or an option is not a bool.
 
     See Also:
@@ -197,34 +198,42 @@ class ExpertTensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
-        if device_mesh.ndim != 2:
-            node_axis = (
-                " (a node axis [inter, intra, tp] is not supported: the two-stage dedup "
-                "dispatch is ExpertParallel's, without TP)"
-                if self.dedup and device_mesh.ndim == 3
-                else ""
-            )
+        ndim = device_mesh.ndim
+        if ndim != 2 and not (self.dedup and ndim == 3):
             raise ValueError(
-                f"{style} needs a 2-D [ep, tp] mesh, got shape {tuple(device_mesh.shape)}"
-                + node_axis
+                f"{style} needs a 2-D [ep, tp] mesh (or a 3-D [inter, intra, tp] mesh with "
+                f"dedup=True), got shape {tuple(device_mesh.shape)}"
             )
         num_experts = _check_experts(module, style)
-        ep, tp = device_mesh.size(0), device_mesh.size(1)
+        tp = device_mesh.size(ndim - 1)
+        ep = device_mesh.size() // tp
         _check_divisible("num_experts", num_experts, ep, style)
         hidden_dims: dict[str, int] = module.hidden_dim_of_weight  # type: ignore[assignment]
         placements: dict[str, tuple[Placement, ...]] = {}
+        experts_over_ep = tuple(Shard(0) for _ in range(ndim - 1))  # nested: inter, then intra
         for name, param in module.named_parameters(recurse=False):
             dim = hidden_dims[name]
             _check_divisible(f"{name}.shape[{dim}]", param.shape[dim], tp, style)
-            placements[name] = (Shard(0), Shard(dim))
+            placements[name] = (*experts_over_ep, Shard(dim))
         _distribute(module, device_mesh, placements, self.src_data_rank)
-        kind = DedupTokenDispatcher if self.dedup else TokenDispatcher
-        dispatcher = kind(
-            num_experts // ep,
-            ep_group=device_mesh.get_group(0),
-            tp_group=device_mesh.get_group(1),
-            overlap_backward=self.overlap_backward,
-        )
+        tp_group = device_mesh.get_group(ndim - 1)
+        dispatcher: TokenDispatcher
+        if ndim == 3:
+            groups = (device_mesh.get_group(0), device_mesh.get_group(1))
+            dispatcher = DedupTokenDispatcher(
+                num_experts // ep,
+                tp_group=tp_group,
+                node_groups=groups,
+                overlap_backward=self.overlap_backward,
+            )
+        else:
+            kind = DedupTokenDispatcher if self.dedup else TokenDispatcher
+            dispatcher = kind(
+                num_experts // ep,
+                ep_group=device_mesh.get_group(0),
+                tp_group=tp_group,
+                overlap_backward=self.overlap_backward,
+            )
         _install(module, dispatcher)
         return module
 

@@ -184,12 +184,13 @@ def validate_parallel_layout(config: JobConfig, world_size: int, model_args: Any
             f"they need expert_parallel_degree > 1, got expert_parallel_degree = {dims.ep}"
         )
     if moe.dedup_ranks_per_node > 1 and dims.tp > 1:
-        # ExpertTensorParallel's mesh is [ep, tp]: no room for the [inter, intra] node axis
+        # the trainer builds the experts' [ep, tp] mesh without the [inter, intra] node axis
         _fail(
             f"moe.dedup_ranks_per_node = {moe.dedup_ranks_per_node} with "
-            f"tensor_parallel_degree = {dims.tp}: the two-stage (node-axis) dispatch runs on a "
-            "flat expert mesh; under expert tensor parallelism the dedup dispatch has one "
-            "stage, expected moe.dedup_ranks_per_node = 1"
+            f"tensor_parallel_degree = {dims.tp}: under expert tensor parallelism the trainer "
+            "runs the one-stage dedup dispatch on an [ep, tp] mesh (the two-stage one needs "
+            "hp_cp_ep.ExpertTensorParallel(dedup=True) on an [inter, intra, tp] mesh, not built "
+            "here); expected moe.dedup_ranks_per_node = 1"
         )
     if moe.dedup_ranks_per_node > 1 and dims.ep % moe.dedup_ranks_per_node:
         _fail(
