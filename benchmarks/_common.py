@@ -1,6 +1,6 @@
 """What several benchmarks share: the pre-norm transformer they train (block, tied-embedding
-model), a free TCP port, the description of a CPU run, and launching one process per rank that
-writes its result to a JSON file.
+model), a free TCP port, the description of a CPU run, launching one process per rank that
+writes its result to a JSON file, and timing trainers' steps in alternation.
 
 Not a benchmark itself (``scripts/run_benchmarks.py`` skips files starting with ``_``); the
 scripts run as ``python benchmarks/x.py`` and import it from their own folder (or, for
@@ -13,7 +13,8 @@ import json
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +92,31 @@ def spawn_ranks(worker: Callable[..., None], world: int, *args: Any) -> Any:
         init_file = str(Path(tmp) / "init")
         mp.spawn(worker, args=(world, init_file, *args, out_file), nprocs=world, join=True)
         return json.loads(Path(out_file).read_text())
+
+
+def alternating_train_steps(
+    trainers: Mapping[str, Any],
+    batches: Mapping[str, Iterator[Any]],
+    rounds: int,
+    *,
+    warmup: int,
+    reverse_odd_rounds: bool = False,
+) -> dict[str, list[float]]:
+    """Time ``train_step`` of several trainers built in the same ranks, one step of each per
+    round (in the mapping's order; reversed on odd rounds with ``reverse_odd_rounds``), a
+    barrier of the default group before and after each step, the batch fetched outside the
+    timing. Returns each trainer's seconds per step after the ``warmup`` rounds."""
+    import torch.distributed as dist
+
+    names = list(trainers)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + warmup):
+        order = names[::-1] if reverse_odd_rounds and r % 2 else names
+        for name in order:
+            batch = next(batches[name])
+            dist.barrier()
+            start = time.perf_counter()
+            trainers[name].train_step(batch)
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+    return {name: ts[warmup:] for name, ts in times.items()}

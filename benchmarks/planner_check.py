@@ -33,10 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
 
 # name -> (model, flavor, [parallelism] overrides, AC mode)
 LAYOUTS: dict[str, tuple[str, str, dict[str, Any], str]] = {
@@ -99,17 +101,13 @@ def _worker(folder: str, rounds: int, names: list[str]) -> dict[str, Any]:
 
     times: dict[str, list[float]] = {name: [] for name in names}
     if rounds:
+        from _common import alternating_train_steps
+
         trainers = {name: Trainer(_job(folder, name)) for name in names}
         batches = {name: t.data_iterator() for name, t in trainers.items()}
-        for r in range(rounds + WARMUP):
-            order = names if r % 2 == 0 else names[::-1]
-            for name in order:
-                batch = next(batches[name])
-                dist.barrier()
-                start = time.perf_counter()
-                trainers[name].train_step(batch)
-                dist.barrier()
-                times[name].append(time.perf_counter() - start)
+        times = alternating_train_steps(
+            trainers, batches, rounds, warmup=WARMUP, reverse_odd_rounds=True
+        )
         for trainer in trainers.values():
             trainer.close()
     # memory: one trainer alive at a time (no other trainer's tensors are freed during the
@@ -126,7 +124,7 @@ def _worker(folder: str, rounds: int, names: list[str]) -> dict[str, Any]:
             "live_mib": {k: round(v / 2**20, 2) for k, v in list(at.live.items())[:8]},
         }
         trainer.close()
-    median = {n: statistics.median(ts[WARMUP:]) if ts else 0.0 for n, ts in times.items()}
+    median = {n: statistics.median(ts) if ts else 0.0 for n, ts in times.items()}
     return {"median": median, "peak": peaks, "where": where}
 
 

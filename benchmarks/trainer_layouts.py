@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
-import time
 from math import sqrt
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py is beside it
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "dp4": {"data_parallel_shard_degree": 4},
@@ -66,25 +68,17 @@ def _job(folder: str, name: str, par: dict[str, Any]) -> Any:
 
 def _worker(folder: str, rounds: int, order: list[str]) -> dict[str, list[float]]:
     import torch
-    import torch.distributed as dist
 
+    from _common import alternating_train_steps
     from hp_trainer import Trainer
 
     torch.set_num_threads(1)
     trainers = {name: Trainer(_job(folder, name, LAYOUTS[name])) for name in order}
     batches = {name: t.data_iterator() for name, t in trainers.items()}
-    times: dict[str, list[float]] = {name: [] for name in order}
-    for _ in range(rounds + WARMUP):
-        for name in order:
-            batch = next(batches[name])
-            dist.barrier()
-            start = time.perf_counter()
-            trainers[name].train_step(batch)
-            dist.barrier()
-            times[name].append(time.perf_counter() - start)
+    times = alternating_train_steps(trainers, batches, rounds, warmup=WARMUP)
     for trainer in trainers.values():
         trainer.close()
-    return {name: ts[WARMUP:] for name, ts in times.items()}
+    return times
 
 
 def main() -> None:
