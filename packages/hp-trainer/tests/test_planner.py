@@ -109,10 +109,11 @@ def test_block_activation_terms_match_saved_tensors(
     SwiGLU and grouped-query attention with QK-norm (Qwen 3), MoE with top-k routing and
     grouped-GEMM experts (Qwen 3 MoE: softmax scores, weights applied at the combine;
     DeepSeek-V3: sigmoid scores, group-limited routing, a shared expert, weights before the
-    experts) and multi-head latent attention (with and without a query LoRA rank)."""
+    experts) and multi-head latent attention (with and without a query LoRA rank); and the
+    input gradients the block's backward holds beside them within 10%."""
     import torch
 
-    from hp_trainer.planner._measure import saved_tensor_bytes
+    from hp_trainer.planner._measure import profile_peak, saved_tensor_bytes
     from hp_trainer.protocols.model_spec import get_model_spec
 
     spec = get_model_spec(model)
@@ -122,8 +123,8 @@ def test_block_activation_terms_match_saved_tensors(
     torch.manual_seed(0)
     net: Any = spec.model_cls(args)
     net.init_weights()
-    stats = model_stats(model, args, 32)
-    batch, seq = 2, 32
+    batch, seq = 4, 128  # enough tokens that the weight gradients are a small part
+    stats = model_stats(model, args, seq)
     rope = net.rope_cache
     for i, block in enumerate(net.layers.values()):
         x = torch.randn(batch, seq, args.dim, requires_grad=True) * 1.0  # a block's input
@@ -135,6 +136,16 @@ def test_block_activation_terms_match_saved_tensors(
         elems, fixed = stats.layer_act_elems[i], stats.layer_act_fixed_bytes[i]
         predicted = (4 * elems + fixed) * batch * seq
         assert abs(predicted - saved) <= 0.01 * saved, (model, i, predicted, saved)
+        # the backward's input gradients beside the saved tensors: the peak of a forward +
+        # backward above the saved bytes (which also holds the weight gradients made by then)
+        grad = torch.randn(batch, seq, args.dim)
+
+        def forward_backward(block: Any = block, x: torch.Tensor = x, g: Any = grad) -> None:
+            block(x, rope).backward(g)
+
+        peak = profile_peak(forward_backward).peak
+        temp = 4 * stats.layer_bwd_temp_elems[i] * batch * seq
+        assert abs(temp - (peak - saved)) <= 0.1 * (peak - saved), (model, i, temp, peak - saved)
 
 
 def test_plan_llama3_8b_on_64_h100_is_ranked_and_valid(tmp_path: Path) -> None:

@@ -412,7 +412,11 @@ def estimate_layout(
         if fs > 1:  # the previous block's reduce-scatter input, still in flight
             in_backward += layer_params / c.tp * 4
         held_logits = tokens_mb * s.vocab_size / c.tp * cb  # the step holds them to its end
+        # the block's input gradients its backward holds beside the saved tensors
+        bwd_temp = max(s.layer_bwd_temp_elems, default=0.0) / c.tp * tokens_mb * cb
+        mem["backward_temporaries"] = bwd_temp
         bwd_peak = resident + opt + in_backward + act_total + held_logits + comm_buf + grads_live
+        bwd_peak += bwd_temp
         fb_peak = max(loss_peak, bwd_peak)
     # the multi-tensor step's largest temporary: sqrt(v) for every parameter (AdamW)
     opt_temp = (

@@ -41,6 +41,11 @@ class ModelStats:
         layer_act_fixed_bytes: Per block: activation bytes per token kept for the backward whose
             dtype does not follow the compute dtype (a MoE router's float32 scores, its int64
             expert indices and token permutation).
+        layer_bwd_temp_elems: Per block: the largest set of input gradients its backward holds
+            at once beside the saved tensors, in compute-dtype elements per token: the largest
+            of a SwiGLU's (both factors' gradients, the product's saved copy freed by then), an
+            attention's (q, k and v as its kernel sees them) and a MoE's (per routed copy: the combine's gradient row, its gather and
+            its weighting, or the experts' row gradient and two factor gradients).
         flops_per_token: Training FLOPs per token at ``seq_len`` (the trainer's MFU formula:
             ``6 * active non-embedding params + 12 * layers * heads * head_dim * seq``).
         seq_len: The sequence length ``flops_per_token`` is for.
@@ -65,6 +70,7 @@ class ModelStats:
     seq_len: int
     kernels_per_layer: int
     layer_act_fixed_bytes: tuple[float, ...] = ()
+    layer_bwd_temp_elems: tuple[float, ...] = ()
 
     def layer_act_bytes(self, dtype_bytes: int) -> float:
         """The largest block's activation bytes per token for a compute dtype of
@@ -131,12 +137,15 @@ def _mla_act(attn: nn.Module, dim: int) -> float:
     return act
 
 
-def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int, float, float, int]:
+def _block_stats(
+    block: nn.Module, dim: int, top_k: int
+) -> tuple[int, int, int, float, float, float, int]:
     """(dense params, expert params, experts, activation elements per token, activation bytes
-    per token in fixed dtypes, kernels)."""
+    per token in fixed dtypes, backward temporaries per token, kernels)."""
     dense = expert = n_experts = 0
     act = 0.0
     fixed = 0.0
+    temp = 0.0
     kernels = 0
     for name, child in block.named_children():
         params = sum(p.numel() for p in child.parameters())
@@ -161,6 +170,9 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
             # their product (w2's input), and the experts' output rows (kept by the combine to
             # weight them, or before the experts the scored input rows)
             act += top_k * (2 * dim + 4 * hidden)
+            # backward: the combine's (per routed copy the gradient row, its gather and its
+            # weighting) or the experts' (the row's gradient and two factor gradients)
+            temp = max(temp, top_k * max(3.0 * dim, dim + 2.0 * hidden))
             shared = getattr(child, "shared_experts", None)
             if isinstance(shared, nn.Module):
                 # a SwiGLU on every token (its input is the router's, counted below): w1's and
@@ -180,6 +192,7 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
         if "attention" in name or "attn" in name:
             heads, head_dim = getattr(child, "n_heads", None), getattr(child, "head_dim", None)
             if isinstance(heads, int) and isinstance(head_dim, int):
+                temp = max(temp, 3.0 * heads * head_dim)
                 # q, k and v as the attention kernel keeps them (rotated, the key/value heads
                 # repeated to the query heads), its output, and the residual sum
                 act += 4 * heads * head_dim + dim
@@ -189,6 +202,10 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
                 act += _norm_act(getattr(child, "k_norm", None), head_dim, int(kv_heads))
             elif isinstance(getattr(child, "kv_lora_rank", None), int):
                 act += _mla_act(child, dim)
+                qk = int(getattr(child, "qk_nope_head_dim")) + int(  # noqa: B009
+                    getattr(child, "qk_rope_head_dim")  # noqa: B009
+                )
+                temp = max(temp, 3.0 * int(getattr(child, "n_heads")) * qk)  # noqa: B009
             else:  # other attentions: the projections' outputs and the residual sum
                 act += out + dim
             kernels += 12 + 3 * linears
@@ -197,8 +214,9 @@ def _block_stats(block: nn.Module, dim: int, top_k: int) -> tuple[int, int, int,
             # output and the gated product (each hidden-sized), and the residual sum (dim)
             inner = max(out - dim, 0)
             act += 2 * inner + dim
+            temp = max(temp, float(inner))  # both factors' gradients (two hidden-sized)
             kernels += 4 + 3 * linears
-    return dense, expert, n_experts, act, fixed, kernels
+    return dense, expert, n_experts, act, fixed, temp, kernels
 
 
 def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
@@ -232,10 +250,12 @@ def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
     expert: list[int] = []
     acts: list[float] = []
     fixed: list[float] = []
+    temps: list[float] = []
     n_experts = 0
     kernels = 0
     for block in model.layers.values():  # type: ignore[operator]
-        d, e, n, a, f, k = _block_stats(block, dim, top_k)
+        d, e, n, a, f, tmp, k = _block_stats(block, dim, top_k)
+        temps.append(tmp)
         dense.append(d)
         expert.append(e)
         acts.append(a)
@@ -266,4 +286,5 @@ def model_stats(model_name: str, flavor: str | Any, seq_len: int) -> ModelStats:
         seq_len=seq_len,
         kernels_per_layer=kernels,
         layer_act_fixed_bytes=tuple(fixed),
+        layer_bwd_temp_elems=tuple(temps),
     )
