@@ -725,11 +725,15 @@ class ShardedParam:
                 f"the gradient of the tensor-parallel parameter {self.fqn!r} must be a DTensor, "
                 f"got {type(grad).__name__}"
             )
-        target = tuple(
-            grad.placements[i] if i in self._dp_dim_indices else p
-            for i, p in enumerate(tp_spec.placements)
-        )
-        if tuple(grad.placements) != target:
+        placements = tuple(grad.placements)
+        if self._dp_dim_indices:  # dp_mesh_dims: the data-parallel dims keep their placements
+            target = tuple(
+                placements[i] if i in self._dp_dim_indices else p
+                for i, p in enumerate(tp_spec.placements)
+            )
+        else:
+            target = tuple(tp_spec.placements)
+        if placements != target:
             grad = grad.redistribute(placements=target)
         local = grad._local_tensor
         if isinstance(local, AsyncCollectiveTensor):  # a redistribution still in flight
