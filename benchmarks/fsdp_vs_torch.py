@@ -11,12 +11,20 @@ floor. Peak tensor memory per rank is measured with a tensor-level tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``, not process RSS) over one step of each,
 and collectives per step are counted, as is the deterministic host work of one step per unit:
 Python function calls (all, and the FSDP engine's own) and ops dispatched, ours against torch's
-(the measure to follow on a loaded machine, where times are noisy). Absolute times only mean
-something on a quiet machine or a GPU.
+(the measure to follow on a loaded machine, where times are noisy). Beside the wall-clock ratio
+each row reports the ratio of process CPU time per step (all threads, summed over ranks), which
+other load on the machine inflates far less. Absolute times only mean something on a quiet
+machine or a GPU.
+
+``--counts`` times nothing: per unit and step it counts Python calls (all, engine), ops (all,
+allocating, profiler ranges), DTensor and ``nn.Parameter`` constructions and page faults, and
+takes the CPU time per step, for ours and torch's (``results/fsdp_counts.md``).
 
 Usage::
 
-    python benchmarks/fsdp_vs_torch.py [--steps 12] [--warmup 3] [--out benchmarks/results]
+    python benchmarks/fsdp_vs_torch.py [--steps 12] [--warmup 3] [--rows ws3 ...] [--out DIR]
+    python benchmarks/fsdp_vs_torch.py --quick      # ws2, ws3, ws4, noise: 8 steps, 2 warm-up
+    python benchmarks/fsdp_vs_torch.py --counts [--rows ws3]
 """
 
 from __future__ import annotations
@@ -360,6 +368,11 @@ def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _cpu_cell(entry: dict[str, Any]) -> str:
+    ratio = entry.get("cpu_time_ratio")
+    return "-" if ratio is None else f"{ratio:.3f}"
+
+
 def _host_cells(entry: dict[str, Any]) -> str:
     ours, theirs = entry.get("ours_host_per_unit"), entry.get("torch_host_per_unit")
     if not ours or not theirs:
@@ -498,6 +511,7 @@ def main() -> None:
         mem_ratios = [o["ours_peak"] / o["torch_peak"] for o in orders]
         cpu_ratios = [o["ours_cpu"] / o["torch_cpu"] for o in orders]
         entry = {
+            "load_1min": _load(),  # wall-clock ratios are noise above ~1.5 on 2 cores
             "step_time_ratio": math.sqrt(time_ratios[0] * time_ratios[1]),
             # process CPU time per step, summed over ranks (all threads: compute, gloo, hooks)
             "cpu_time_ratio": math.sqrt(cpu_ratios[0] * cpu_ratios[1]),
@@ -529,10 +543,11 @@ def main() -> None:
         f"Model: vocab {VOCAB}, dim {DIM}, {BLOCKS} blocks, seq {SEQ}, batch {BATCH} per rank; "
         f"{args.steps} timed steps after {args.warmup} warm-up, both build orders.",
         "",
-        "| configuration | step time ours/torch | peak tensor memory ours/torch | "
+        "| configuration | step time ours/torch | process CPU time ours/torch | "
+        "peak tensor memory ours/torch | "
         "collectives per step (AG/RS/AR) ours | torch | Python calls per unit per step "
         "(engine) ours | torch | ops per unit per step ours | torch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ROWS:
         entry = report["rows"].get(name)
@@ -540,7 +555,8 @@ def main() -> None:
             continue
         oc, tc = entry["ours_collectives_per_step"], entry["torch_collectives_per_step"]
         lines.append(
-            f"| {name} | {entry['step_time_ratio']:.3f} | {entry['peak_memory_ratio']:.3f} | "
+            f"| {name} | {entry['step_time_ratio']:.3f} | {_cpu_cell(entry)} | "
+            f"{entry['peak_memory_ratio']:.3f} | "
             f"{oc['all_gather']}/{oc['reduce_scatter']}/{oc['all_reduce']} | "
             f"{tc['all_gather']}/{tc['reduce_scatter']}/{tc['all_reduce']} | " + _host_cells(entry)
         )
