@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ def _leave_state_behind() -> None:
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
     torch.manual_seed(123)
-    dist.new_group(list(range(dist.get_world_size())))
+    # a group made with options is the test's own: destroyed after the job
+    dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=60))
 
 
 def _observe_state() -> tuple[str, bool, int, float, int]:
@@ -89,6 +91,49 @@ def test_state_is_reset_between_jobs() -> None:
     dtype, grad, threads, _, groups = after[0]
     assert (dtype, grad, threads) == ("torch.float32", True, 1)
     assert groups == before[0][4]
+
+
+def _mesh_job(destroy: bool) -> tuple[str, int]:
+    """A [1, 2] mesh (its size-1 axis is one new group per rank), a DTensor matmul, and the
+    number of sharding propagations DTensor could not answer from its caches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hp_dtensor._torch_compat import dtensor_sharding_propagator as propagator
+
+    calls = 0
+    original = propagator.propagate_op_sharding_non_cached
+
+    def counting(schema):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return original(schema)
+
+    propagator.propagate_op_sharding_non_cached = counting
+    try:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+        x = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0), Shard(1)])
+        (x @ x.T).sum().full_tensor()
+    finally:
+        propagator.propagate_op_sharding_non_cached = original
+    kept = mesh.get_group("a")
+    if destroy:
+        dist.destroy_process_group(kept)
+    return kept.group_name, calls
+
+
+def test_plain_groups_are_kept_for_the_next_job() -> None:
+    """The second job's equal mesh gets the first job's group; DTensor's caches are forgotten
+    between jobs all the same (they would hand back the first job's mesh object); a group a
+    test destroys leaves the cache. A group made with a timeout is fresh in each job
+    (``test_state_is_reset_between_jobs``)."""
+    first = run_distributed(_mesh_job, 2, False)
+    second = run_distributed(_mesh_job, 2, True)
+    third = run_distributed(_mesh_job, 2, False)
+    for a, b, c in zip(first, second, third, strict=True):
+        assert b[0] == a[0]  # the kept group
+        assert b[1] == a[1] > 0  # the same shardings propagated again: caches were cleared
+        assert c[0] != b[0]  # destroyed by the test: made again
 
 
 def test_twenty_small_all_reduce_jobs_at_world_size_four_are_fast() -> None:
@@ -150,7 +195,8 @@ def _leak_groups(count: int, *, in_cycle: bool = False) -> tuple[int, int]:
     cycle: list[object] = []
     cycle.append(cycle)
     for _ in range(count):
-        group = dist.new_group(list(range(dist.get_world_size())))
+        # with a timeout: a fresh group each time, not one the worker keeps for the next job
+        group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=60))
         dist.all_reduce(torch.ones(1), group=group)
         (cycle if in_cycle else _KEPT_GROUPS).append(group)
     return os.getpid(), len(os.listdir("/proc/self/task"))

@@ -9,6 +9,8 @@ See Also:
     :pt:`torch.distributed.tensor`: PyTorch's DTensor package.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
     DTensor,
@@ -19,7 +21,6 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication, local_map, register_sharding
 
 from hp_dtensor import device
@@ -92,3 +93,17 @@ __all__ = [
     "sharding_rule",
     "use_mesh",
 ]
+
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+
+def __getattr__(name: str) -> Any:
+    # torch.distributed.tensor.debug imports torch._dynamo and torch._inductor (about 1.6 CPU
+    # seconds): only a user of CommDebugMode pays for them, not every process importing the stack
+    if name == "CommDebugMode":
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        return CommDebugMode
+    raise AttributeError(f"module 'hp_dtensor' has no attribute {name!r}")

@@ -109,9 +109,28 @@ clear_native_sharding_propagator_cache = require(
 redistribute_transform_infos = require(
     _PACKAGE, "torch.distributed.tensor._redistribute._gen_transform_infos"
 )
-clear_sharding_prop_cache = require(
-    _PACKAGE, "torch.distributed.tensor.debug._clear_sharding_prop_cache"
+_python_sharding_prop_cache = require(
+    _PACKAGE,
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding",
 )
+if not hasattr(_python_sharding_prop_cache, "cache_clear"):  # pragma: no cover - other torch
+    raise missing_torch_name(
+        _PACKAGE,
+        "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator."
+        "propagate_op_sharding.cache_clear",
+    )
+
+
+def clear_sharding_prop_cache() -> None:
+    """Both of DTensor's sharding-propagation caches: the Python one and the native fast path's.
+
+    What ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does, without importing
+    that module (it imports torch._dynamo and torch._inductor).
+    """
+    _python_sharding_prop_cache.cache_clear()
+    clear_native_sharding_propagator_cache()
+
+
 c10d_world = require(_PACKAGE, "torch.distributed.distributed_c10d._world")
 FakeStore = require(_PACKAGE, "torch.testing._internal.distributed.fake_pg.FakeStore")
 
@@ -160,7 +179,7 @@ PRIVATE_NAMES = (
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
     "torch._C._clear_DTensor_sharding_propagator_cache",
     "torch.distributed.tensor._redistribute._gen_transform_infos",
-    "torch.distributed.tensor.debug._clear_sharding_prop_cache",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding",
     "torch.distributed.distributed_c10d._world",
     "torch.testing._internal.distributed.fake_pg.FakeStore",
     "torch.distributed.device_mesh.DeviceMesh._flatten",

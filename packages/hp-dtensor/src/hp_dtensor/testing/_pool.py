@@ -49,6 +49,9 @@ class PoolStats:
     rebuilds: int = 0
     #: pools replaced because a worker had leaked threads of destroyed gloo groups
     renewals: int = 0
+    #: CPU seconds the workers spent in successful jobs, all ranks together (the load-independent
+    #: cost of the distributed tests; wall time on a loaded machine is not)
+    worker_cpu_s: float = 0.0
 
 
 class WorkerPool:
@@ -145,6 +148,7 @@ class WorkerPool:
             # A failed rank may leave collectives half-done on the others: start afresh next time.
             self.close()
             raise DistributedTestError(_format_errors(errors, hung=[]))
+        self._stats.worker_cpu_s += sum(reply[3] for reply in replies)
         if any(reply[2] for reply in replies):  # a worn worker: the next job gets a fresh pool
             self._stats.renewals += 1
             self.renewed = True

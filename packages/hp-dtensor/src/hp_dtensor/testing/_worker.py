@@ -9,11 +9,14 @@ import os
 import pickle
 import random
 import sys
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
+
+from hp_dtensor.testing._group_cache import GroupCache
 
 #: Set in worker processes so that decorated tests called inside a worker run directly.
 IN_WORKER_ENV = "HP_DTENSOR_TESTING_WORKER"
@@ -70,11 +73,12 @@ def _clear_dtensor_caches() -> None:
 class _StateGuard:
     """Snapshot of process-wide state a test may change, restored after every job."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: GroupCache) -> None:
         import torch
 
         from hp_dtensor._torch_compat import c10d_world
 
+        self._cache = groups
         self._torch_rng = torch.random.get_rng_state()
         self._py_rng = random.getstate()
         self._dtype = torch.get_default_dtype()
@@ -87,14 +91,16 @@ class _StateGuard:
 
         from hp_dtensor._torch_compat import c10d_world
 
-        # Groups created by the test (meshes, new_group) are destroyed; the default group stays.
-        destroyed = False
+        # Groups created by the test (meshes, new_group) are destroyed; the default group and the
+        # groups the cache keeps for the next job stay. DTensor's caches are forgotten all the
+        # same: they key meshes by equality and hand back the mesh *object* of the first call,
+        # so a later test's equal mesh would get an earlier test's (torch's fully_shard refuses
+        # a parameter whose mesh is not the very object it was given).
+        kept = self._cache.kept()
         for group in list(c10d_world.pg_map):
-            if group not in self._groups:
+            if group not in self._groups and group not in kept:
                 dist.destroy_process_group(group)
-                destroyed = True
-        if destroyed:
-            _clear_dtensor_caches()
+        _clear_dtensor_caches()
         torch.random.set_rng_state(self._torch_rng)
         random.setstate(self._py_rng)
         if "numpy" in sys.modules:
@@ -149,13 +155,16 @@ def worker_main(
         world_size=world_size,
         timeout=timedelta(seconds=600),
     )
-    guard = _StateGuard()
+    groups = GroupCache()
+    groups.install()
+    guard = _StateGuard(groups)
     conn.send(("ready", None))
     while True:
         job = conn.recv()
         if job is None:
             break
         module_name, module_file, qualname, payload = job
+        started = time.process_time()
         try:
             fn = _resolve(_load_module(module_name, module_file), qualname)
             args, kwargs = pickle.loads(payload)
@@ -169,5 +178,5 @@ def worker_main(
             worn = guard.worn()
         except Exception:
             reply = ("err", f"state reset failed after the test:\n{traceback.format_exc()}")
-        conn.send((*reply, worn))
+        conn.send((*reply, worn, time.process_time() - started))
     dist.destroy_process_group()

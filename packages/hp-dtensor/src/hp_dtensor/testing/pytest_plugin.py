@@ -10,7 +10,10 @@ slowest tests) and the session's exit code is left to the tests themselves.
 from __future__ import annotations
 
 import os
+import resource
+import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,6 +25,14 @@ SLOWEST_SHOWN = 5
 
 _spent: defaultdict[str, float] = defaultdict(float)
 _durations: defaultdict[str, list[tuple[float, str]]] = defaultdict(list)
+_cpu: defaultdict[str, float] = defaultdict(float)
+_cpu_per_test: list[tuple[float, str]] = []
+
+
+def _cpu_seconds() -> float:
+    """CPU time so far of this process, its pool workers' jobs and its waited-for subprocesses."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + pool_stats().worker_cpu_s + children.ru_utime + children.ru_stime
 
 
 def _world_size(item: pytest.Item) -> int:
@@ -53,6 +64,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _durations[package].append((report.duration, f"{report.nodeid} ({report.when})"))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Charge each test's CPU seconds (all processes) to its package: a figure the load of the
+    machine hardly changes, unlike the elapsed time the budgets are in."""
+    before = _cpu_seconds()
+    yield
+    spent = _cpu_seconds() - before
+    _cpu[_package_of(item.nodeid)] += spent
+    _cpu_per_test.append((spent, item.nodeid))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutdown_pool()
 
@@ -67,19 +89,24 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"hp_dtensor.testing: {stats.jobs} distributed jobs; {len(stats.starts)} pool "
             f"start-ups ({per_size}) in {total:.1f} s; "
             f"rebuilds after failures: {stats.rebuilds}; "
-            f"pools replaced for leaked gloo threads: {stats.renewals}"
+            f"pools replaced for leaked gloo threads: {stats.renewals}; "
+            f"worker CPU {stats.worker_cpu_s:.1f} s"
         )
     budgets = _budgets()
     if not budgets:
         return
-    terminalreporter.section("test time per package (budget)")
+    terminalreporter.section("test time per package (budget), and CPU seconds of all processes")
     for name in sorted(set(budgets) | set(_spent)):
         spent, budget = _spent.get(name, 0.0), budgets.get(name)
+        cpu = f"   CPU {_cpu.get(name, 0.0):7.1f} s"
         if budget is None:
-            terminalreporter.write_line(f"{name:16s} {spent:7.1f} s   (no budget)")
+            terminalreporter.write_line(f"{name:16s} {spent:7.1f} s   (no budget){cpu}")
             continue
         flag = "   WARNING: over budget (not a failure)" if spent > budget else ""
-        terminalreporter.write_line(f"{name:16s} {spent:7.1f} s / {budget:5.0f} s{flag}")
+        terminalreporter.write_line(f"{name:16s} {spent:7.1f} s / {budget:5.0f} s{cpu}{flag}")
         if flag:
             for duration, nodeid in sorted(_durations[name], reverse=True)[:SLOWEST_SHOWN]:
                 terminalreporter.write_line(f"    {duration:6.1f} s  {nodeid}")
+    terminalreporter.write_line(f"most CPU seconds (all processes), top {SLOWEST_SHOWN * 2}:")
+    for spent, nodeid in sorted(_cpu_per_test, reverse=True)[: SLOWEST_SHOWN * 2]:
+        terminalreporter.write_line(f"    {spent:6.1f} s  {nodeid}")
