@@ -316,7 +316,10 @@ def count_row(row: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     Both implementations are built and stepped alternately; after the warm-up, each one's host
     counts (:func:`_host_counts`) and its CPU time per step (process and main thread, median
     over ``steps`` steps: CPU time, not wall time, so other processes on the machine inflate
-    it much less than they inflate a step's duration) are taken.
+    it much less than they inflate a step's duration) are taken. A third copy of the model,
+    not sharded, runs the same forward and backward in between: each engine's main-thread CPU
+    time of forward + backward minus that one is the FSDP work on the main thread (hooks,
+    copies, collective calls), the compute left out.
     """
     mesh = init_device_mesh(
         "cpu", row["mesh"], mesh_dim_names=("replicate", "shard") if len(row["mesh"]) == 2 else None
@@ -328,16 +331,36 @@ def count_row(row: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     base = TiedTransformer(VOCAB, DIM, HEADS, BLOCKS)
     control = bool(row.get("control"))
     built: dict[str, Callable[[int], None]] = {}
+    models: dict[str, nn.Module] = {}
     for name in ("ours", "torch"):
         sharded = copy.deepcopy(base)
         api = torch_fsdp if (name == "torch" or control) else hp_fsdp
         _shard(sharded, api, mesh, row["mp"], mlp_mesh)
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3, foreach=True)
         built[name] = _step_fn(sharded, opt)
+        models[name] = sharded
+    plain = copy.deepcopy(base)
+    if row["mp"]:  # the sharded copies compute in bf16
+        plain = plain.to(torch.bfloat16)
+
+    def forward_backward(model: nn.Module, i: int) -> float:
+        tokens, targets = _batch(i)
+        start = time.thread_time()
+        logits = model(tokens)
+        F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        return time.thread_time() - start
+
     cpu: dict[str, list[float]] = {name: [] for name in built}
     main: dict[str, list[float]] = {name: [] for name in built}
+    fwd_bwd: dict[str, list[float]] = {name: [] for name in (*built, "plain")}
     for i in range(warmup + steps):
-        for name, step in built.items():
+        for name, model in (*models.items(), ("plain", plain)):
+            dist.barrier()
+            elapsed = forward_backward(model, i)
+            model.zero_grad(set_to_none=True)
+            if i >= warmup:
+                fwd_bwd[name].append(elapsed)
+        for name, step in built.items():  # last: the counted steps follow a whole step
             dist.barrier()
             p0, t0 = time.process_time(), time.thread_time()
             step(i)
@@ -345,10 +368,12 @@ def count_row(row: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
                 cpu[name].append(time.process_time() - p0)
                 main[name].append(time.thread_time() - t0)
     result: dict[str, Any] = {}
+    floor = statistics.median(fwd_bwd["plain"])
     for name, step in built.items():
         result[f"{name}_host"] = _host_counts(step, warmup + steps + 10)
         result[f"{name}_cpu_s"] = statistics.median(cpu[name])
         result[f"{name}_main_cpu_s"] = statistics.median(main[name])
+        result[f"{name}_fsdp_main_cpu_s"] = statistics.median(fwd_bwd[name]) - floor
     return result
 
 
@@ -414,17 +439,22 @@ def _print_counts(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> 
         f"batch {BATCH}; {args.warmup} warm-up and {args.steps} CPU-timed steps per engine.",
         "",
         "| configuration | engine | " + " | ".join(keys) + " | page faults/step | "
-        "process CPU ms/step (all ranks) | main-thread CPU ms/step (all ranks) |",
-        "|---|---|" + "---|" * (len(keys) + 3),
+        "process CPU ms/step (all ranks) | main-thread CPU ms/step (all ranks) | "
+        "FSDP main-thread CPU ms/step (all ranks) |",
+        "|---|---|" + "---|" * (len(keys) + 4),
     ]
-    for name, entry in rows.items():
+    for name in ROWS:
+        entry = rows.get(name)
+        if entry is None:
+            continue
         for engine in ("ours", "torch"):
             host = entry[f"{engine}_host_per_unit"]
             lines.append(
                 f"| {name} | {engine} | "
                 + " | ".join(f"{host[k]:.1f}" for k in keys)
                 + f" | {host['page_faults'] * UNITS:.0f} | {entry[f'{engine}_cpu_ms']:.1f} | "
-                f"{entry[f'{engine}_main_cpu_ms']:.1f} |"
+                f"{entry[f'{engine}_main_cpu_ms']:.1f} | "
+                f"{entry.get(f'{engine}_fsdp_main_cpu_ms', float('nan')):.1f} |"
             )
     lines.append("")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -468,6 +498,9 @@ def main() -> None:
     args.rows = _resolve_rows(args.rows) if args.rows else list(ROWS)
     if args.counts:
         counted: dict[str, dict[str, Any]] = {}
+        previous_counts = args.out / "fsdp_counts.json"
+        if set(args.rows) != set(ROWS) and previous_counts.exists():  # update those rows only
+            counted = json.loads(previous_counts.read_text())
         for name in sorted(args.rows, key=lambda n: ROWS[n]["world"]):
             row = ROWS[name]
             per_rank = run_distributed(
@@ -484,7 +517,7 @@ def main() -> None:
                 **{
                     f"{engine}_{kind}_ms": 1e3 * sum(r[f"{engine}_{kind}_s"] for r in per_rank)
                     for engine in ("ours", "torch")
-                    for kind in ("cpu", "main_cpu")
+                    for kind in ("cpu", "main_cpu", "fsdp_main_cpu")
                 },
             }
         shutdown_pool()
