@@ -66,9 +66,10 @@ def require_module(package: str, qualname: str) -> ModuleType:
 
 
 def require(package: str, qualname: str) -> Any:
-    """Resolve ``module.attr[.attr...]`` (the longest importable prefix is the module)."""
+    """Resolve ``module.attr[.attr...]`` (the longest importable prefix is the module; the
+    whole name may be a module too)."""
     parts = qualname.split(".")
-    for split in range(len(parts) - 1, 0, -1):
+    for split in range(len(parts), 0, -1):
         try:
             value: Any = importlib.import_module(".".join(parts[:split]))
         except ImportError:

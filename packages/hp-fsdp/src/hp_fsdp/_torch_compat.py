@@ -40,7 +40,6 @@ __all__ = [
     "concatenate_meshes",
     "current_graph_task_id",
     "disable_functorch",
-    "dynamo_disable",
     "flatten_mesh",
     "functorch_transforms_active",
     "local_tensor",
@@ -59,7 +58,6 @@ _PACKAGE = "hp-fsdp"
 concatenate_meshes: Callable[..., Any] = require(
     _PACKAGE, "torch.distributed.device_mesh.DeviceMesh._concatenate"
 )
-dynamo_disable: Callable[..., Any] = require(_PACKAGE, "torch._dynamo.disable")
 #: The autograd engine's id of the backward running now (-1 outside backward).
 current_graph_task_id: Callable[[], int] = require(_PACKAGE, "torch._C._current_graph_task_id")
 #: Whether a functorch transform (``torch.func.jvp``, ``vmap``) is active.
@@ -98,7 +96,6 @@ PRIVATE_NAMES = (
     "torch._C._are_functorch_transforms_active",
     "torch._C._DisableFuncTorch",
     "torch.distributed.device_mesh.DeviceMesh._concatenate",
-    "torch._dynamo.disable",
     "torch.autograd.Variable._execution_engine.queue_callback",
     "torch.autograd._profiler_enabled",
     "torch.distributed._symmetric_memory.empty",

@@ -11,11 +11,11 @@ See Also:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch.nn as nn
 
-from hp_fsdp._torch_compat import dynamo_disable
+from hp_dtensor._eager import run_eagerly as _run_eagerly
 
 __all__ = ["DYNAMO_MODULE_FLAGS", "mark_managed_for_dynamo", "run_eagerly"]
 
@@ -35,10 +35,10 @@ def run_eagerly(fn: _Fn) -> _Fn:
         The wrapped function.
 
     See Also:
-        :pt:`torch._dynamo.disable`: the wrapper used.
+        :pt:`torch.compiler.disable`: the wrapper used, made when Dynamo traces a call (so that
+        importing hp-fsdp does not import Dynamo).
     """
-    disabled = dynamo_disable(fn, recursive=True, reason="hp_fsdp hooks run eagerly")
-    return cast(_Fn, disabled)
+    return _run_eagerly(fn, reason="hp_fsdp hooks run eagerly")
 
 
 def mark_managed_for_dynamo(modules: list[nn.Module]) -> None:

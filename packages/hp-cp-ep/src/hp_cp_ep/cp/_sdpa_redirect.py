@@ -19,6 +19,7 @@ or a dropout probability raises ``ValueError`` instead of computing something el
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -30,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from hp_cp_ep._torch_compat import single_device_sdpa
 from hp_cp_ep.cp.attention import ContextParallelAttention
+from hp_dtensor._eager import run_eagerly
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS: dict[str, Any] = {
@@ -131,7 +133,7 @@ _ROUTER = _SdpaRouter()
 # A function (torch.overrides and Dynamo read its name), and opaque to torch.compile: a compiled
 # block calls the engine (collectives, autograd functions with Python state) eagerly, as a
 # graph break between the compiled pieces around it.
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+@functools.partial(run_eagerly, reason="the CP engine runs eagerly")
 def _routed_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
     return _ROUTER(*args, **kwargs)
 

@@ -10,6 +10,7 @@ hyper-parallel names ``"ring"``, ``"allgather"`` and ``"ulysses"`` are accepted 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_cp_ep.cp._sdpa_redirect import SdpaRoute, active_route
 from hp_cp_ep.cp.attention import ContextParallelAttention
 from hp_cp_ep.cp.load_balance import shard_sequence, unshard_sequence
+from hp_dtensor._eager import run_eagerly
 
 __all__ = [
     "context_parallel",
@@ -162,7 +164,7 @@ def context_parallel(
                 buffer.resize_(original.shape).copy_(original)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+@functools.partial(run_eagerly, reason="the CP engine runs eagerly")
 def _attend(
     route: SdpaRoute,
     query: torch.Tensor,

@@ -22,14 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hp_pp import (
-    PipelineScheduleRuntime,
-    generate_llm_fqn_per_model_part,
-    get_schedule_class,
-    pipeline_llm,
-)
-
 if TYPE_CHECKING:
+    from hp_pp import PipelineScheduleRuntime
     from hp_trainer.config import JobConfig
     from hp_trainer.distributed.parallel_dims import ParallelDims
 
@@ -54,7 +48,7 @@ def stages_per_rank_of(schedule: str) -> int:
         :titan:`torchtitan.distributed.pipeline_parallel.pipeline_module_split`: TorchTitan's
         placement (one or several stages per rank, by schedule type).
     """
-    from hp_pp import PipelineScheduleSingle
+    from hp_pp import PipelineScheduleSingle, get_schedule_class
 
     cls = get_schedule_class(schedule)
     return 1 if issubclass(cls, PipelineScheduleSingle) else 2
@@ -118,6 +112,10 @@ def pipeline_decoder(
     See Also:
         :titan:`torchtitan.distributed.pipeline_parallel.pipeline_llm`: TorchTitan's function.
     """
+    # hp-pp (and torch.distributed.pipelining, which imports torch._dynamo) is imported by the
+    # jobs that pipeline, not by every process that imports hp_trainer
+    from hp_pp import generate_llm_fqn_per_model_part, pipeline_llm
+
     par = job_config.parallelism
     local_batch = job_config.training.local_batch_size
     if local_batch % par.pipeline_parallel_microbatch_size:
