@@ -288,7 +288,7 @@ def test_dedup_etp_with_a_hot_expert_replica_equals_plain() -> None:
 @distributed(world_size=4)
 def test_dedup_etp_node_axis_matches_plain() -> None:
     """``[inter, intra, tp]`` meshes (two-stage dispatch under TP): 2 nodes of 1 rank, 1 node of
-    2 ranks (2 x 2 x 2 needs 8 ranks: by hand, ``HP_RUN_WS8=1``)."""
+    2 ranks (2 x 2 x 2: the 8-rank test below)."""
     row = DIM * ELEMENT
     for nodes in [(2, 1), (1, 2)]:
         seen = _etp_parity(2, 4, nodes=nodes)
@@ -304,14 +304,10 @@ def test_dedup_etp_node_axis_matches_plain() -> None:
         ]
 
 
+@distributed(world_size=8, timeout=300)
 def test_dedup_etp_node_axis_2x2x2_matches_plain() -> None:
-    """2 nodes of 2 ranks x TP 2 (8 ranks): by hand only, ``HP_RUN_WS8=1``."""
-    if os.environ.get("HP_RUN_WS8") != "1":
-        pytest.skip("8 ranks: not in the suite (set HP_RUN_WS8=1)")
-    run_distributed(_nodes_2x2x2, 8, timeout=300)
-
-
-def _nodes_2x2x2() -> None:
+    """2 nodes of 2 ranks x TP 2 (8 ranks: the suite's one 8-rank pool runs it with the
+    others of that size)."""
     _etp_parity(4, 8, nodes=(2, 2))
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from hp_dtensor.testing import run_distributed
+
 pytest.importorskip("torchft")
 
 _spec = importlib.util.spec_from_file_location(
@@ -103,6 +105,16 @@ def _losses(tmp: Path, run: str) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+def _train_in_pool(argv: list[str]) -> list[float]:
+    from hp_trainer import ConfigManager, Trainer
+
+    trainer = Trainer(ConfigManager().parse_args(argv))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
 def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
     """The oracle of the synchronous mode: 2 groups x FSDP 2 = a plain FSDP 4 job (same data)."""
     steps = 4
@@ -128,19 +140,19 @@ def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
             )
             procs.append(proc)  # type: ignore[arg-type]
             runs.append(proc)
+        # the plain FSDP 4 job runs on the warm 4-rank pool meanwhile (no launcher, no 4 new
+        # interpreters): the same options as the groups', without fault tolerance
         plain = [
-            "--parallelism.data_parallel_shard_degree", "4",
+            *common[3:], "--parallelism.data_parallel_shard_degree", "4",
             "--fault_tolerance.enable", "false", "--job.run_name", "g2",
         ]  # fmt: skip
-        log = (tmp_path / "g2.log").open("w")
-        proc = subprocess.Popen([*common, *plain], env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)  # type: ignore[arg-type]
-        runs.append(proc)
+        single = run_distributed(_train_in_pool, 4, plain, timeout=400)[0]
         for i, proc in enumerate(runs):
             assert _wait(proc, 400, tmp_path, i) == 0  # type: ignore[arg-type]
     finally:
         _cleanup(procs)
-    g0, g1, single = _losses(tmp_path, "g0"), _losses(tmp_path, "g1"), _losses(tmp_path, "g2")
+    g0, g1 = _losses(tmp_path, "g0"), _losses(tmp_path, "g1")
+    assert single == _losses(tmp_path, "g2")  # what train() returned is what it logged
     assert len(single) == steps
     # each group logs the mean over its own samples (equal token counts): their average is
     # the job's loss
