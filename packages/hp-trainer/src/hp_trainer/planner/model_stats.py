@@ -44,8 +44,9 @@ class ModelStats:
         layer_bwd_temp_elems: Per block: the largest set of input gradients its backward holds
             at once beside the saved tensors, in compute-dtype elements per token: the largest
             of a SwiGLU's (both factors' gradients, the product's saved copy freed by then), an
-            attention's (q, k and v as its kernel sees them) and a MoE's (per routed copy: the combine's gradient row, its gather and
-            its weighting, or the experts' row gradient and two factor gradients).
+            attention's (q, k and v as its kernel sees them) and a MoE's (per routed copy: the
+            combine's gradient row, its gather and its weighting, or the experts' row gradient
+            and two factor gradients).
         flops_per_token: Training FLOPs per token at ``seq_len`` (the trainer's MFU formula:
             ``6 * active non-embedding params + 12 * layers * heads * head_dim * seq``).
         seq_len: The sequence length ``flops_per_token`` is for.
