@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import functools
 import inspect
 import itertools
 import sys
@@ -1129,11 +1128,16 @@ class JobConfig:
 # Introspection helpers
 
 
-@functools.cache
+_TYPE_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _type_hints(cls: type) -> dict[str, Any]:
     # resolved once per section class: every config built re-checked its literals, and
     # get_type_hints evaluating the string annotations took ~28% of a 1024-rank hp-plan search
-    return typing.get_type_hints(cls)
+    hints = _TYPE_HINTS.get(cls)
+    if hints is None:
+        hints = _TYPE_HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
