@@ -86,7 +86,19 @@ def _install(module: nn.Module, dispatcher: TokenDispatcher) -> None:
     module.__dict__["token_dispatcher"] = dispatcher
 
 
-class ExpertParallel(ParallelStyle):
+class _DispatchingStyle(ParallelStyle):
+    """A style that installs an all-to-all token dispatcher, with its two keyword options."""
+
+    def __init__(self, *, dedup: bool = False, overlap_backward: bool = False) -> None:
+        super().__init__()
+        for name, value in (("dedup", dedup), ("overlap_backward", overlap_backward)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        self.dedup = dedup
+        self.overlap_backward = overlap_backward
+
+
+class ExpertParallel(_DispatchingStyle):
     """Shard the experts over a 1-D expert-parallel mesh and dispatch tokens by all-to-all.
 
     Expert ``e`` lives on rank ``e // (E / ep)``. Tokens are sent to their experts' ranks with
@@ -118,14 +130,6 @@ class ExpertParallel(ParallelStyle):
     See Also:
         :titan:`torchtitan.distributed.expert_parallel.ExpertParallel`.
     """
-
-    def __init__(self, *, dedup: bool = False, overlap_backward: bool = False) -> None:
-        super().__init__()
-        for name, value in (("dedup", dedup), ("overlap_backward", overlap_backward)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        self.dedup = dedup
-        self.overlap_backward = overlap_backward
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
@@ -162,7 +166,7 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
-class ExpertTensorParallel(ParallelStyle):
+class ExpertTensorParallel(_DispatchingStyle):
     """EP x TP on a 2-D ``[ep, tp]`` mesh: experts over ``ep``, their hidden units over ``tp``.
 
     Tokens are dispatched by all-to-all among the ranks of the same TP index; each TP rank
@@ -187,14 +191,6 @@ class ExpertTensorParallel(ParallelStyle):
     See Also:
         :titan:`torchtitan.distributed.expert_parallel.ExpertTensorParallel`.
     """
-
-    def __init__(self, *, dedup: bool = False, overlap_backward: bool = False) -> None:
-        super().__init__()
-        for name, value in (("dedup", dedup), ("overlap_backward", overlap_backward)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        self.dedup = dedup
-        self.overlap_backward = overlap_backward
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style = type(self).__name__
