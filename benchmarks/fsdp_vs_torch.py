@@ -269,8 +269,8 @@ def _host_counts(step: Callable[[int], None], i: int) -> dict[str, int]:
     return counts
 
 
-def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
-    """One order of one row, on every rank; returns this rank's medians and peaks."""
+def _row_setup(row: dict[str, Any]) -> tuple[DeviceMesh, DeviceMesh | None, TiedTransformer]:
+    """A row's mesh, its MLP mesh (or None) and the seeded unsharded model both engines copy."""
     mesh = init_device_mesh(
         "cpu", row["mesh"], mesh_dim_names=("replicate", "shard") if len(row["mesh"]) == 2 else None
     )
@@ -279,6 +279,12 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
         mlp_mesh = init_device_mesh("cpu", row["mlp_mesh"], mesh_dim_names=("mlp_rep", "mlp_shard"))
     torch.manual_seed(0)
     base = TiedTransformer(VOCAB, DIM, HEADS, BLOCKS)
+    return mesh, mlp_mesh, base
+
+
+def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
+    """One order of one row, on every rank; returns this rank's medians and peaks."""
+    mesh, mlp_mesh, base = _row_setup(row)
     built: dict[str, tuple[nn.Module, Callable[[int], None]]] = {}
     control = bool(row.get("control"))
     order = ["ours", "torch"] if ours_first else ["torch", "ours"]
@@ -321,14 +327,7 @@ def count_row(row: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     time of forward + backward minus that one is the FSDP work on the main thread (hooks,
     copies, collective calls), the compute left out.
     """
-    mesh = init_device_mesh(
-        "cpu", row["mesh"], mesh_dim_names=("replicate", "shard") if len(row["mesh"]) == 2 else None
-    )
-    mlp_mesh = None
-    if "mlp_mesh" in row:
-        mlp_mesh = init_device_mesh("cpu", row["mlp_mesh"], mesh_dim_names=("mlp_rep", "mlp_shard"))
-    torch.manual_seed(0)
-    base = TiedTransformer(VOCAB, DIM, HEADS, BLOCKS)
+    mesh, mlp_mesh, base = _row_setup(row)
     control = bool(row.get("control"))
     built: dict[str, Callable[[int], None]] = {}
     models: dict[str, nn.Module] = {}

@@ -22,7 +22,6 @@ class GroupCache:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[tuple[int, ...] | None, str | None], Any] = {}
-        self.hits = 0
 
     def kept(self) -> set[Any]:
         """The kept groups (the harness does not destroy them after a job)."""
@@ -74,7 +73,6 @@ class GroupCache:
             key = (members, None if backend is None else str(backend).lower())
             group = self._groups.get(key)
             if group is not None:
-                self.hits += 1
                 return group
             group = original(
                 ranks=ranks, backend=backend, group_desc=group_desc, sort_ranks=sort_ranks
