@@ -38,15 +38,42 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _lighthouse(procs: list[subprocess.Popen[str]], min_replicas: int = 1) -> str:
+class _InProcessLighthouse:
+    """torchft's lighthouse hosted by this test process (no interpreter started for it), with
+    the ``Popen`` methods ``_cleanup`` calls."""
+
+    def __init__(self, server: Any) -> None:
+        self.server: Any = server
+
+    def poll(self) -> int | None:
+        return None if self.server is not None else 0
+
+    def send_signal(self, sig: int) -> None:
+        self.server.shutdown()
+        self.server = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def _lighthouse(procs: list[Any], min_replicas: int = 1, *, command: bool = False) -> str:
+    """Start a lighthouse; ``command``: as ``hp-train --lighthouse`` in its own process (one
+    test keeps that path), else in this process through the same option parsing."""
     # With min_replicas > 1 the lighthouse forms a quorum without a group whose heartbeat is
     # late (a loaded CI machine): those tests compare full quorums, so they allow 5 s.
     heartbeat_ms = 1500 if min_replicas == 1 else 5000
-    cmd = [
-        sys.executable, "-m", "hp_trainer.cli", "--lighthouse", "--bind", "[::]:0",
-        "--min_replicas", str(min_replicas), "--join_timeout_ms", "10000",
-        "--heartbeat_timeout_ms", str(heartbeat_ms),
+    options = [
+        "--bind", "[::]:0", "--min_replicas", str(min_replicas),
+        "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_ms),
     ]  # fmt: skip
+    if not command:
+        from hp_trainer.components.ft.lighthouse import _start_lighthouse
+
+        server = _InProcessLighthouse(_start_lighthouse(options))
+        procs.append(server)
+        port = server.server.address().rsplit(":", 1)[1]
+        return f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hp_trainer.cli", "--lighthouse", *options]
     proc = subprocess.Popen(
         cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -116,7 +143,7 @@ def _wait(proc: subprocess.Popen[str], timeout: float, tmp: Path, replica: int) 
         ) from None
 
 
-def _cleanup(procs: list[subprocess.Popen[str]]) -> None:
+def _cleanup(procs: list[Any]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -73,10 +74,14 @@ def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
 
 
 def test_mismatched_config_refused_at_quorum(tmp_path: Path) -> None:
-    """Group 1 runs another sequence length: refused at the first quorum, the field named."""
+    """Group 1 runs another sequence length: refused at the first quorum, the field named.
+
+    The lighthouse here is the real ``hp-train --lighthouse`` command (the other tests host it
+    in the test process): it serves the quorum, then stops with status 0 on SIGTERM.
+    """
     procs: list[subprocess.Popen[str]] = []
     try:
-        lighthouse = _lighthouse(procs, min_replicas=2)
+        lighthouse = _lighthouse(procs, min_replicas=2, command=True)
         groups = []
         for replica, seq_len in ((0, "32"), (1, "64")):
             cmd = [
@@ -96,6 +101,8 @@ def test_mismatched_config_refused_at_quorum(tmp_path: Path) -> None:
         log = (tmp_path / "g1.log").read_text()
         assert "replica group 1 was refused at the quorum" in log
         assert "differs from replica group at quorum rank 0 in training.seq_len" in log
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=60) == 0  # the lighthouse stops cleanly
     finally:
         _cleanup(procs)
 

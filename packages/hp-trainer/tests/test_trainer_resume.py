@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -201,29 +202,24 @@ def _hp_train(tmp_path: Path, run: str, tp: int, extra: list[str]) -> subprocess
         "--parallelism.tensor_parallel_degree", str(tp),
         "--metrics.log_freq", "1", "--metrics.enable_progress_bar", "false",
         "--data.dataset", _corpus(tmp_path),
-        "--job.dump_folder", str(tmp_path), "--job.run_name", run, *extra,
+        "--job.dump_folder", str(tmp_path), "--job.run_name", run,
+        "--job.callbacks", "_launch_ranks:RankPid", *extra,
     ]  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
-def _workers(launcher: int) -> dict[int, int]:
-    """rank -> pid of the worker processes under ``launcher``."""
-    out: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        rank = [e for e in env if e.startswith(b"RANK=")]
-        if ppid == launcher and rank:
-            out[int(rank[0][5:])] = int(entry.name)
-    return out
+def _launch_helpers() -> ModuleType:
+    return load_test_module(Path(__file__).with_name("_launch_ranks.py"), "hp_trainer_tests_ranks")
+
+
+def _workers(tmp_path: Path, run: str, launcher: int) -> dict[int, int]:
+    """rank -> pid of the 2 ranks of job ``run`` (processes under ``launcher``)."""
+    ranks = _launch_helpers().rank_pids(tmp_path / run, launcher)
+    assert sorted(ranks) == [0, 1], ranks
+    return ranks
 
 
 def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen[str]) -> None:
@@ -253,7 +249,7 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
         # SIGTERM to every rank (what a scheduler does): a full checkpoint, exit status 75
         _wait_for_step(tmp_path / "term" / "metrics.jsonl", 3, term)
         dies = _hp_train(tmp_path, "dies", 1, ["--metrics.enable_plot", "false"])
-        for pid in _workers(term.pid).values():
+        for pid in _workers(tmp_path, "term", term.pid).values():
             os.kill(pid, signal.SIGTERM)
         out, _ = term.communicate(timeout=60)
         assert term.returncode == EXIT_STOPPED_SAVED == 75, out[-4000:]
@@ -281,7 +277,7 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
 
         # rank 1 killed: the job fails fast and the error names the rank
         _wait_for_step(tmp_path / "dies" / "metrics.jsonl", 2, dies)
-        workers = _workers(dies.pid)
+        workers = _workers(tmp_path, "dies", dies.pid)
         os.kill(workers[1], signal.SIGKILL)
         # ends by itself instead of hanging (communicate raises TimeoutExpired otherwise); no
         # wall-clock assertion beyond that bound, which a loaded machine could break
@@ -291,7 +287,9 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
     finally:
         for proc in (term, dies):
             if proc is not None and proc.poll() is None:
-                for pid in _workers(proc.pid).values():  # else they outlive it, holding the pipe
-                    os.kill(pid, signal.SIGKILL)
+                # its ranks and their forkserver, else they outlive it, holding the pipe
+                for pid in _launch_helpers().descendants(proc.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 proc.kill()
                 proc.communicate()

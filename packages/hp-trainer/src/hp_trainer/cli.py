@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -184,10 +185,101 @@ def needs_launcher(config: JobConfig) -> bool:
     return not under_launcher and nproc_for(config) > 1
 
 
-def _launch(nproc: int, argv: list[str], run_folder: Path, launch: LaunchOptions) -> int:
-    from torch.distributed.run import get_args_parser, run
+# Imported by the forkserver the ranks fork from, once for all local ranks: the training stack,
+# and torch._dynamo, which a rank imports lazily while it builds its model (0.5 CPU s each).
+_PRELOAD = ("hp_trainer.cli", "hp_trainer.trainer", "torch._dynamo")
 
-    rendezvous = ["--standalone"]
+
+def _rank_main(argv: list[str]) -> None:
+    """What each local rank runs: ``main`` with the job's arguments, in a process forked from
+    the launcher's forkserver (see ``_launch``)."""
+    sys.argv = ["hp-train", *argv]  # a forkserver child's argv is the server's ("-c")
+    # torchrun started each rank as ``python -u``: keep the ranks' output line by line
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(line_buffering=True)
+    try:
+        status = main(argv)
+    except BaseException:
+        if _local_rank_gone():
+            # Failed after a local peer ended (a collective with a dead rank): stay until the
+            # agent has seen that rank's end and stops this one, so the failure it reports is
+            # the peer's (the agent names the first failed rank it finds, not every one).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(_PEER_FAILURE_WAIT_S)
+        raise
+    if status:
+        sys.exit(status)  # the rank's exit status, as a ``python -m hp_trainer.cli`` rank had
+
+
+_PEER_FAILURE_WAIT_S = 60.0
+
+
+def _local_rank_gone() -> bool:
+    """Whether a local rank of this job has already ended (Linux ``/proc``; else False).
+
+    The ranks are the forkserver's only children; one that finishes waits in torch's wrapper
+    until every rank has returned, so a rank gone this early has failed.
+    """
+    expected = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    parent = os.getppid()
+    live = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path("/proc", name, "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent and fields[0] not in ("Z", "X"):
+            live += 1
+    return live < expected
+
+
+def _reap_forkserver(timeout: float = 30.0) -> None:
+    """Stop this process's multiprocessing forkserver and wait for it, bounded.
+
+    The ranks are the server's children and it reaps them; waiting for the server makes their
+    CPU time this launcher's children's (what ``getrusage`` and ``time`` report), and leaves no
+    process behind the launcher. A server still held by a rank the agent gave up on (stuck in
+    the kernel) is left after ``timeout`` rather than hanging the launcher.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if pid is None or alive is None:
+        return
+    os.close(alive)  # EOF on its "alive" pipe once no rank holds it either: the server exits
+    server._forkserver_alive_fd = None  # type: ignore[union-attr]
+    server._forkserver_pid = None  # type: ignore[union-attr]
+    server._forkserver_address = None  # type: ignore[union-attr]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.02)
+
+
+def _launch(
+    nproc: int, argv: list[str], run_folder: Path, launch: LaunchOptions, *, preload: list[str]
+) -> int:
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    # torchrun --standalone: a c10d rendezvous on a free local port
+    rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
     if launch.multi_node:
         rendezvous = [
             f"--nnodes={launch.nnodes}",
@@ -201,18 +293,25 @@ def _launch(nproc: int, argv: list[str], run_folder: Path, launch: LaunchOptions
             *rendezvous,
             f"--nproc-per-node={nproc}",
             "--local-ranks-filter=0",
-            "--module",
-            "hp_trainer.cli",
+            "--start-method=forkserver",
+            "hp-train",  # the entry point is _rank_main, not a script
         ]
     )
-    # the job's own arguments bypass torchrun's parser: it would read "--nproc" as an ambiguous
-    # abbreviation of its "--nproc-per-node"/"--nproc_per_node"
-    launcher_args.training_script_args = list(argv)
     # one intra-op thread per rank unless the user chose otherwise (torchrun's own default)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config, _, _ = config_from_args(launcher_args)
+    # The ranks fork from a forkserver that imported the training stack once, instead of each
+    # starting an interpreter that imports it (torchrun --module). The server is a fresh
+    # interpreter (no thread, nothing initialised on a device: the import does not touch
+    # one), so each rank initialises its own device after the fork, as under torchrun.
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     started = time.time()
     try:
-        run(launcher_args)  # type: ignore[no-untyped-call]
+        # the job's own arguments go to the ranks as they are (torchrun's parser would read
+        # "--nproc" as an ambiguous abbreviation of its "--nproc-per-node"/"--nproc_per_node")
+        from hp_trainer.cli import _rank_main  # by this name, also when run as __main__
+
+        elastic_launch(config, entrypoint=_rank_main)(list(argv))
     except Exception as exc:  # torch's ChildFailedError already printed its failure report
         # SIGTERM to this launcher too (a scheduler stopping the job): the agent passed it on,
         # waited for the ranks, then raised; the ranks' own record says whether they saved
@@ -221,6 +320,8 @@ def _launch(nproc: int, argv: list[str], run_folder: Path, launch: LaunchOptions
             return stopped
         print(f"hp-train: {_describe_failure(exc)}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        _reap_forkserver()
     return _stop_status(run_folder, started) or 0
 
 
@@ -291,8 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hp-train``.
 
     ``hp-train --config debug`` trains the debug Llama 3 on as many local CPU/GPU ranks as the
-    parallel degrees need, starting them through ``torch.distributed.run`` when it is not
-    already running under a launcher (``torchrun``, Slurm + torchrun).
+    parallel degrees need, starting them with torch's elastic launcher (the agent
+    ``torchrun`` runs) when it is not already running under a launcher (``torchrun``, Slurm +
+    torchrun). The local ranks fork from a forkserver that imported the training stack once,
+    instead of each importing it in an interpreter of its own.
 
     Args:
         argv: Arguments without the program name (default ``sys.argv[1:]``).
@@ -344,11 +447,12 @@ def main(argv: list[str] | None = None) -> int:
             where = f" (node {launch_options.node_rank} of {launch_options.nnodes}, rendezvous "
             where += f"at {launch_options.rdzv_endpoint})"
         print(
-            f"hp-train: starting {nproc} local ranks with torch.distributed.run{where}",
+            f"hp-train: starting {nproc} local ranks with torch's elastic launcher{where}",
             flush=True,
         )
         start = time.perf_counter()
-        status = _launch(nproc, args, config.run_folder, launch_options)
+        preload = [*_PRELOAD, *(["torchft"] if config.fault_tolerance.enable else [])]
+        status = _launch(nproc, args, config.run_folder, launch_options, preload=preload)
         print(f"hp-train: finished in {time.perf_counter() - start:.1f} s", flush=True)
         return status
     if report.overrides:

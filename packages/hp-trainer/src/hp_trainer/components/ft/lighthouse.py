@@ -5,8 +5,38 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from typing import Any
 
 __all__ = ["run_lighthouse"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hp-train --lighthouse")
+    parser.add_argument("--min_replicas", type=int, default=1)
+    parser.add_argument("--bind", default="[::]:29510")
+    parser.add_argument("--join_timeout_ms", type=int, default=60000)
+    parser.add_argument("--quorum_tick_ms", type=int, default=100)
+    parser.add_argument("--heartbeat_timeout_ms", type=int, default=5000)
+    args = parser.parse_args(argv)
+    if args.min_replicas < 1:
+        parser.error(f"--min_replicas {args.min_replicas}: expected at least 1")
+    return args
+
+
+def _start_lighthouse(argv: list[str]) -> Any:
+    """Start torchft's lighthouse server from ``hp-train --lighthouse`` options, in the calling
+    process, and return it (``address()``, ``shutdown()``); its threads are torchft's own, so
+    a test process can host it instead of starting an interpreter for it."""
+    args = _parse(argv)  # a bad option fails before torchft is imported
+    from torchft.coordination import LighthouseServer  # type: ignore[import-untyped]
+
+    return LighthouseServer(
+        bind=args.bind,
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        quorum_tick_ms=args.quorum_tick_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
 
 
 def run_lighthouse(argv: list[str]) -> int:
@@ -28,24 +58,7 @@ def run_lighthouse(argv: list[str]) -> int:
     See Also:
         The ``torchft_lighthouse`` command of torchft (the same server).
     """
-    from torchft.coordination import LighthouseServer  # type: ignore[import-untyped]
-
-    parser = argparse.ArgumentParser(prog="hp-train --lighthouse")
-    parser.add_argument("--min_replicas", type=int, default=1)
-    parser.add_argument("--bind", default="[::]:29510")
-    parser.add_argument("--join_timeout_ms", type=int, default=60000)
-    parser.add_argument("--quorum_tick_ms", type=int, default=100)
-    parser.add_argument("--heartbeat_timeout_ms", type=int, default=5000)
-    args = parser.parse_args(argv)
-    if args.min_replicas < 1:
-        parser.error(f"--min_replicas {args.min_replicas}: expected at least 1")
-    server = LighthouseServer(
-        bind=args.bind,
-        min_replicas=args.min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        quorum_tick_ms=args.quorum_tick_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-    )
+    server = _start_lighthouse(argv)
     print(f"lighthouse: {server.address()}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
