@@ -9,8 +9,9 @@ spells a private PyTorch name. ``flatten_mesh``, ``local_tensor`` and ``StridedS
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -43,6 +44,7 @@ __all__ = [
     "flatten_mesh",
     "functorch_transforms_active",
     "local_tensor",
+    "no_grad_call",
     "profiler_enabled",
     "queue_engine_callback",
     "symm_mem_empty",
@@ -69,6 +71,9 @@ disable_functorch: Callable[[], Any] = require(_PACKAGE, "torch._C._DisableFuncT
 #: Whether the autograd profiler (``torch.profiler.profile``, ``emit_nvtx``) records on this
 #: thread: a C function, cheap enough to ask before every profiler range.
 profiler_enabled: Callable[[], bool] = require(_PACKAGE, "torch.autograd._profiler_enabled")
+#: Switch grad mode on this thread: a C function (``torch.no_grad`` is a Python context
+#: manager whose decorator form costs about eight Python calls per call of the function).
+set_grad_mode: Callable[[bool], None] = require(_PACKAGE, "torch._C._set_grad_enabled")
 #: The autograd engine's "run this when the current backward ends".
 queue_engine_callback: Callable[[Callable[[], None]], None] = require(
     _PACKAGE, "torch.autograd.Variable._execution_engine.queue_callback"
@@ -93,6 +98,7 @@ PRIVATE_NAMES = (
     "torch.distributed.tensor._dtensor_spec.DTensorSpec",
     "torch.distributed.tensor._dtensor_spec.TensorMeta",
     "torch._C._current_graph_task_id",
+    "torch._C._set_grad_enabled",
     "torch._C._are_functorch_transforms_active",
     "torch._C._DisableFuncTorch",
     "torch.distributed.device_mesh.DeviceMesh._concatenate",
@@ -103,3 +109,32 @@ PRIVATE_NAMES = (
     "torch.distributed._symmetric_memory.set_backend",
     "torch.distributed._symmetric_memory.get_backend",
 )
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def no_grad_call(fn: _Fn) -> _Fn:
+    """``fn`` run with grad mode off, like ``@torch.no_grad()`` at one Python call's cost.
+
+    For the per-step hot path (collectives and gradient writes, called once per unit per step):
+    grad mode is read and switched with PyTorch's C functions and restored on exit.
+
+    Args:
+        fn: the function.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        set_grad_mode(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_grad_mode(True)
+
+    return cast(_Fn, run)

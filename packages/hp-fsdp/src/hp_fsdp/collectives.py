@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor.device import Event
 from hp_dtensor.device import stream as device_stream
-from hp_fsdp._torch_compat import local_tensor, unsafe_preserve_version_counter
+from hp_fsdp._torch_compat import local_tensor, no_grad_call, unsafe_preserve_version_counter
 from hp_fsdp.streams import CommStreams
 from hp_kernels import (
     AllGather,
@@ -122,7 +122,7 @@ class AllGatherResult:
     release: Callable[[], None] | None = None
 
 
-@torch.no_grad()
+@no_grad_call
 def issue_all_gather(
     inputs: Sequence[torch.Tensor],
     dtype: torch.dtype,
@@ -203,7 +203,7 @@ def issue_all_gather(
     )
 
 
-@torch.no_grad()
+@no_grad_call
 def wait_all_gather(result: AllGatherResult, outs: Sequence[torch.Tensor]) -> None:
     """Wait for an all-gather and copy its output into one flat tensor per parameter.
 
@@ -333,7 +333,7 @@ def divide_factors(
     )
 
 
-@torch.no_grad()
+@no_grad_call
 def issue_reduce_scatter(
     grads: list[torch.Tensor],
     shard_dims: Sequence[int],

@@ -126,7 +126,7 @@ def _plain_setattr(cls: type) -> bool:
 
 def _free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
-    if storage.size() != 0:
+    if storage.nbytes() != 0:
         storage.resize_(0)
 
 
@@ -557,7 +557,7 @@ class ShardedParam:
         else:
             storage = data.untyped_storage()
             nbytes = data.numel() * data.element_size()
-            if storage.size() != nbytes:
+            if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
         return data
 
@@ -623,7 +623,7 @@ class ShardedParam:
         data = self._unsharded_data
         if data is not None:
             storage = data.untyped_storage()
-            if storage.size() != 0:
+            if storage.nbytes() != 0:
                 storage.resize_(0)
         self._post_forward_data = None
         self.state = ShardedState.SHARDED

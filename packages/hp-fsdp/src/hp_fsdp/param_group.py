@@ -800,6 +800,11 @@ class ParamGroup:
         in_place = self._rs_in_place.get(rs_group)
         if in_place is None:  # asked once per group: the backend does not change
             in_place = self._rs_in_place[rs_group] = reduce_scatter_in_place(rs_group, self.device)
+        if in_place and self._reduced_shard_kept(params, reduce_dtype):
+            # The reduced shard itself becomes new ``.grad`` storage: written into a row of the
+            # input it would have to be copied out of that row (to free the input), so it gets
+            # its own buffer, as in PyTorch (no select and clone of the row per unit and step).
+            in_place = False
         with streams.on(rs_stream):
             streams.mark("reduce_scatter")
             shard_dims = pack_layouts(
@@ -835,6 +840,27 @@ class ParamGroup:
             streams=streams,
             event=event,
         )
+
+    def _reduced_shard_kept(self, params: list[ShardedParam], reduce_dtype: torch.dtype) -> bool:
+        """Whether the reduce-scatter output will outlive the reduction as it is.
+
+        It does when it becomes new sharded gradients (a parameter without ``.grad``, no cast
+        to another dtype, no fp32 main gradient) or the partial reduction of a no-all-reduce
+        HSDP micro-batch; else it is read once (accumulated, cast) and an in-place
+        reduce-scatter saves a buffer. Asked at issue time: if ``.grad`` changes before the
+        write, the write still copies what it must (``owned_storage``).
+        """
+        if self.mp_policy.apply_grad_on_fp32_main_grad or reduce_dtype != self.orig_dtype:
+            return False
+        if self.mesh_info.is_hsdp and not (
+            self.options.all_reduce_grads and self.options.reduce_grads
+        ):
+            return True
+        # A loop, not any(genexpr): no generator frame per parameter on the hot path.
+        for param in params:  # noqa: SIM110
+            if param.sharded_param.grad is None:
+                return True
+        return False
 
     def reset_iter_state(self) -> None:
         """Drop in-flight all-gathers, gradients and accumulations; reshard (after a failure)."""

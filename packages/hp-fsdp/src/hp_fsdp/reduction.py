@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor.device import Event, Stream
 from hp_dtensor.device import stream as device_stream
+from hp_fsdp._torch_compat import no_grad_call
 from hp_fsdp.collectives import (
     apply_gradient_scaling_factor,
     owned_storage,
@@ -168,7 +169,7 @@ class PendingReduction:
         while self._stage != 2:
             self.advance()
 
-    @torch.no_grad()
+    @no_grad_call
     def _write_grads(self) -> None:
         """Divide, cast and write the reduced gradients off the compute stream."""
         streams = self._streams
