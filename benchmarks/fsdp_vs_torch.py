@@ -16,6 +16,14 @@ each row reports the ratio of process CPU time per step (all threads, summed ove
 other load on the machine inflates far less. Absolute times only mean something on a quiet
 machine or a GPU.
 
+Rows of plain FSDP (one mesh dimension, fp32) also time a *bound*: what any FSDP with one
+all-gather and one reduce-scatter per unit must do on this machine and nothing more. The same
+model unsharded computes forward and backward, AdamW steps sharded DTensor parameters, and the
+same collectives (9 all-gathers, 5 reduce-scatters per step, same sizes) with their necessary
+copies (all-gather copy-in and copy-out, reduce-scatter packing) are all issued before the
+forward, so they overlap compute as far as the cores allow: no hooks, no per-unit waits, no
+resharding. ``bound / torch`` is the best ratio an FSDP engine could reach here.
+
 ``--counts`` times nothing: per unit and step it counts Python calls (all, engine), ops (all,
 allocating, profiler ranges), DTensor and ``nn.Parameter`` constructions and page faults, and
 takes the CPU time per step, for ours and torch's (``results/fsdp_counts.md``).
@@ -282,6 +290,77 @@ def _row_setup(row: dict[str, Any]) -> tuple[DeviceMesh, DeviceMesh | None, Tied
     return mesh, mlp_mesh, base
 
 
+def _has_bound(row: dict[str, Any]) -> bool:
+    """Whether the row is plain FSDP (1-D mesh, fp32, one group per unit): the bound's layout."""
+    return (
+        len(row["mesh"]) == 1 and not row["mp"] and "mlp_mesh" not in row and not row.get("control")
+    )
+
+
+def _bound_step(base: TiedTransformer, mesh: DeviceMesh) -> Callable[[int], None]:
+    """The bound of an FSDP step (see the module docstring): compute, sharded AdamW, and the same
+    collectives and copies, issued at once."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = mesh.size(), mesh.get_local_rank()
+    group = mesh.get_group()
+    model = copy.deepcopy(base)
+    units = [list(layer.parameters()) for layer in model.layers]
+    units.append([p for p in model.parameters() if all(p is not q for u in units for q in u)])
+    shards = [
+        [torch.zeros(-(-p.shape[0] // world), *p.shape[1:]).reshape(-1) for p in unit]
+        for unit in units
+    ]
+    params = []
+    for shard in (s for unit in shards for s in unit):
+        param = nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False))
+        param.grad = DTensor.from_local(torch.randn_like(shard), mesh, [Shard(0)], run_check=False)
+        params.append(param)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    gathers = list(range(len(units))) + list(range(len(units) - 1))  # forward, backward (no root)
+
+    @torch.no_grad()
+    def issue() -> tuple[list[Any], list[tuple[int, torch.Tensor]]]:
+        works, outputs = [], []
+        for u in gathers:
+            splits = [s.numel() for s in shards[u]]
+            output = torch.empty(world * sum(splits))
+            packed = output.narrow(0, rank * sum(splits), sum(splits))
+            torch._foreach_copy_(list(packed.split_with_sizes(splits)), shards[u])
+            works.append(dist.all_gather_single(output, packed, group=group, async_op=True))
+            outputs.append((u, output))
+        for u in range(len(units)):
+            grads = [torch.empty(world * s.numel()).view(world, -1) for s in shards[u]]
+            packed = torch.cat(grads, dim=1).view(-1)  # the reduce-scatter layout's bytes
+            reduced = torch.empty(packed.numel() // world)
+            works.append(
+                dist.reduce_scatter_single(
+                    reduced, packed, group=group, op=dist.ReduceOp.AVG, async_op=True
+                )
+            )
+        return works, outputs
+
+    @torch.no_grad()
+    def finish(works: list[Any], outputs: list[tuple[int, torch.Tensor]]) -> None:
+        for work in works:
+            work.wait()
+        for u, output in outputs:
+            splits = [s.numel() for s in shards[u]]
+            full = [torch.empty(world, n) for n in splits]
+            torch.split_with_sizes_copy(output.view(world, -1), splits, dim=1, out=full)
+
+    def step(i: int) -> None:
+        works, outputs = issue()
+        tokens, targets = _batch(i)
+        logits = model(tokens)
+        F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        model.zero_grad(set_to_none=True)
+        finish(works, outputs)
+        opt.step()
+
+    return step
+
+
 def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> dict[str, Any]:
     """One order of one row, on every rank; returns this rank's medians and peaks."""
     mesh, mlp_mesh, base = _row_setup(row)
@@ -294,10 +373,14 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
         _shard(model, api, mesh, row["mp"], mlp_mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         built[name] = (model, _step_fn(model, opt))
-    times: dict[str, list[float]] = {name: [] for name in order}
-    cpu: dict[str, list[float]] = {name: [] for name in order}
+    stepped = list(order)
+    if _has_bound(row):
+        built["bound"] = (base, _bound_step(base, mesh))
+        stepped.append("bound")
+    times: dict[str, list[float]] = {name: [] for name in stepped}
+    cpu: dict[str, list[float]] = {name: [] for name in stepped}
     for i in range(warmup + steps):
-        for name in order:
+        for name in stepped:
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
             built[name][1](i)
@@ -306,7 +389,7 @@ def run_row(row: dict[str, Any], steps: int, warmup: int, ours_first: bool) -> d
                 times[name].append(elapsed)
                 cpu[name].append(elapsed_cpu)
     result: dict[str, Any] = {name: statistics.median(ts) for name, ts in times.items()}
-    for name in order:  # process CPU time (all threads): far less sensitive to load than wall
+    for name in stepped:  # process CPU time (all threads): far less sensitive to load than wall
         result[f"{name}_cpu"] = statistics.median(cpu[name])
     for name in order:
         model, step = built[name]
@@ -377,9 +460,10 @@ def count_row(row: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
 
 
 def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:
-    worst = {key: max(r[key] for r in results) for key in ("ours", "torch")}
+    timed = ("ours", "torch", "bound") if "bound" in results[0] else ("ours", "torch")
+    worst = {key: max(r[key] for r in results) for key in timed}
     peaks = {key: max(r[f"{key}_peak"] for r in results) for key in ("ours", "torch")}
-    cpu = {f"{key}_cpu": sum(r[f"{key}_cpu"] for r in results) for key in ("ours", "torch")}
+    cpu = {f"{key}_cpu": sum(r[f"{key}_cpu"] for r in results) for key in timed}
     return {
         **worst,
         **cpu,
@@ -390,6 +474,11 @@ def _gather(results: list[dict[str, Any]]) -> dict[str, Any]:
         "ours_host": results[0]["ours_host"],
         "torch_host": results[0]["torch_host"],
     }
+
+
+def _bound_cell(entry: dict[str, Any]) -> str:
+    ratio = entry.get("bound_time_ratio")
+    return "-" if ratio is None else f"{ratio:.3f} ({entry['bound_cpu_time_ratio']:.3f})"
 
 
 def _cpu_cell(entry: dict[str, Any]) -> str:
@@ -542,6 +631,15 @@ def main() -> None:
         time_ratios = [o["ours"] / o["torch"] for o in orders]
         mem_ratios = [o["ours_peak"] / o["torch_peak"] for o in orders]
         cpu_ratios = [o["ours_cpu"] / o["torch_cpu"] for o in orders]
+        bound: dict[str, Any] = {}
+        if "bound" in orders[0]:
+            bound_ratios = [o["bound"] / o["torch"] for o in orders]
+            bound_cpu = [o["bound_cpu"] / o["torch_cpu"] for o in orders]
+            bound = {
+                "bound_time_ratio": math.sqrt(bound_ratios[0] * bound_ratios[1]),
+                "bound_cpu_time_ratio": math.sqrt(bound_cpu[0] * bound_cpu[1]),
+                "bound_median_s": [o["bound"] for o in orders],
+            }
         entry = {
             "load_1min": _load(),  # wall-clock ratios are noise above ~1.5 on 2 cores
             "step_time_ratio": math.sqrt(time_ratios[0] * time_ratios[1]),
@@ -558,12 +656,14 @@ def main() -> None:
             # deterministic host work per unit (BLOCKS + root) per step, rank 0
             "ours_host_per_unit": {k: v / UNITS for k, v in orders[0]["ours_host"].items()},
             "torch_host_per_unit": {k: v / UNITS for k, v in orders[0]["torch_host"].items()},
+            **bound,
         }
         report["rows"][name] = entry
         print(
             f"{name}: time {entry['step_time_ratio']:.3f} (each order "
             f"{time_ratios[0]:.3f}, {time_ratios[1]:.3f}), CPU time {entry['cpu_time_ratio']:.3f}, "
-            f"memory {entry['peak_memory_ratio']:.3f}, load {_load()}",
+            f"memory {entry['peak_memory_ratio']:.3f}, bound/torch {_bound_cell(entry)}, "
+            f"load {_load()}",
             flush=True,
         )
     shutdown_pool()
@@ -576,10 +676,11 @@ def main() -> None:
         f"{args.steps} timed steps after {args.warmup} warm-up, both build orders.",
         "",
         "| configuration | step time ours/torch | process CPU time ours/torch | "
+        "bound/torch step time (CPU time) | "
         "peak tensor memory ours/torch | "
         "collectives per step (AG/RS/AR) ours | torch | Python calls per unit per step "
         "(engine) ours | torch | ops per unit per step ours | torch |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ROWS:
         entry = report["rows"].get(name)
@@ -588,6 +689,7 @@ def main() -> None:
         oc, tc = entry["ours_collectives_per_step"], entry["torch_collectives_per_step"]
         lines.append(
             f"| {name} | {entry['step_time_ratio']:.3f} | {_cpu_cell(entry)} | "
+            f"{_bound_cell(entry)} | "
             f"{entry['peak_memory_ratio']:.3f} | "
             f"{oc['all_gather']}/{oc['reduce_scatter']}/{oc['all_reduce']} | "
             f"{tc['all_gather']}/{tc['reduce_scatter']}/{tc['all_reduce']} | " + _host_cells(entry)
