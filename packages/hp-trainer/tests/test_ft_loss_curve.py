@@ -72,7 +72,10 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, *, kill: str) -> None:
             trace = _procs._trace(tmp, 2)
             heals = [i for i, r in enumerate(trace) if r["healed"]] if kill else [0]
             after = sum(r["committed"] for r in trace[heals[-1] :]) if heals else 0
-            return after >= (4 if kill else STEPS)
+            # and group 0, whose trace the checks compare with, has written those steps too
+            last = max((r["step"] for r in trace if r["committed"]), default=0)
+            ref = max((r["step"] for r in _procs._trace(tmp, 0) if r["committed"]), default=0)
+            return after >= (4 if kill else STEPS) and ref >= last
 
         _procs._until(done, 300, "the restarted group's 4 steps" if kill else f"{STEPS} steps")
         # Not a clean stop: with min_replica_size 2, a group still running after two others

@@ -3,7 +3,9 @@
 Two replica groups of one rank each (CPU, gloo, lighthouse on this machine). Group 1 is
 SIGKILLed at seeded points (forward, backward, after the commit vote, during its recovery) and
 restarted each time; group 0 trains on. Every process runs under a timeout and is killed in
-``finally``.
+``finally``. Each group is an ``hp-train`` process (``hp_trainer.cli.main``) forked from the test
+process's forkserver rather than a new interpreter (``_launch_fork``: no interpreter start and
+import, ~2.5 CPU s each), and the lighthouse runs in the test process (``_lighthouse``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hp_dtensor.testing import load_test_module
 
 pytest.importorskip("torchft")
 
@@ -92,13 +96,13 @@ def _group(
     replica: int,
     lighthouse: str,
     steps: int,
-    procs: list[subprocess.Popen[str]],
+    procs: list[Any],
     *,
     kill: str = "",
     sleep: float = 0.0,
     extra: tuple[str, ...] = (),
     groups: int = 2,
-) -> subprocess.Popen[str]:
+) -> Any:
     cmd = [
         sys.executable, "-m", "hp_trainer.cli", "--config", "debug_ft",
         "--training.steps", str(steps), "--metrics.log_freq", "1",
@@ -112,10 +116,16 @@ def _group(
         "--job.dump_folder", str(tmp), "--job.run_name", f"g{replica}", *extra,
     ]  # fmt: skip
     env = _env({"HP_FT_KILL": kill, "HP_FT_STEP_SLEEP": str(sleep)})
-    log = (tmp / f"g{replica}.log").open("a")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = _hp_train(cmd[3:], env, tmp / f"g{replica}.log")
     procs.append(proc)
     return proc
+
+
+def _hp_train(argv: list[str], env: dict[str, str], log: Path) -> Any:
+    """``hp-train argv`` (stdout and stderr appended to ``log``) in a process forked from the
+    test process's forkserver, not a new interpreter: see ``_launch_fork``."""
+    fork = load_test_module(TESTS / "_launch_fork.py", "hp_trainer_tests_launch_fork")
+    return fork.ForkedHpTrain(argv, env, log)
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -133,7 +143,7 @@ def _trace(tmp: Path, replica: int) -> list[dict[str, Any]]:
     return _records(tmp / f"g{replica}" / "ft_trace_rank0.jsonl")
 
 
-def _wait(proc: subprocess.Popen[str], timeout: float, tmp: Path, replica: int) -> int:
+def _wait(proc: Any, timeout: float, tmp: Path, replica: int) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -161,7 +171,7 @@ def _until(predicate: Any, timeout: float, what: str) -> None:
 
 def test_kill_restart_recover_bitwise(tmp_path: Path) -> None:
     """Group 1 dies four times (forward, recovery, backward, optimizer); group 0 never stops."""
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Any] = []
     steps = 100000  # both run until stopped with SIGTERM once the last life trained in step
     lives = ["forward:3", "recovery:0", "backward:2", "optimizer:2", ""]  # every kill point
     try:

@@ -1,11 +1,15 @@
-"""LocalSGD and DiLoCo through torchft: 2 replica groups x FSDP 2 (real hp-train launches)."""
+"""LocalSGD and DiLoCo through torchft: 2 replica groups x FSDP 2 (real hp-train launches).
+
+Each group is an ``hp-train`` process forked from the test process's forkserver (see
+``_launch_fork``) that starts its 2 ranks with the real launcher; the lighthouse is hosted by the
+test process, except in the refused-at-quorum test, which runs ``hp-train --lighthouse``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,8 @@ assert _spec.loader is not None
 _procs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_procs)
 _cleanup, _env, _lighthouse, _wait = _procs._cleanup, _procs._env, _procs._lighthouse, _procs._wait
+# each group's hp-train (a launcher of 2 ranks) forks from the test process's forkserver
+_hp_train = _procs._hp_train
 
 
 def _traces(tmp: Path, replica: int, rank: int) -> list[dict[str, Any]]:
@@ -34,7 +40,7 @@ def _traces(tmp: Path, replica: int, rank: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("method", ["local_sgd", "diloco"])
 def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
     steps, sync = 6, 3
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Any] = []
     try:
         lighthouse = _lighthouse(procs, min_replicas=2)
         groups = []
@@ -52,12 +58,11 @@ def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
                 "--fault_tolerance.sync_steps", str(sync),
                 "--job.dump_folder", str(tmp_path), "--job.run_name", f"g{replica}",
             ]  # fmt: skip
-            log = (tmp_path / f"g{replica}.log").open("w")
-            proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-            procs.append(proc)  # type: ignore[arg-type]
+            proc = _hp_train(cmd[3:], _env(), tmp_path / f"g{replica}.log")
+            procs.append(proc)
             groups.append(proc)
         for replica, proc in enumerate(groups):
-            assert _wait(proc, 240, tmp_path, replica) == 0  # type: ignore[arg-type]
+            assert _wait(proc, 240, tmp_path, replica) == 0
     finally:
         _cleanup(procs)
     for rank in (0, 1):  # FSDP rank r of group 0 against FSDP rank r of group 1
@@ -79,7 +84,7 @@ def test_mismatched_config_refused_at_quorum(tmp_path: Path) -> None:
     The lighthouse here is the real ``hp-train --lighthouse`` command (the other tests host it
     in the test process): it serves the quorum, then stops with status 0 on SIGTERM.
     """
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Any] = []
     try:
         lighthouse = _lighthouse(procs, min_replicas=2, command=True)
         groups = []
@@ -93,11 +98,10 @@ def test_mismatched_config_refused_at_quorum(tmp_path: Path) -> None:
                 "--fault_tolerance.quorum_timeout_ms", "20000",
                 "--job.dump_folder", str(tmp_path), "--job.run_name", f"g{replica}",
             ]  # fmt: skip
-            log = (tmp_path / f"g{replica}.log").open("w")
-            proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-            procs.append(proc)  # type: ignore[arg-type]
+            proc = _hp_train(cmd[3:], _env(), tmp_path / f"g{replica}.log")
+            procs.append(proc)
             groups.append(proc)
-        assert _wait(groups[1], 240, tmp_path, 1) != 0  # type: ignore[arg-type]
+        assert _wait(groups[1], 240, tmp_path, 1) != 0
         log = (tmp_path / "g1.log").read_text()
         assert "replica group 1 was refused at the quorum" in log
         assert "differs from replica group at quorum rank 0 in training.seq_len" in log
@@ -130,7 +134,7 @@ def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
         "--training.steps", str(steps), "--metrics.log_freq", "1",
         "--metrics.enable_plot", "false", "--job.dump_folder", str(tmp_path),
     ]  # fmt: skip
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Any] = []
     try:
         lighthouse = _lighthouse(procs, min_replicas=2)
         runs = []
@@ -141,11 +145,8 @@ def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
                 "--fault_tolerance.replica_id", str(replica),
                 "--fault_tolerance.lighthouse", lighthouse, "--job.run_name", f"g{replica}",
             ]  # fmt: skip
-            log = (tmp_path / f"g{replica}.log").open("w")
-            proc = subprocess.Popen(
-                [*common, *ft], env=_env(), stdout=log, stderr=subprocess.STDOUT
-            )
-            procs.append(proc)  # type: ignore[arg-type]
+            proc = _hp_train([*common[3:], *ft], _env(), tmp_path / f"g{replica}.log")
+            procs.append(proc)
             runs.append(proc)
         # the plain FSDP 4 job runs on the warm 4-rank pool meanwhile (no launcher, no 4 new
         # interpreters): the same options as the groups', without fault tolerance
@@ -155,7 +156,7 @@ def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
         ]  # fmt: skip
         single = run_distributed(_train_in_pool, 4, plain, timeout=400)[0]
         for i, proc in enumerate(runs):
-            assert _wait(proc, 400, tmp_path, i) == 0  # type: ignore[arg-type]
+            assert _wait(proc, 400, tmp_path, i) == 0
     finally:
         _cleanup(procs)
     g0, g1 = _losses(tmp_path, "g0"), _losses(tmp_path, "g1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -208,6 +209,12 @@ def _rank_main(argv: list[str]) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(_PEER_FAILURE_WAIT_S)
         raise
+    finally:
+        # a multiprocessing child ends with os._exit: run the exit handlers an interpreter runs
+        # (logging's flush, torch's own), as a ``python -m hp_trainer.cli`` rank did
+        run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+        if run_exit_handlers is not None:
+            run_exit_handlers()
     if status:
         sys.exit(status)  # the rank's exit status, as a ``python -m hp_trainer.cli`` rank had
 
