@@ -21,7 +21,6 @@ See Also:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor.device import Event
 from hp_dtensor.device import stream as device_stream
+from hp_fsdp._profiling import NO_OP
 from hp_fsdp._torch_compat import local_tensor, no_grad_call, unsafe_preserve_version_counter
 from hp_fsdp.streams import CommStreams
 from hp_kernels import (
@@ -65,7 +65,7 @@ __all__ = [
     "wait_all_gather",
 ]
 
-_NO_STREAM = contextlib.nullcontext()
+_NO_STREAM = NO_OP
 
 #: Backends whose reduce-scatter may write its output into its own input: NCCL documents the
 #: in-place layout (``output == input + rank * numel``); gloo's is verified by the tests. Every

@@ -22,6 +22,7 @@ See Also:
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -49,6 +50,8 @@ __all__ = [
     "ParamOrigin",
     "ShardedParam",
     "ShardedState",
+    "register_sharded",
+    "register_unsharded",
 ]
 
 #: Attribute set on an original parameter (and its sharded replacement) once a unit owns it.
@@ -612,21 +615,7 @@ class ShardedParam:
 
     def to_sharded(self) -> None:
         """Register the sharded parameter and free the unsharded storage."""
-        param = self.sharded_param
-        for module, name in self._registrations:  # _set_on_modules, inlined (hot path)
-            if _PLAIN_SETATTR.get(type(module)) or _plain_setattr(type(module)):
-                module._parameters[name] = param
-            else:
-                setattr(module, name, param)
-        if self.extension is not None:
-            self.extension.free()
-        data = self._unsharded_data
-        if data is not None:
-            storage = data.untyped_storage()
-            if storage.nbytes() != 0:
-                storage.resize_(0)
-        self._post_forward_data = None
-        self.state = ShardedState.SHARDED
+        register_sharded((self,))
 
     def to_sharded_post_forward(self, sub_size: int, sub_rank: int) -> None:
         """Keep only this rank's 1/``sub_size`` piece of the unsharded data, free the rest.
@@ -659,21 +648,7 @@ class ShardedParam:
 
     def init_and_register_unsharded(self) -> None:
         """:meth:`init_unsharded_param` then :meth:`to_unsharded` (one call on the hot path)."""
-        if self.extension is not None or self._unsharded_param is None:
-            self.init_unsharded_param()
-        param = self._unsharded_param
-        if param is None:
-            raise RuntimeError(f"parameter {self.fqn!r} has not been unsharded yet")
-        requires_grad = self.sharded_param.requires_grad
-        if param.requires_grad != requires_grad:
-            param.requires_grad_(requires_grad)
-        for module, name in self._registrations:  # _set_on_modules, inlined
-            if _PLAIN_SETATTR.get(type(module)) or _plain_setattr(type(module)):
-                module._parameters[name] = param
-            else:
-                setattr(module, name, param)
-        self._post_forward_data = None
-        self.state = ShardedState.UNSHARDED
+        register_unsharded((self,))
 
     def free_unsharded(self) -> None:
         """Free the storage of the unsharded data (the tensor objects stay)."""
@@ -904,3 +879,56 @@ class ShardedParam:
 
     def __repr__(self) -> str:
         return f"ShardedParam(fqn={self.fqn!r}, size={tuple(self.orig_size)})"
+
+
+def register_unsharded(params: Sequence[ShardedParam]) -> None:
+    """:meth:`ShardedParam.init_unsharded_param` then :meth:`ShardedParam.to_unsharded` for
+    each parameter (a unit's hot path: one Python call for the unit, not one per parameter).
+
+    Args:
+        params: the parameters, their data gathered.
+
+    Raises:
+        RuntimeError: for a parameter whose unsharded parameter could not be made.
+    """
+    for sp in params:
+        if sp.extension is not None or sp._unsharded_param is None:
+            sp.init_unsharded_param()
+        param = sp._unsharded_param
+        if param is None:
+            raise RuntimeError(f"parameter {sp.fqn!r} has not been unsharded yet")
+        requires_grad = sp.sharded_param.requires_grad
+        if param.requires_grad != requires_grad:
+            param.requires_grad_(requires_grad)
+        for module, name in sp._registrations:  # _set_on_modules, inlined
+            if _PLAIN_SETATTR.get(type(module)) or _plain_setattr(type(module)):
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
+        sp._post_forward_data = None
+        sp.state = ShardedState.UNSHARDED
+
+
+def register_sharded(params: Sequence[ShardedParam]) -> None:
+    """:meth:`ShardedParam.to_sharded` for each parameter: register the sharded parameter and
+    free the unsharded storage (one Python call for the unit, not one per parameter).
+
+    Args:
+        params: the parameters.
+    """
+    for sp in params:
+        param = sp.sharded_param
+        for module, name in sp._registrations:  # _set_on_modules, inlined
+            if _PLAIN_SETATTR.get(type(module)) or _plain_setattr(type(module)):
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
+        if sp.extension is not None:
+            sp.extension.free()
+        data = sp._unsharded_data
+        if data is not None:
+            storage = data.untyped_storage()
+            if storage.nbytes() != 0:
+                storage.resize_(0)
+        sp._post_forward_data = None
+        sp.state = ShardedState.SHARDED

@@ -43,7 +43,13 @@ from hp_fsdp.collectives import (
 from hp_fsdp.dynamo import run_eagerly
 from hp_fsdp.group_options import GroupOptions
 from hp_fsdp.mesh_info import DataParallelMeshDims, MeshInfo, PostForwardInfo, _dim_names
-from hp_fsdp.param import ParamModuleInfo, ShardedParam, ShardedState
+from hp_fsdp.param import (
+    ParamModuleInfo,
+    ShardedParam,
+    ShardedState,
+    register_sharded,
+    register_unsharded,
+)
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp.post_backward import PostBackwardTrigger
 from hp_fsdp.reduction import PendingReduction, pack_layouts
@@ -149,6 +155,8 @@ class ParamGroup:
         replicated: frozenset[nn.Parameter] = frozenset(),
     ) -> None:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
+        #: CPU offload: the shards are copied to the device before the all-gather.
+        self._offload = offload
         replicate_info = _replicate_mesh_info(mesh_info) if replicated else None
         pin = offload and isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
         infos = _param_module_infos(params, modules)
@@ -371,7 +379,10 @@ class ParamGroup:
             len({p.compute_dtype for p in self._gathered}) > 1 and self.options.comm_fusion
         )
         with streams.on(streams.copy_in):  # host-to-device copies and casts off compute
-            per_param = [p.all_gather_inputs() for p in self._gathered]
+            if from_post_forward or self._extended or self._offload:
+                per_param = [p.all_gather_inputs() for p in self._gathered]
+            else:  # the padded shards as they are (ShardedParam.all_gather_inputs, inlined)
+                per_param = [[p._padded_shard] for p in self._gathered]
             self._ag_inputs = per_param
             if self._ag_bytes:
                 per_param = [
@@ -441,8 +452,7 @@ class ParamGroup:
         if result is not None:
             with self.profile_range("FSDP::all_gather_copy_out"):
                 self._wait_gathered(result)
-        for param in self.params:
-            param.init_and_register_unsharded()
+        register_unsharded(self.params)
         self.sharded_state = ShardedState.UNSHARDED
 
     @torch.no_grad()
@@ -555,8 +565,7 @@ class ParamGroup:
         """Register the sharded parameters and free all unsharded storage."""
         if self.sharded_state == ShardedState.SHARDED:
             return
-        for param in self.params:
-            param.to_sharded()
+        register_sharded(self.params)
         self.sharded_state = ShardedState.SHARDED
 
     @contextlib.contextmanager
@@ -723,7 +732,7 @@ class ParamGroup:
         with_grad: list[ShardedParam] = []
         grads: list[torch.Tensor] = []
         for param in self.params:
-            if not param.has_unsharded_param:
+            if param._unsharded_param is None:  # not unsharded yet (has_unsharded_param)
                 continue
             grad = param.take_unsharded_grad()
             if grad is None and self.options.reduce_scatter_unused_params:

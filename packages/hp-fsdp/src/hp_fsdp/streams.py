@@ -22,7 +22,6 @@ See Also:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -40,10 +39,11 @@ from hp_dtensor.device import (
     is_accelerator,
 )
 from hp_dtensor.device import stream as device_stream
+from hp_fsdp._profiling import NO_OP
 
 __all__ = ["CommStreams"]
 
-_NO_STREAM: AbstractContextManager[None] = contextlib.nullcontext()
+_NO_STREAM: AbstractContextManager[object] = NO_OP
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class CommStreams:
             log,
         )
 
-    def on(self, stream: Stream) -> AbstractContextManager[None]:
+    def on(self, stream: Stream) -> AbstractContextManager[object]:
         """Make ``stream`` current inside the block (nothing at all when not :attr:`active`).
 
         Args:
