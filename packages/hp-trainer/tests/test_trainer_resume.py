@@ -235,20 +235,25 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen[str]) -> Non
 
 @pytest.mark.slow
 def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
-    """Two overlapping ``hp-train`` jobs of 2 ranks.
+    """Three overlapping ``hp-train`` jobs of 2 ranks: SIGTERM to the ranks, a killed rank,
+    SIGTERM to the launcher.
 
     The second job starts once the first has trained 3 steps: its start-up overlaps the first
     job's SIGTERM, checkpoint and checks, and neither trains unobserved while the other starts
     (both run an unbounded number of steps until a signal; started together, the second one
-    trained through the whole of the first one's run: 78 of this test's CPU seconds, now 37).
+    trained through the whole of the first one's run: 78 of this test's CPU seconds, then 37).
+    The third starts when the second has trained 2 steps: its start-up overlaps the second's
+    failure.
     """
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     term = _hp_train(tmp_path, "term", 2, ckpt)
     dies: subprocess.Popen[str] | None = None
+    procs = [term]
     try:
         # SIGTERM to every rank (what a scheduler does): a full checkpoint, exit status 75
         _wait_for_step(tmp_path / "term" / "metrics.jsonl", 3, term)
         dies = _hp_train(tmp_path, "dies", 1, ["--metrics.enable_plot", "false"])
+        procs.append(dies)
         for pid in _workers(tmp_path, "term", term.pid).values():
             os.kill(pid, signal.SIGTERM)
         out, _ = term.communicate(timeout=60)
@@ -278,15 +283,29 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
         # rank 1 killed: the job fails fast and the error names the rank
         _wait_for_step(tmp_path / "dies" / "metrics.jsonl", 2, dies)
         workers = _workers(tmp_path, "dies", dies.pid)
+        # the third job starts now: its start-up overlaps the second one's failure
+        stop = _hp_train(tmp_path, "stop", 1, [*ckpt, "--metrics.enable_plot", "false"])
+        procs.append(stop)
         os.kill(workers[1], signal.SIGKILL)
         # ends by itself instead of hanging (communicate raises TimeoutExpired otherwise); no
         # wall-clock assertion beyond that bound, which a loaded machine could break
         out, _ = dies.communicate(timeout=120)
         assert dies.returncode == 1, out[-4000:]
         assert f"rank 1 (pid {workers[1]}) failed: killed by signal SIGKILL" in out, out[-4000:]
+
+        # SIGTERM to the launcher (a scheduler stopping the job): the agent passes it to the
+        # ranks, they save and leave, the launcher exits 75; the agent never has to SIGKILL a
+        # rank that already stopped (its 30 s fallback)
+        _wait_for_step(tmp_path / "stop" / "metrics.jsonl", 2, stop)
+        stop.send_signal(signal.SIGTERM)
+        out, _ = stop.communicate(timeout=120)
+        assert stop.returncode == EXIT_STOPPED_SAVED, out[-4000:]
+        assert json.loads((tmp_path / "stop" / "stopped.json").read_text())["status"] == "saved"
+        assert "SIGTERM received" in out
+        assert "forcefully exiting" not in out, out[-4000:]
     finally:
-        for proc in (term, dies):
-            if proc is not None and proc.poll() is None:
+        for proc in procs:
+            if proc.poll() is None:
                 # its ranks and their forkserver, else they outlive it, holding the pipe
                 for pid in _launch_helpers().descendants(proc.pid):
                     with contextlib.suppress(ProcessLookupError):

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -217,9 +218,23 @@ def _rank_main(argv: list[str]) -> None:
             run_exit_handlers()
     if status:
         sys.exit(status)  # the rank's exit status, as a ``python -m hp_trainer.cli`` rank had
+    if _signal_stops and _signal_stops[-1] is not None:
+        # Stopped by SIGTERM. torch's wrapper now hands the return value to the agent and waits
+        # for the agent to release it; an agent that is itself stopping (SIGTERM to the
+        # launcher: it signalled this rank) never does, and would SIGKILL it after 30 s. The
+        # value is in the agent's pipe once the wrapper continues: leave shortly after.
+        threading.Thread(target=_leave_after, args=(_RELEASE_WAIT_S,), daemon=True).start()
 
 
 _PEER_FAILURE_WAIT_S = 60.0
+_RELEASE_WAIT_S = 2.0
+
+
+def _leave_after(seconds: float) -> None:
+    time.sleep(seconds)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _local_rank_gone() -> bool:
@@ -380,6 +395,11 @@ def _quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+# How each run of this process ended ("saved" / "unsaved" after SIGTERM, None when finished):
+# read by _rank_main, whose ``main`` returns 0 either way under the launcher.
+_signal_stops: list[str | None] = []
+
+
 def _train(config: JobConfig) -> int:
     from hp_trainer.trainer import Trainer
 
@@ -388,6 +408,7 @@ def _train(config: JobConfig) -> int:
         trainer.train()
     finally:
         trainer.close()
+    _signal_stops.append(trainer.stop_status)
     if trainer.stop_status is None or "TORCHELASTIC_RUN_ID" in os.environ:
         # under torchrun a rank's non-zero status makes the agent kill its peers while they
         # finish; the launcher reads the ranks' stopped.json instead
