@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -94,3 +95,61 @@ def test_rendezvous_options_are_checked(capsys: pytest.CaptureFixture[str]) -> N
     assert "4 ranks, which 3 nodes cannot share equally" in capsys.readouterr().err
     assert main(["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"]) == 2
     assert "expected 0 <= rank < nnodes" in capsys.readouterr().err
+
+
+_SPY = """
+import sys
+import torch
+
+calls = []
+
+
+def spy(owner, name):
+    real = getattr(owner, name, None)
+    if real is None:
+        return
+
+    def wrapper(*args, **kwargs):
+        calls.append(f"{owner.__name__}.{name}")
+        return real(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+queries = {
+    torch.cuda: ["init", "_lazy_init", "is_available", "device_count", "current_device",
+                 "set_device", "is_initialized"],
+    torch.accelerator: ["is_available", "device_count", "current_accelerator",
+                        "current_device_index", "set_device_index"],
+    torch._C: ["_cuda_init", "_cuda_getDeviceCount"],
+}
+for owner, names in queries.items():
+    for name in names:
+        spy(owner, name)
+for module in sys.argv[1:]:
+    __import__(module)
+print("calls", calls)
+"""
+
+
+def test_forkserver_preload_queries_no_device() -> None:
+    """What ``hp-train``'s forkserver imports before it forks the ranks asks nothing of a device.
+
+    A CUDA (or NPU) runtime initialised in the server would be inherited, broken, by every rank
+    forked from it; the ranks pick their devices after the fork, as under torchrun. A fresh
+    interpreter imports the preload list with every device query of torch spied on.
+    """
+    from hp_trainer.cli import _PRELOAD
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    modules = [*_PRELOAD, *(["torchft"] if importlib.util.find_spec("torchft") else [])]
+    done = subprocess.run(
+        [sys.executable, "-c", _SPY, *modules],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1] == "calls []", done.stdout[-2000:]
