@@ -39,7 +39,7 @@ def _traces(tmp: Path, replica: int, rank: int) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("method", ["local_sgd", "diloco"])
 def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
-    steps, sync = 6, 3
+    steps, sync = 4, 2  # two syncs, and a step between syncs before each
     procs: list[Any] = []
     try:
         lighthouse = _lighthouse(procs, min_replicas=2)
