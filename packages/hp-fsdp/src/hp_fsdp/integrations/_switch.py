@@ -249,7 +249,12 @@ def _plan(uses: list[ClientUse]) -> dict[str, object]:
 
 
 def _torch_sharded_roots(torch_fsdp_module_cls: type) -> list[str]:
-    """Descriptions of live modules sharded by torch's own ``fully_shard``."""
+    """Descriptions of live modules sharded by torch's own ``fully_shard``.
+
+    Garbage is collected first: a dropped model whose modules and FSDP state reference each
+    other stays in ``gc.get_objects()`` until the next collection, and is not alive.
+    """
+    gc.collect()
     found = []
     for obj in gc.get_objects():
         cls = type(obj)  # not isinstance: some lazy objects warn when asked for __class__
