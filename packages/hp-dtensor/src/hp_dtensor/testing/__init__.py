@@ -14,9 +14,17 @@ must be defined at module level; arguments and return values must be picklable.
 
 Between tests the default process group is reused; the harness restores what a test may leave
 behind: RNG states, default dtype, grad mode, deterministic-algorithms flag, intra-op threads
-(one per rank), and process groups the test created (meshes, ``new_group``) are destroyed. After a
-failure on any rank the whole pool is rebuilt, so half-finished collectives cannot leak into the
-next test.
+(one per rank), and process groups the test created with options are destroyed (groups with
+default options are kept and handed to a later test's equal request). After a failure on any
+rank the whole pool is rebuilt, so half-finished collectives cannot leak into the next test.
+
+Meshes and DTensor's caches: a mesh built with default backend options in a later test is the
+object an earlier test built for an equal mesh, initialized again (fresh state, same identity),
+so DTensor's sharding-propagation caches, keyed by mesh equality, stay valid across tests and
+are not recomputed. They are cleared (and the meshes forgotten) after a test that destroyed a
+process group, made groups with options, built an equal mesh twice or changed a sharding rule.
+A test that must see new mesh objects and empty caches passes ``fresh_meshes=True``; the
+environment variable ``HP_TESTING_FRESH_MESHES=1`` does it for every job.
 
 Example:
     .. code-block:: python
@@ -92,6 +100,9 @@ __all__ = [
 
 #: Seconds a distributed test may run on its ranks before the pool is killed.
 DEFAULT_TIMEOUT_S = 60.0
+#: Set to ``1`` to run every job with ``fresh_meshes=True`` (what the harness did before it kept
+#: meshes and DTensor's caches: for comparisons and for bisecting a suspected stale entry).
+FRESH_MESHES_ENV = "HP_TESTING_FRESH_MESHES"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -102,6 +113,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
+    fresh_meshes: bool = False,
     **kwargs: Any,
 ) -> list[R]:
     """Run a module-level function on every rank of the warm pool for ``world_size``.
@@ -111,6 +123,9 @@ def run_distributed(
         world_size: Number of ranks (a pool of this size is started if none is warm).
         *args: Positional arguments passed to ``fn`` on every rank (picklable).
         timeout: Seconds before the job is declared hung and the pool is killed.
+        fresh_meshes: Build this job's device meshes as new objects and start and end it with
+            empty DTensor sharding caches, instead of sharing meshes and caches with the jobs
+            before and after it (see "Meshes and DTensor's caches" above).
         **kwargs: Keyword arguments passed to ``fn`` on every rank (picklable).
 
     Returns:
@@ -132,15 +147,22 @@ def run_distributed(
             f"{fn!r} must be defined at module level: workers import it by qualified name"
         )
     module = sys.modules[fn.__module__]
+    fresh_meshes = fresh_meshes or os.environ.get(FRESH_MESHES_ENV) == "1"
     pool = MANAGER.get(world_size)
     MANAGER.stats.jobs += 1
     return pool.run(
-        fn.__module__, getattr(module, "__file__", None), fn.__qualname__, args, kwargs, timeout
+        fn.__module__,
+        getattr(module, "__file__", None),
+        fn.__qualname__,
+        args,
+        kwargs,
+        timeout,
+        {"fresh_meshes": fresh_meshes},
     )
 
 
 def distributed(
-    world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S
+    world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S, fresh_meshes: bool = False
 ) -> Callable[[Callable[P, R]], Callable[P, None]]:
     """Decorate a test so that its body runs on ``world_size`` gloo ranks.
 
@@ -150,6 +172,8 @@ def distributed(
     Args:
         world_size: Number of ranks.
         timeout: Seconds before the test fails as hung (the pool is rebuilt for the next test).
+        fresh_meshes: The test's meshes are new objects and DTensor's caches start and end
+            empty (see :func:`run_distributed`).
 
     Returns:
         A decorator. The decorated function carries ``__hp_world_size__`` so the pytest plugin can
@@ -165,7 +189,9 @@ def distributed(
             if in_worker():
                 fn(*args, **kwargs)
                 return
-            run_distributed(wrapper, world_size, *args, timeout=timeout, **kwargs)
+            run_distributed(
+                wrapper, world_size, *args, timeout=timeout, fresh_meshes=fresh_meshes, **kwargs
+            )
 
         wrapper.__hp_world_size__ = world_size  # type: ignore[attr-defined]
         return wrapper

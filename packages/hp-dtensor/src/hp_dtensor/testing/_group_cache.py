@@ -22,6 +22,8 @@ class GroupCache:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[tuple[int, ...] | None, str | None], Any] = {}
+        #: ``destroy_process_group`` calls so far (by tests and by the harness)
+        self.destroyed = 0
 
     def kept(self) -> set[Any]:
         """The kept groups (the harness does not destroy them after a job)."""
@@ -84,6 +86,7 @@ class GroupCache:
 
     def _forgetting(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def destroy_process_group(group: Any = None) -> None:
+            self.destroyed += 1
             if group is None:
                 self._groups.clear()
             else:

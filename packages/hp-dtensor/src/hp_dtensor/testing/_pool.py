@@ -52,6 +52,13 @@ class PoolStats:
     #: CPU seconds the workers spent in successful jobs, all ranks together (the load-independent
     #: cost of the distributed tests; wall time on a loaded machine is not)
     worker_cpu_s: float = 0.0
+    #: successful jobs after which the workers kept DTensor's sharding caches (and meshes) for
+    #: the next job, and after which they cleared them (a group destroyed, a rule registered...)
+    caches_kept: int = 0
+    caches_cleared: int = 0
+    #: sharding propagations rank 0 computed in those jobs (misses of DTensor's cache): a count
+    #: of what the kept caches save that the machine's load does not move
+    sharding_propagations: int = 0
 
 
 class WorkerPool:
@@ -137,11 +144,18 @@ class WorkerPool:
         return [replies[r] for r in range(self.world_size)]
 
     def run(
-        self, module: str, file: str | None, qualname: str, args: Any, kwargs: Any, timeout: float
+        self,
+        module: str,
+        file: str | None,
+        qualname: str,
+        args: Any,
+        kwargs: Any,
+        timeout: float,
+        options: dict[str, Any] | None = None,
     ) -> list[Any]:
         payload = pickle.dumps((args, kwargs))
         for conn in self._conns:
-            conn.send((module, file, qualname, payload))
+            conn.send((module, file, qualname, payload, options or {}))
         replies = self._collect(timeout, f"{qualname} on {self.world_size} ranks")
         errors = {r: v for r, v in enumerate(replies) if v[0] == "err"}
         if errors:
@@ -149,6 +163,11 @@ class WorkerPool:
             self.close()
             raise DistributedTestError(_format_errors(errors, hung=[]))
         self._stats.worker_cpu_s += sum(reply[3] for reply in replies)
+        self._stats.sharding_propagations += replies[0][5]
+        if replies[0][4]:
+            self._stats.caches_cleared += 1
+        else:
+            self._stats.caches_kept += 1
         if any(reply[2] for reply in replies):  # a worn worker: the next job gets a fresh pool
             self._stats.renewals += 1
             self.renewed = True

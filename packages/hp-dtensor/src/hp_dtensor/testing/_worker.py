@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from hp_dtensor.testing._group_cache import GroupCache
+from hp_dtensor.testing._mesh_cache import MeshCache
 
 #: Set in worker processes so that decorated tests called inside a worker run directly.
 IN_WORKER_ENV = "HP_DTENSOR_TESTING_WORKER"
@@ -28,6 +29,36 @@ IN_WORKER_ENV = "HP_DTENSOR_TESTING_WORKER"
 COLLECT_THREADS = 96
 #: Threads a worker may keep over its start after that collection before the pool is replaced.
 SPARE_THREADS = 384
+
+
+class WorkerCaches:
+    """What this worker keeps between jobs, and why DTensor's caches were last cleared."""
+
+    def __init__(self) -> None:
+        self.groups = GroupCache()
+        self.meshes = MeshCache()
+        #: jobs after which DTensor's caches were kept, and cleared
+        self.kept = 0
+        self.cleared = 0
+        self.last_reason = ""
+        #: sharding propagations DTensor computed (what none of its caches answered)
+        self.propagations = 0
+
+    def count_propagations(self) -> None:
+        """Count the calls DTensor makes when its caches miss (they go through this attribute)."""
+        from hp_dtensor._torch_compat import dtensor_sharding_propagator as propagator
+
+        compute = propagator.propagate_op_sharding_non_cached
+
+        def counted(op_schema: Any) -> Any:
+            self.propagations += 1
+            return compute(op_schema)
+
+        propagator.propagate_op_sharding_non_cached = counted
+
+
+#: This worker's caches (set in :func:`worker_main`; tests read their counters through a job).
+CACHES: WorkerCaches | None = None
 
 
 def _load_module(name: str, file: str | None) -> ModuleType:
@@ -61,8 +92,8 @@ def _resolve(module: ModuleType, qualname: str) -> Any:
 def _clear_dtensor_caches() -> None:
     """Forget DTensor's sharding and redistribution caches.
 
-    torch keys them by mesh equality, which ignores process-group names: after the groups of a
-    test are destroyed, a later test building an equal mesh would be handed the dead groups.
+    torch keys them by mesh equality, which ignores process-group names and object identity: an
+    entry names the mesh object (and, by name, the groups) of the call that filled it.
     """
     from hp_dtensor._torch_compat import clear_sharding_prop_cache, redistribute_transform_infos
 
@@ -73,17 +104,26 @@ def _clear_dtensor_caches() -> None:
 class _StateGuard:
     """Snapshot of process-wide state a test may change, restored after every job."""
 
-    def __init__(self, groups: GroupCache) -> None:
+    def __init__(self, caches: WorkerCaches) -> None:
         import torch
 
         from hp_dtensor._torch_compat import c10d_world
 
-        self._cache = groups
+        self._caches = caches
+        self._cache = caches.groups
         self._torch_rng = torch.random.get_rng_state()
         self._py_rng = random.getstate()
         self._dtype = torch.get_default_dtype()
         self._groups = set(c10d_world.pg_map)
         self._threads = set(_threads())
+        self._destroyed = 0
+
+    def begin(self, *, fresh_meshes: bool = False) -> None:
+        """Before a job: a job that wants fresh meshes starts with empty DTensor caches."""
+        if fresh_meshes:
+            _clear_dtensor_caches()
+        self._caches.meshes.begin_job(enabled=not fresh_meshes)
+        self._destroyed = self._cache.destroyed
 
     def restore(self) -> None:
         import torch
@@ -92,15 +132,20 @@ class _StateGuard:
         from hp_dtensor._torch_compat import c10d_world
 
         # Groups created by the test (meshes, new_group) are destroyed; the default group and the
-        # groups the cache keeps for the next job stay. DTensor's caches are forgotten all the
-        # same: they key meshes by equality and hand back the mesh *object* of the first call,
-        # so a later test's equal mesh would get an earlier test's (torch's fully_shard refuses
-        # a parameter whose mesh is not the very object it was given).
+        # groups the cache keeps for the next job stay. DTensor's caches key meshes by equality
+        # and hand back the mesh *object* of the first call: they are kept for the next job only
+        # while its equal meshes are the same objects with the same live groups (MeshCache).
         kept = self._cache.kept()
         for group in list(c10d_world.pg_map):
             if group not in self._groups and group not in kept:
                 dist.destroy_process_group(group)
-        _clear_dtensor_caches()
+        why = self._caches.meshes.end_job(self._cache.destroyed - self._destroyed)
+        if why:
+            _clear_dtensor_caches()
+            self._caches.cleared += 1
+            self._caches.last_reason = why
+        else:
+            self._caches.kept += 1
         torch.random.set_rng_state(self._torch_rng)
         random.setstate(self._py_rng)
         if "numpy" in sys.modules:
@@ -155,28 +200,36 @@ def worker_main(
         world_size=world_size,
         timeout=timedelta(seconds=600),
     )
-    groups = GroupCache()
-    groups.install()
-    guard = _StateGuard(groups)
+    global CACHES
+    CACHES = caches = WorkerCaches()
+    caches.groups.install()
+    caches.meshes.install()
+    caches.count_propagations()
+    guard = _StateGuard(caches)
     conn.send(("ready", None))
     while True:
         job = conn.recv()
         if job is None:
             break
-        module_name, module_file, qualname, payload = job
+        module_name, module_file, qualname, payload, options = job
         started = time.process_time()
+        cleared_before = caches.cleared
+        misses_before = caches.propagations
         try:
+            guard.begin(fresh_meshes=bool(options.get("fresh_meshes")))
             fn = _resolve(_load_module(module_name, module_file), qualname)
             args, kwargs = pickle.loads(payload)
             result = fn(*args, **kwargs)
             reply: tuple[str, Any] = ("ok", pickle.dumps(result))
         except BaseException as exc:  # report everything, including KeyboardInterrupt-like exits
             reply = ("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        misses = caches.propagations - misses_before
         worn = ""
         try:
             guard.restore()
             worn = guard.worn()
         except Exception:
             reply = ("err", f"state reset failed after the test:\n{traceback.format_exc()}")
-        conn.send((*reply, worn, time.process_time() - started))
+        cleared = caches.last_reason if caches.cleared > cleared_before else ""
+        conn.send((*reply, worn, time.process_time() - started, cleared, misses))
     dist.destroy_process_group()

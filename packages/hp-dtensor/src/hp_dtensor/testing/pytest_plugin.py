@@ -90,7 +90,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"start-ups ({per_size}) in {total:.1f} s; "
             f"rebuilds after failures: {stats.rebuilds}; "
             f"pools replaced for leaked gloo threads: {stats.renewals}; "
-            f"worker CPU {stats.worker_cpu_s:.1f} s"
+            f"worker CPU {stats.worker_cpu_s:.1f} s; DTensor caches kept after "
+            f"{stats.caches_kept} jobs, cleared after {stats.caches_cleared}; "
+            f"sharding propagations computed (rank 0) {stats.sharding_propagations}"
         )
     budgets = _budgets()
     if not budgets:
