@@ -74,7 +74,7 @@ def full_state(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-_REFERENCES: dict[str, tuple[list[float], list[float], Any]] = {}
+_REFERENCES: dict[str, tuple[list[float], list[float], Any, list[dict[str, Any]]]] = {}
 
 
 def reference(folder: Path, local_bs: int, **kw: Any) -> tuple[list[float], list[float], Any]:
@@ -84,12 +84,21 @@ def reference(folder: Path, local_bs: int, **kw: Any) -> tuple[list[float], list
     test that compares with it: the run is deterministic and its corpus the same wherever it is
     written. A reference that checkpoints (its files are used) runs every time.
     """
+    losses, norms, state, _ = reference_run(folder, local_bs, **kw)
+    return losses, norms, state
+
+
+def reference_run(
+    folder: Path, local_bs: int, **kw: Any
+) -> tuple[list[float], list[float], Any, list[dict[str, Any]]]:
+    """:func:`reference` and the run's metrics history (the MoE tests compare expert loads)."""
     key = repr((local_bs, sorted(kw.items())))
     if "checkpoint" in kw or key not in _REFERENCES:
         trainer = Trainer(job(folder, {}, run="ref", local_bs=local_bs, **kw))
         losses = trainer.train()
         trainer.close()
-        result = (losses, trainer.grad_norms, full_state(trainer.model_parts))
+        history = trainer.metrics.history
+        result = (losses, trainer.grad_norms, full_state(trainer.model_parts), history)
         if "checkpoint" in kw:
             return result
         _REFERENCES[key] = result

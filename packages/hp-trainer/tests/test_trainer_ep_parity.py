@@ -62,7 +62,10 @@ def test_moe_layouts_match_single_process(
     tmp_path: Path, model: str, par: dict[str, Any], dp: int
 ) -> None:
     results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "ep", timeout=180)
-    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 2 * dp, {}, "ref")
+    # one process on the same global batch (the session's shared run)
+    ref_losses, ref_norms, ref_state, ref_history = _helpers().reference_run(
+        tmp_path, 2 * dp, model=model
+    )
     assert len(ref_losses) == 3
     _helpers().assert_matches_reference(
         [r[:3] for r in results],

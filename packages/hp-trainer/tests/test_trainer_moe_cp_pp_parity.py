@@ -41,6 +41,19 @@ def _train(
         trainer.close()
 
 
+_REFS: dict[tuple[str, int, float], Any] = {}
+
+
+def _reference(folder: str, model: str, local_bs: int, aux: float = 0.0) -> Any:
+    """One process on the global batch, once per (model, batch, auxiliary loss) and session
+    (without the auxiliary loss: the session's run shared with the other parity files)."""
+    if aux == 0.0:
+        return _helpers().reference_run(Path(folder), local_bs, model=model)
+    if (model, local_bs, aux) not in _REFS:
+        _REFS[model, local_bs, aux] = _train(folder, model, local_bs, {}, "r", aux)
+    return _REFS[model, local_bs, aux]
+
+
 _CP_LAYOUTS = {
     # cp 2 x dp_shard 2; ep 2 borrowed from dp_shard x cp (efsdp 2): the ring passes K/V; with
     # the auxiliary load-balancing loss (0.1): each rank routes half of two sequences, the loss
@@ -82,7 +95,7 @@ _CP_LAYOUTS = {
 def test_moe_with_context_parallel_matches_single_process(tmp_path: Path, layout: str) -> None:
     model, par, aux = _CP_LAYOUTS[layout]
     results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "cp", aux, timeout=180)
-    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 4, {}, "r", aux)
+    ref_losses, ref_norms, ref_state, ref_history = _reference(str(tmp_path), model, 4, aux)
     _helpers().assert_matches_reference(
         [r[:3] for r in results],
         (ref_losses, ref_norms, ref_state),
@@ -99,7 +112,7 @@ def test_moe_with_context_parallel_matches_single_process(tmp_path: Path, layout
     if model == "deepseek_v3":
         assert ref_state["layers.1.moe.expert_bias"].abs().sum() > 0
     if aux > 0:  # the auxiliary loss moved the routers: without it the gates end elsewhere
-        plain = _train(str(tmp_path), model, 4, {}, "plain")[2]
+        plain = _reference(str(tmp_path), model, 4)[2]
         gate = "layers.0.moe.router.gate.weight"
         assert (plain[gate] - ref_state[gate]).abs().max() > 1e-4
 
@@ -140,7 +153,7 @@ def test_moe_with_pipeline_parallel_matches_single_process(tmp_path: Path, layou
     results = run_distributed(_train, 4, str(tmp_path), model, 2, par, "pp", timeout=180)
     model_ranks = par.get("context_parallel_degree", 1) * par.get("tensor_parallel_degree", 1)
     dp = 4 // (par["pipeline_parallel_degree"] * model_ranks)
-    ref_losses, ref_norms, ref_state, ref_history = _train(str(tmp_path), model, 2 * dp, {}, "r")
+    ref_losses, ref_norms, ref_state, ref_history = _reference(str(tmp_path), model, 2 * dp)
     _helpers().assert_matches_reference(
         [r[:3] for r in results],
         (ref_losses, ref_norms, ref_state),
