@@ -148,8 +148,13 @@ def test_flattened_meshes_are_kept_with_their_root() -> None:
 def test_whatever_could_make_an_entry_stale_clears_the_caches(stale: dict[str, bool]) -> None:
     _run(destroy=True)
     cleared = pool_stats().caches_cleared
+    reasons = dict(pool_stats().clear_reasons)
     first = _run(**stale)
     assert pool_stats().caches_cleared == cleared + 1
+    added = {k: v - reasons.get(k, 0) for k, v in pool_stats().clear_reasons.items()}
+    (why,) = [k for k, v in added.items() if v]
+    word = {"destroy": "destroyed", "optioned_group": "destroyed", "rule": "rule"}
+    assert word[next(iter(stale))] in why, why
     after = _run()
     assert not after["same_mesh"]  # the meshes were forgotten with the caches
     assert after["propagations"] == first["propagations"] > 0

@@ -56,6 +56,8 @@ class PoolStats:
     #: the next job, and after which they cleared them (a group destroyed, a rule registered...)
     caches_kept: int = 0
     caches_cleared: int = 0
+    #: why they were cleared, and how often
+    clear_reasons: dict[str, int] = field(default_factory=dict)
     #: sharding propagations rank 0 computed in those jobs (misses of DTensor's cache): a count
     #: of what the kept caches save that the machine's load does not move
     sharding_propagations: int = 0
@@ -166,6 +168,8 @@ class WorkerPool:
         self._stats.sharding_propagations += replies[0][5]
         if replies[0][4]:
             self._stats.caches_cleared += 1
+            reasons = self._stats.clear_reasons
+            reasons[replies[0][4]] = reasons.get(replies[0][4], 0) + 1
         else:
             self._stats.caches_kept += 1
         if any(reply[2] for reply in replies):  # a worn worker: the next job gets a fresh pool

@@ -94,6 +94,11 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"{stats.caches_kept} jobs, cleared after {stats.caches_cleared}; "
             f"sharding propagations computed (rank 0) {stats.sharding_propagations}"
         )
+        if stats.clear_reasons:
+            common = sorted(stats.clear_reasons.items(), key=lambda kv: -kv[1])[:3]
+            terminalreporter.write_line(
+                "DTensor caches cleared after: " + "; ".join(f"{n}x {why}" for why, n in common)
+            )
     budgets = _budgets()
     if not budgets:
         return
