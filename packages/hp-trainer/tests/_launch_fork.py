@@ -13,7 +13,8 @@ CPU seconds: the process is the forkserver's child, not this one's, so its CPU t
 this process's ``RUSAGE_CHILDREN``. A sampler thread reads ``/proc/<pid>/stat`` every 20 ms
 (until the forkserver has reaped it: a zombie's reading is its final one) and, once the process
 has ended, adds the last reading to ``pool_stats().worker_cpu_s``, which the test-time plugin
-adds to each test's CPU seconds.
+adds to each test's CPU seconds. The forkserver's own start (an interpreter importing the
+stack, ~3 CPU s) is paid once per pytest session, by whichever starts it first (this or a pool).
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ from typing import Any
 
 from hp_dtensor.testing import pool_stats
 
-# what a group process imports, once, in the forkserver (if this call starts it)
-_PRELOAD = ["torch", "torch.distributed", "hp_dtensor", "hp_trainer", "hp_trainer.cli", "torchft"]
+# What a group process imports, once, in the forkserver, when this call starts it (else the
+# server hp_dtensor.testing's pools started serves, with the stack preloaded): a superset of
+# the pools' list, since the pools fork from the same server.
+_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor", "hp_trainer",
+    "hp_trainer.cli", "torchft",
+]  # fmt: skip
 _TICKS = os.sysconf("SC_CLK_TCK")
 _CHILD = Path(__file__).with_name("_launch_child.py")
 _SAMPLE_S = 0.02

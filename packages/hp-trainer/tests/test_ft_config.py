@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from hp_dtensor.testing import load_test_module
 from hp_trainer.components.ft import (
     check_fault_tolerance_layout,
     config_fingerprint,
@@ -68,12 +67,16 @@ def test_lighthouse_that_does_not_answer(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     address = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [
-        sys.executable, "-m", "hp_trainer.cli", "--config", "debug_ft",
-        "--fault_tolerance.lighthouse", address,
-        "--fault_tolerance.process_group_timeout_ms", "2000",
-        "--job.dump_folder", str(tmp_path),
+    argv = [
+        "--config", "debug_ft", "--fault_tolerance.lighthouse", address,
+        "--fault_tolerance.process_group_timeout_ms", "2000", "--job.dump_folder", str(tmp_path),
     ]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0
-    assert f"the torchft lighthouse at {address} did not answer within 2000 ms" in out.stderr
+    # hp-train in a process forked from the test process's forkserver (no interpreter start)
+    fork = load_test_module(Path(__file__).with_name("_launch_fork.py"), "hp_trainer_tests_fork")
+    log = tmp_path / "hp-train.log"
+    proc = fork.ForkedHpTrain(argv, env, log)
+    try:
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    assert f"the torchft lighthouse at {address} did not answer within 2000 ms" in log.read_text()

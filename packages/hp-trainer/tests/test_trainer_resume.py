@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -184,17 +182,43 @@ def test_hf_import_train_export_import_round_trip(tmp_path: Path) -> None:
     assert "model.embed_tokens.weight" in names
 
 
-# -- subprocess: hp-train with 2 local ranks -------------------------------------------------
+# -- hp-train processes with 2 local ranks ----------------------------------------------------
+
+# -- hp-train processes with 2 local ranks ---------------------------------------------------
+class _Job:
+    """An ``hp-train`` launcher in a process forked from the test process's forkserver (see
+    ``_launch_fork``: no interpreter start; ``python -m hp_trainer.cli`` launchers are
+    test_multinode's), with the ``Popen`` methods this test uses; its output goes to a log."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        fork = load_test_module(Path(__file__).with_name("_launch_fork.py"), "hp_trainer_fork")
+        self.proc = fork.ForkedHpTrain(argv, env, log)
+        self.pid: int = self.proc.pid
+        self.log = log
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self.proc.poll()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.returncode = self.proc.wait(timeout)
+        return self.log.read_text(), None
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.proc.kill()
 
 
-def _hp_train(tmp_path: Path, run: str, tp: int, extra: list[str]) -> subprocess.Popen[str]:
+def _hp_train(tmp_path: Path, run: str, tp: int, extra: list[str]) -> _Job:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
     }
-    cmd = [
-        sys.executable, "-m", "hp_trainer.cli",
+    argv = [
         "--config", "debug", "--model.flavor", "tiny",
         "--training.steps", "100000", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
@@ -206,9 +230,8 @@ def _hp_train(tmp_path: Path, run: str, tp: int, extra: list[str]) -> subprocess
         "--job.callbacks", "_launch_ranks:RankPid", *extra,
     ]  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return _Job(argv, env, tmp_path / f"{run}.log")
 
 
 def _launch_helpers() -> ModuleType:
@@ -222,7 +245,7 @@ def _workers(tmp_path: Path, run: str, launcher: int) -> dict[int, int]:
     return ranks
 
 
-def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen[str]) -> None:
+def _wait_for_step(metrics: Path, step: int, proc: _Job) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[0][-4000:]
@@ -247,7 +270,6 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
     """
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     term = _hp_train(tmp_path, "term", 2, ckpt)
-    dies: subprocess.Popen[str] | None = None
     procs = [term]
     try:
         # SIGTERM to every rank (what a scheduler does): a full checkpoint, exit status 75
