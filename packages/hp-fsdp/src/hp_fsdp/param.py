@@ -52,6 +52,7 @@ __all__ = [
     "ShardedState",
     "register_sharded",
     "register_unsharded",
+    "unsharded_outs",
 ]
 
 #: Attribute set on an original parameter (and its sharded replacement) once a unit owns it.
@@ -551,18 +552,7 @@ class ShardedParam:
         Returns:
             The flat buffer, with storage allocated.
         """
-        data = self._unsharded_data
-        if data is None or data.dtype != self.compute_dtype:
-            numel = self.padded_sharded_numel * self.mesh_info.shard_size
-            data = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
-            self._unsharded_data = data
-            self._unsharded_param = None
-        else:
-            storage = data.untyped_storage()
-            nbytes = data.numel() * data.element_size()
-            if storage.nbytes() != nbytes:
-                storage.resize_(nbytes)
-        return data
+        return unsharded_outs((self,))[0]
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter (once) as a view of the unsharded data."""
@@ -932,3 +922,29 @@ def register_sharded(params: Sequence[ShardedParam]) -> None:
                 storage.resize_(0)
         sp._post_forward_data = None
         sp.state = ShardedState.SHARDED
+
+
+def unsharded_outs(params: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """:meth:`ShardedParam.unsharded_out` for each parameter, in one call (a unit's hot path).
+
+    Args:
+        params: the parameters (without an all-gather extension).
+
+    Returns:
+        Each parameter's flat compute-dtype buffer, with storage allocated.
+    """
+    outs = []
+    for sp in params:
+        data = sp._unsharded_data
+        if data is None or data.dtype != sp.compute_dtype:
+            numel = sp.padded_sharded_numel * sp.mesh_info.shard_size
+            data = torch.empty(numel, dtype=sp.compute_dtype, device=sp.device)
+            sp._unsharded_data = data
+            sp._unsharded_param = None
+        else:
+            storage = data.untyped_storage()
+            nbytes = data.numel() * data.element_size()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+        outs.append(data)
+    return outs

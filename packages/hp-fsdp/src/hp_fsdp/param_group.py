@@ -49,6 +49,7 @@ from hp_fsdp.param import (
     ShardedState,
     register_sharded,
     register_unsharded,
+    unsharded_outs,
 )
 from hp_fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp.post_backward import PostBackwardTrigger
@@ -493,6 +494,15 @@ class ParamGroup:
 
     def _copy_out(self, result: AllGatherResult) -> None:
         world_size = result.world_size
+        if (
+            not self._extended
+            and not self._ag_bytes
+            and not self._ag_parts
+            and (self._dim0_only or self._ag_from_post_forward)
+        ):  # every parameter's buffer is written as it is (the common case, one call)
+            self._ag_inputs = []
+            wait_all_gather(result, unsharded_outs(self._gathered))
+            return
         outs: list[list[torch.Tensor]] = []
         regroup: list[tuple[ShardedParam, torch.Tensor, torch.Tensor]] = []
         inputs, self._ag_inputs = self._ag_inputs, []
