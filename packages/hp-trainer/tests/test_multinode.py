@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -153,3 +154,47 @@ def test_forkserver_preload_queries_no_device() -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == "calls []", done.stdout[-2000:]
+
+
+def test_a_rank_sees_a_local_peer_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose collective failed checks whether a local peer ended first (then it waits
+    for the agent, which reports that peer): the peers are its parent's (the forkserver's)
+    other children. Here the "forkserver" is a shell with two sleeping children."""
+    import time
+
+    from hp_trainer.cli import _local_rank_gone
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
+    try:
+        deadline = time.monotonic() + 30
+        while len(_children(shell.pid)) < 2:
+            assert time.monotonic() < deadline, "the shell started no children"
+            time.sleep(0.01)
+        monkeypatch.setattr(os, "getppid", lambda: shell.pid)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert not _local_rank_gone()  # both "ranks" alive
+        os.kill(_children(shell.pid)[0], signal.SIGKILL)
+        while len(_children(shell.pid)) > 1:  # reaped by the shell (a zombie counts as gone)
+            if _local_rank_gone():
+                break
+            assert time.monotonic() < deadline, "the killed child stayed"
+            time.sleep(0.01)
+        assert _local_rank_gone()
+    finally:
+        for pid in _children(shell.pid):
+            os.kill(pid, signal.SIGKILL)
+        shell.kill()
+        shell.wait()
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                found.append(int(entry.name))
+    return sorted(found)
