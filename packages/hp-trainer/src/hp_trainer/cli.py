@@ -310,12 +310,17 @@ def _launch(
             f"--rdzv-id={launch.rdzv_id}",
         ]
         # the c10d rendezvous numbers the nodes itself (torchrun ignores --node-rank with it)
+    # forkserver where the platform has it (Linux, macOS); elsewhere (Windows) each rank is a
+    # spawned interpreter that imports the stack itself, as under torchrun
+    start_method = "forkserver"
+    if start_method not in multiprocessing.get_all_start_methods():
+        start_method = "spawn"
     launcher_args = get_args_parser().parse_args(
         [
             *rendezvous,
             f"--nproc-per-node={nproc}",
             "--local-ranks-filter=0",
-            "--start-method=forkserver",
+            f"--start-method={start_method}",
             "hp-train",  # the entry point is _rank_main, not a script
         ]
     )
@@ -326,7 +331,8 @@ def _launch(
     # starting an interpreter that imports it (torchrun --module). The server is a fresh
     # interpreter (no thread, nothing initialised on a device: the import does not touch
     # one), so each rank initialises its own device after the fork, as under torchrun.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    if start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     started = time.time()
     try:
         # the job's own arguments go to the ranks as they are (torchrun's parser would read
