@@ -184,6 +184,7 @@ def test_hf_import_train_export_import_round_trip(tmp_path: Path) -> None:
 
 # -- hp-train processes with 2 local ranks ----------------------------------------------------
 
+
 # -- hp-train processes with 2 local ranks ---------------------------------------------------
 class _Job:
     """An ``hp-train`` launcher in a process forked from the test process's forkserver (see
