@@ -254,13 +254,19 @@ def test_peak_tensor_memory_bounds() -> None:
     _step(ours, rank_seed(0))
     _step(theirs, rank_seed(0))
     samples.clear()
-    peaks = []
-    for model in (ours, theirs):
+
+    def peak(model: nn.Module, seed: int) -> int:
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:
-            _step(model, rank_seed(1))
-        peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+            _step(model, seed)
+        return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+    # gloo's worker thread drops its reference to a finished collective's tensors a moment
+    # after the waiting thread wakes: a buffer the program has released can then still count
+    # at the next allocation (seen once in CI: +17,280 bytes on one rank). That race only
+    # ever adds, so the least of three steps is the program's own peak, for both engines.
+    peaks = [min(peak(model, rank_seed(1 + i)) for i in range(3)) for model in (ours, theirs)]
     full_block = max(s[1] for s in samples)
     assert samples
     assert full_block > 0
