@@ -25,12 +25,15 @@ __all__ = [
     "FakeStore",
     "IncompatibleKeys",
     "OpOverload",
+    "OpSpec",
+    "OpStrategy",
     "StridedShard",
     "TorchDispatchMode",
     "c10d_world",
     "clear_native_sharding_propagator_cache",
     "clear_sharding_prop_cache",
     "compute_local_shape_and_global_offset",
+    "dtensor_ops_utils",
     "dtensor_sharding_propagator",
     "flatten_mesh",
     "local_tensor",
@@ -87,6 +90,7 @@ _PACKAGE = "hp-dtensor"
 
 try:
     from torch._ops import OpOverload
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
     from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,6 +111,11 @@ dtensor_sharding_propagator = require(
 clear_native_sharding_propagator_cache = require(
     _PACKAGE, "torch._C._clear_DTensor_sharding_propagator_cache"
 )
+dtensor_ops_utils = require_module(_PACKAGE, "torch.distributed.tensor._ops.utils")
+if not hasattr(dtensor_ops_utils, "expand_to_full_mesh_op_strategy"):  # pragma: no cover
+    raise missing_torch_name(
+        _PACKAGE, "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy"
+    )
 redistribute_transform_infos = require(
     _PACKAGE, "torch.distributed.tensor._redistribute._gen_transform_infos"
 )
@@ -169,6 +178,10 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
 
 PRIVATE_NAMES = (
     "torch._ops.OpOverload",
+    "torch.distributed.tensor._op_schema.OpSpec",
+    "torch.distributed.tensor._op_schema.OpStrategy",
+    "torch.distributed.tensor._ops.utils",
+    "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy",
     "torch.distributed.tensor.placement_types._StridedShard",
     "torch.nn.modules.module._IncompatibleKeys",
     "torch.utils._python_dispatch.TorchDispatchMode",

@@ -26,6 +26,12 @@ process group, made groups with options, built an equal mesh twice or changed a 
 A test that must see new mesh objects and empty caches passes ``fresh_meshes=True``; the
 environment variable ``HP_TESTING_FRESH_MESHES=1`` does it for every job.
 
+Foreach ops (optimizers, gradient clipping) are sharded element by element, and DTensor expands
+each element's strategies over the mesh again for every new parameter list. Workers memoize that
+expansion by value (mesh, op, argument shardings and metadata, strategies), cleared with DTensor's
+caches; results are copies, so nothing a caller writes leaks into a later answer.
+``HP_TESTING_NO_EXPANSION_MEMO=1`` turns the memo off.
+
 Example:
     .. code-block:: python
 
