@@ -42,6 +42,7 @@ _PRELOAD = [
 _TICKS = os.sysconf("SC_CLK_TCK")
 _CHILD = Path(__file__).with_name("_launch_child.py")
 _SAMPLE_S = 0.02
+_CHARGE = threading.Lock()  # tests may wait for several processes from several threads
 
 
 def _cpu_seconds(pid: int) -> tuple[float, str] | None:
@@ -95,8 +96,10 @@ class ForkedHpTrain:
         code: int = self._proc.exitcode
         if not self._charged:
             self._sampler.join()
-            pool_stats().worker_cpu_s += self._cpu
-            self._charged = True
+            with _CHARGE:
+                if not self._charged:
+                    pool_stats().worker_cpu_s += self._cpu
+                    self._charged = True
         return code
 
     def poll(self) -> int | None:

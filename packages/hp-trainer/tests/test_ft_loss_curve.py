@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import signal
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +43,18 @@ def _losses(tmp: Path, replica: int) -> dict[int, float]:
 def _group(
     tmp: Path, replica: int, lighthouse: str, steps: int, procs: list[Any], kill: str
 ) -> Any:
+    barrier = {"HP_FT_BARRIER": f"{tmp / 'barrier'}:{GROUPS}"}  # read by _ft_kill.KillAt
     return _procs._group(
-        tmp, replica, lighthouse, steps, procs, kill=kill, sleep=0.3, extra=FAST, groups=GROUPS
-    )
+        tmp, replica, lighthouse, steps, procs, kill=kill, sleep=0.3, extra=FAST, groups=GROUPS,
+        env=barrier,
+    )  # fmt: skip
 
 
-def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, *, kill: str) -> None:
-    """Three groups from one barrier; with ``kill``, group 2 dies there and is restarted."""
+def _run(tmp: Path, *, kill: str, when_killed: Callable[[], object] = lambda: None) -> None:
+    """Three groups from one barrier; with ``kill``, group 2 dies there (then ``when_killed()``
+    is called) and is restarted."""
     procs: list[Any] = []
-    barrier = tmp / "barrier"
-    barrier.mkdir()
-    monkeypatch.setenv("HP_FT_BARRIER", f"{barrier}:{GROUPS}")  # read by _ft_kill.KillAt
+    (tmp / "barrier").mkdir()
     steps = 100000  # both runs stop with SIGTERM (the same learning-rate schedule)
     try:
         lighthouse = _procs._lighthouse(procs, min_replicas=2)
@@ -60,6 +63,7 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, *, kill: str) -> None:
         ]
         if kill:
             assert _procs._wait(groups[2], 300, tmp, 2) == -signal.SIGKILL
+            when_killed()
 
             def short_steps() -> bool:  # restarted only once the others went on without it
                 trace = _procs._trace(tmp, 0)
@@ -94,14 +98,23 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def test_loss_curve_with_a_failure_against_an_uninterrupted_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_loss_curve_with_a_failure_against_an_uninterrupted_run(tmp_path: Path) -> None:
     clean, failed = tmp_path / "clean", tmp_path / "failed"
     clean.mkdir()
     failed.mkdir()
-    _run(clean, monkeypatch, kill="")
-    _run(failed, monkeypatch, kill="optimizer:5")  # after step 5's commit vote, before its update
+    # The clean run (a lighthouse and three groups of its own) starts once group 2 of the
+    # failed run is dead: it starts and trains while the survivors wait for the lighthouse to
+    # declare group 2 dead (its 5 s heartbeat timeout), instead of before all that.
+    _procs.fork_helpers()  # loaded once, before two threads start groups
+    with ThreadPoolExecutor(1) as beside:
+        clean_run: list[Future[None]] = []
+        # after step 5's commit vote, before its update
+        _run(
+            failed,
+            kill="optimizer:5",
+            when_killed=lambda: clean_run.append(beside.submit(_run, clean, kill="")),
+        )
+        clean_run[0].result()
 
     clean_trace = [r for r in _procs._trace(clean, 0) if r["committed"]]
     assert len(clean_trace) >= STEPS

@@ -102,6 +102,7 @@ def _group(
     sleep: float = 0.0,
     extra: tuple[str, ...] = (),
     groups: int = 2,
+    env: dict[str, str] | None = None,
 ) -> Any:
     cmd = [
         sys.executable, "-m", "hp_trainer.cli", "--config", "debug_ft",
@@ -115,7 +116,7 @@ def _group(
         "--job.callbacks", "_ft_kill:KillAt",
         "--job.dump_folder", str(tmp), "--job.run_name", f"g{replica}", *extra,
     ]  # fmt: skip
-    env = _env({"HP_FT_KILL": kill, "HP_FT_STEP_SLEEP": str(sleep)})
+    env = _env({"HP_FT_KILL": kill, "HP_FT_STEP_SLEEP": str(sleep), **(env or {})})
     proc = _hp_train(cmd[3:], env, tmp / f"g{replica}.log")
     procs.append(proc)
     return proc
@@ -124,8 +125,12 @@ def _group(
 def _hp_train(argv: list[str], env: dict[str, str], log: Path) -> Any:
     """``hp-train argv`` (stdout and stderr appended to ``log``) in a process forked from the
     test process's forkserver, not a new interpreter: see ``_launch_fork``."""
-    fork = load_test_module(TESTS / "_launch_fork.py", "hp_trainer_tests_launch_fork")
-    return fork.ForkedHpTrain(argv, env, log)
+    return fork_helpers().ForkedHpTrain(argv, env, log)
+
+
+def fork_helpers() -> Any:
+    """``_launch_fork``, loaded once per process (load it before threads start groups)."""
+    return load_test_module(TESTS / "_launch_fork.py", "hp_trainer_tests_launch_fork")
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -165,7 +170,7 @@ def _until(predicate: Any, timeout: float, what: str) -> None:
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.1)
+        time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 

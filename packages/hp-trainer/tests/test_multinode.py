@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -198,3 +199,102 @@ def _children(parent: int) -> list[int]:
             if int(fields[1]) == parent and fields[0] != "Z":
                 found.append(int(entry.name))
     return sorted(found)
+
+
+def _run_exit_helper(ctx: Any, **values: Any) -> Any:
+    """``_launch_exit.py`` in a process of ``ctx`` (a forkserver context)."""
+    import runpy
+
+    helper = str(Path(__file__).with_name("_launch_exit.py"))
+    proc = ctx.Process(
+        target=runpy.run_path,
+        args=(helper,),
+        kwargs={"init_globals": values, "run_name": "__main__"},
+    )
+    proc.start()
+    return proc
+
+
+def test_a_rank_stopped_by_sigterm_leaves_once_its_value_is_written() -> None:
+    """A rank stopped by SIGTERM ends as soon as torch's wrapper has put its return value in the
+    agent's pipe, not when the agent releases it (a stopping agent never does) nor after a
+    fixed wait: the value is readable after the process ended, with exit status 0."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")  # the test process's (stack preloaded)
+    queue, never = ctx.SimpleQueue(), ctx.Event()
+    proc = _run_exit_helper(ctx, MODE="release", QUEUE=queue, EVENT=never, VALUE={"rank": 3})
+    try:
+        proc.join(60)
+        assert proc.exitcode == 0, f"still waiting for the agent's release: {proc.exitcode}"
+        assert not queue.empty()
+        assert queue.get() == {"rank": 3}  # left after the write, not before
+    finally:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(10)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended and been reaped (a zombie still has its /proc entry)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_the_launcher_kills_its_idle_forkserver_and_keeps_the_ranks_cpu_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's forkserver, once the agent joined every rank, is killed and reaped rather
+    than left to tear its interpreter down; the ranks' CPU seconds (reaped by the server) still
+    count as the launcher's children's. A server that still has a child is not killed."""
+    import multiprocessing
+    import resource
+    import time
+    from multiprocessing import forkserver
+
+    from hp_trainer import cli
+
+    server = forkserver.ForkServer()  # a server of its own: the test process's stays untouched
+    monkeypatch.setattr(forkserver, "_forkserver", server)
+    for name in ("ensure_running", "get_inherited_fds", "connect_to_new_process"):
+        monkeypatch.setattr(forkserver, name, getattr(server, name))
+    ctx = multiprocessing.get_context("forkserver")
+    sent: list[tuple[int, int]] = []
+    real_kill = os.kill
+
+    def spy(pid: int, sig: int) -> None:
+        sent.append((pid, sig))
+        real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", spy)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    queue = ctx.SimpleQueue()
+    rank = _run_exit_helper(ctx, MODE="burn", QUEUE=queue)
+    rank.join(120)
+    assert rank.exitcode == 0
+    rank_cpu = queue.get()
+    pid = server._forkserver_pid
+    assert pid is not None
+    cli._reap_forkserver()
+    assert sent == [(pid, signal.SIGKILL)]
+    assert _gone(pid)  # reaped: no zombie left
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    spent = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert spent >= rank_cpu * 0.9, (spent, rank_cpu)
+
+    # a server with a child still running (a rank the agent gave up on) is not killed: it is
+    # left after the timeout, and ends by itself once its last child is gone
+    sent.clear()
+    sleeper = ctx.Process(target=time.sleep, args=(60,))
+    sleeper.start()
+    pid = server._forkserver_pid
+    assert pid is not None
+    try:
+        cli._reap_forkserver(timeout=0.2)
+        assert (pid, signal.SIGKILL) not in sent
+        assert not _gone(pid)
+    finally:
+        real_kill(sleeper.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        assert time.monotonic() < deadline, "the forkserver did not end after its last child"
+        time.sleep(0.02)

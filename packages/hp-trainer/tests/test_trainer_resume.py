@@ -252,7 +252,7 @@ def _wait_for_step(metrics: Path, step: int, proc: _Job) -> None:
         assert proc.poll() is None, proc.communicate()[0][-4000:]
         if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.kill()
     pytest.fail(f"no step {step} within 120 s: {proc.communicate()[0][-4000:]}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -221,20 +223,67 @@ def _rank_main(argv: list[str]) -> None:
     if _signal_stops and _signal_stops[-1] is not None:
         # Stopped by SIGTERM. torch's wrapper now hands the return value to the agent and waits
         # for the agent to release it; an agent that is itself stopping (SIGTERM to the
-        # launcher: it signalled this rank) never does, and would SIGKILL it after 30 s. The
-        # value is in the agent's pipe once the wrapper continues: leave shortly after.
-        threading.Thread(target=_leave_after, args=(_RELEASE_WAIT_S,), daemon=True).start()
+        # launcher: it signalled this rank) never does, and would SIGKILL it after 30 s.
+        _leave_once_returned()
 
 
 _PEER_FAILURE_WAIT_S = 60.0
 _RELEASE_WAIT_S = 2.0
 
 
-def _leave_after(seconds: float) -> None:
-    time.sleep(seconds)
+def _leave() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _leave_after(seconds: float) -> None:
+    time.sleep(seconds)
+    _leave()
+
+
+def _leave_once_returned() -> None:
+    """End this rank (status 0) as soon as torch's wrapper has written its return value.
+
+    The wrapper writes the value to the agent's pipe with ``SimpleQueue.put`` (one synchronous
+    write), then waits for the agent's release. Once ``put`` has returned, leaving loses
+    nothing: a monitoring agent reads the value from the pipe after the writer ended and sees
+    exit status 0; a stopping agent only waits for the process to end. A profile hook on this
+    (the main) thread sees ``put`` return; leaving before it would leave a monitoring agent
+    waiting for a value forever, so nothing else triggers the exit but a fallback timer of
+    ``_RELEASE_WAIT_S`` seconds (a wrapper that returns the value some other way).
+    """
+    from multiprocessing.queues import SimpleQueue
+
+    put = SimpleQueue.put.__code__
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is put:
+            sys.setprofile(None)
+            _leave()
+
+    sys.setprofile(hook)
+    threading.Thread(target=_leave_after, args=(_RELEASE_WAIT_S,), daemon=True).start()
+
+
+def _child_states(parent: int) -> list[str] | None:
+    """The states (``R``, ``S``, ``Z``, ...) of ``parent``'s child processes, from Linux's
+    ``/proc``; None where it cannot be read."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    states = []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path("/proc", name, "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            states.append(fields[0])
+    return states
 
 
 def _local_rank_gone() -> bool:
@@ -244,22 +293,10 @@ def _local_rank_gone() -> bool:
     until every rank has returned, so a rank gone this early has failed.
     """
     expected = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    parent = os.getppid()
-    live = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
+    states = _child_states(os.getppid())
+    if states is None:
         return False
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            fields = Path("/proc", name, "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == parent and fields[0] not in ("Z", "X"):
-            live += 1
-    return live < expected
+    return sum(state not in ("Z", "X") for state in states) < expected
 
 
 def _reap_forkserver(timeout: float = 30.0) -> None:
@@ -267,8 +304,12 @@ def _reap_forkserver(timeout: float = 30.0) -> None:
 
     The ranks are the server's children and it reaps them; waiting for the server makes their
     CPU time this launcher's children's (what ``getrusage`` and ``time`` report), and leaves no
-    process behind the launcher. A server still held by a rank the agent gave up on (stuck in
-    the kernel) is left after ``timeout`` rather than hanging the launcher.
+    process behind the launcher. A server with no child left (the agent joined every rank,
+    so the server has reaped them) is killed rather than left to tear its interpreter down
+    (0.6 s here, on the way out of every ``hp-train``); one whose children cannot be listed
+    (no ``/proc``) or that still has one is asked to exit and waited for. A server still held
+    by a rank the agent gave up on (stuck in the kernel) is left after ``timeout`` rather than
+    hanging the launcher.
     """
     from multiprocessing import forkserver
 
@@ -281,6 +322,9 @@ def _reap_forkserver(timeout: float = 30.0) -> None:
     server._forkserver_alive_fd = None  # type: ignore[union-attr]
     server._forkserver_pid = None  # type: ignore[union-attr]
     server._forkserver_address = None  # type: ignore[union-attr]
+    if _child_states(pid) == []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
