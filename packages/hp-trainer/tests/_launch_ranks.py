@@ -4,20 +4,34 @@
 ``<run folder>/rank<R>.pid`` before its first step. The launcher forks its ranks from a
 forkserver, which sets ``RANK`` in the rank's ``os.environ`` after the fork: unlike a
 ``torchrun --module`` rank, it is not in ``/proc/<pid>/environ``.
+
+``HP_TEST_IDLE_AFTER=<n>``: after step ``n`` each step waits (up to 1 s, polling every 10 ms)
+for a SIGTERM before it starts, so a job that waits for its signal idles instead of training.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 
 class RankPid:
+    def __init__(self) -> None:
+        self.idle_after = int(os.environ.get("HP_TEST_IDLE_AFTER", "0"))
+
     def on_train_begin(self, trainer: Any) -> None:
         path = Path(trainer.run_folder) / f"rank{os.environ['RANK']}.pid"
         path.parent.mkdir(parents=True, exist_ok=True)  # rank 0 may not have made it yet
         path.write_text(str(os.getpid()))
+
+    def on_step_begin(self, trainer: Any, step: int) -> None:
+        if not self.idle_after or step <= self.idle_after:
+            return
+        deadline = time.monotonic() + 1.0
+        while not trainer._stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def parent_of(pid: int) -> int:

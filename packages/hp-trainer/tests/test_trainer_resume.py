@@ -213,12 +213,13 @@ class _Job:
         self.proc.kill()
 
 
-def _hp_train(tmp_path: Path, run: str, tp: int, extra: list[str]) -> _Job:
+def _hp_train(tmp_path: Path, run: str, tp: int, extra: list[str], *, idle_after: int = 0) -> _Job:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
     }
+    env["HP_TEST_IDLE_AFTER"] = str(idle_after)  # read by _launch_ranks.RankPid
     argv = [
         "--config", "debug", "--model.flavor", "tiny",
         "--training.steps", "100000", "--training.seq_len", "32",
@@ -266,8 +267,9 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
     job's SIGTERM, checkpoint and checks, and neither trains unobserved while the other starts
     (both run an unbounded number of steps until a signal; started together, the second one
     trained through the whole of the first one's run: 78 of this test's CPU seconds, then 37).
-    The third starts when the second has trained 2 steps: its start-up overlaps the second's
-    failure.
+    The third starts with the second, and idles after its second step until its signal
+    (``HP_TEST_IDLE_AFTER``): its start-up overlaps the first job's stop and the second one's
+    start-up and failure instead of following them.
     """
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     term = _hp_train(tmp_path, "term", 2, ckpt)
@@ -277,6 +279,10 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
         _wait_for_step(tmp_path / "term" / "metrics.jsonl", 3, term)
         dies = _hp_train(tmp_path, "dies", 1, ["--metrics.enable_plot", "false"])
         procs.append(dies)
+        stop = _hp_train(
+            tmp_path, "stop", 1, [*ckpt, "--metrics.enable_plot", "false"], idle_after=2
+        )
+        procs.append(stop)
         for pid in _workers(tmp_path, "term", term.pid).values():
             os.kill(pid, signal.SIGTERM)
         out, _ = term.communicate(timeout=60)
@@ -306,9 +312,6 @@ def test_hp_train_end_to_end_sigterm_save_and_dead_rank(tmp_path: Path) -> None:
         # rank 1 killed: the job fails fast and the error names the rank
         _wait_for_step(tmp_path / "dies" / "metrics.jsonl", 2, dies)
         workers = _workers(tmp_path, "dies", dies.pid)
-        # the third job starts now: its start-up overlaps the second one's failure
-        stop = _hp_train(tmp_path, "stop", 1, [*ckpt, "--metrics.enable_plot", "false"])
-        procs.append(stop)
         os.kill(workers[1], signal.SIGKILL)
         # ends by itself instead of hanging (communicate raises TimeoutExpired otherwise); no
         # wall-clock assertion beyond that bound, which a loaded machine could break
