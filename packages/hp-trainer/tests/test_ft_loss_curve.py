@@ -143,7 +143,9 @@ def test_loss_curve_with_a_failure_against_an_uninterrupted_run(tmp_path: Path) 
     other = _procs._trace(failed, 2)
     last_heal = max(i for i, r in enumerate(other) if r["healed"])
     theirs = {r["step"]: r["params"] for r in trace}
-    after = [r for r in other[last_heal:] if r["committed"]]
+    # the groups are SIGKILLed one after the other: group 2 may record a step that group 0,
+    # killed first, committed but did not record (seen: 1 run in 5 beside a busy loop)
+    after = [r for r in other[last_heal:] if r["committed"] and r["step"] <= max(theirs)]
     assert len(after) >= 4
     for r in after:
         assert r["params"] == theirs[r["step"]], f"step {r['step']}"
