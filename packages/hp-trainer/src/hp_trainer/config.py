@@ -303,8 +303,9 @@ class OptimizerConfig:
     """Denominator epsilon (Adam/AdamW)."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW) or L2 penalty (Adam/SGD)."""
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-    """Optimizer kernel style, a per-parameter loop, multi-tensor ``foreach`` or ``fused``."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """Optimizer kernel style, a per-parameter loop, multi-tensor ``foreach`` or ``fused``
+    (TorchTitan's default; torch's fused Adam/AdamW/SGD kernels run on CPU too)."""
     muon_gather_dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the update shards (Muon only) sent to each matrix's owner rank, ``bf16`` (half
     the bytes, as Moonlight does) or ``fp32``. Newton-Schulz rounds its input to bf16 first, so
