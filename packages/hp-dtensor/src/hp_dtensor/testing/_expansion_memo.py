@@ -128,15 +128,6 @@ class ExpansionMemo:
 
         setattr(dtensor_ops_utils, _ENTRY, memoized)
 
-    def uninstall(self) -> None:
-        """Give DTensor its own expansion back and forget every result."""
-        from hp_dtensor._torch_compat import dtensor_ops_utils
-
-        if self._original is not None:
-            setattr(dtensor_ops_utils, _ENTRY, self._original)
-            self._original = None
-        self.clear()
-
     def clear(self) -> None:
         """Forget every result (DTensor's caches were cleared: meshes may be new objects)."""
         self._results.clear()
