@@ -11,14 +11,18 @@ test_trainer_resume, test_ft_semi_sync's refused-at-quorum test).
 
 CPU seconds: the process is the forkserver's child, not this one's, so its CPU time is not in
 this process's ``RUSAGE_CHILDREN``. A sampler thread reads ``/proc/<pid>/stat`` every 20 ms
-(until the forkserver has reaped it: a zombie's reading is its final one) and, once the process
-has ended, adds the last reading to ``pool_stats().worker_cpu_s``, which the test-time plugin
-adds to each test's CPU seconds. The forkserver's own start (an interpreter importing the
-stack, ~3 CPU s) is paid once per pytest session, by whichever starts it first (this or a pool).
+(until the forkserver has reaped it: a zombie's reading is its final one); the process also
+writes its final figure (with its waited-for children: a launcher reaps its forkserver, and
+through it the ranks, just before it exits, which the sampler can miss) to ``<log>.cpu``. Once
+the process has ended, the larger of the two is added to ``pool_stats().worker_cpu_s``, which
+the test-time plugin adds to each test's CPU seconds. The forkserver's own start (an
+interpreter importing the stack, ~3 CPU s) is paid once per pytest session, by whichever
+starts it first (this or a pool).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -34,11 +38,13 @@ from hp_dtensor.testing import pool_stats
 
 # What a group process imports, once, in the forkserver, when this call starts it (else the
 # server hp_dtensor.testing's pools started serves, with the stack preloaded): a superset of
-# the pools' list, since the pools fork from the same server.
+# the pools' list, since the pools fork from the same server. hp_trainer.cli and torch._dynamo
+# (which each process would import while it builds its model: 0.3 CPU s) are always imported.
 _PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor", "hp_trainer",
-    "hp_trainer.cli", "torchft",
+    "hp_trainer.cli", "torch._dynamo", "torchft",
 ]  # fmt: skip
+_ALWAYS = ("hp_trainer.cli", "torch._dynamo")
 _TICKS = os.sysconf("SC_CLK_TCK")
 _CHILD = Path(__file__).with_name("_launch_child.py")
 _SAMPLE_S = 0.02
@@ -65,9 +71,11 @@ class ForkedHpTrain:
         if getattr(forkserver, "_forkserver", None) is None or not getattr(
             forkserver._forkserver, "_forkserver_pid", None
         ):
-            loaded = [name for name in _PRELOAD if name in sys.modules or name == "hp_trainer.cli"]
+            loaded = [name for name in _PRELOAD if name in sys.modules or name in _ALWAYS]
             ctx.set_forkserver_preload(loaded)
-        values = {"ARGV": list(argv), "ENV": dict(env), "LOG": str(log)}
+        self._cpu_file = log.with_name(f"{log.name}.cpu")
+        self._cpu_file.unlink(missing_ok=True)
+        values = {"ARGV": list(argv), "ENV": dict(env), "LOG": str(log), "CPU": str(self._cpu_file)}
         self._proc: Any = ctx.Process(
             target=runpy.run_path,
             args=(str(_CHILD),),
@@ -96,6 +104,9 @@ class ForkedHpTrain:
         code: int = self._proc.exitcode
         if not self._charged:
             self._sampler.join()
+            # what the process counted at its end (absent when it was killed)
+            with contextlib.suppress(OSError, ValueError):
+                self._cpu = max(self._cpu, float(self._cpu_file.read_text()))
             with _CHARGE:
                 if not self._charged:
                     pool_stats().worker_cpu_s += self._cpu
@@ -116,6 +127,63 @@ class ForkedHpTrain:
     def send_signal(self, sig: int) -> None:
         if self._proc.exitcode is None:
             os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedRanks:
+    """The ``nranks`` ranks of one ``hp-train <argv>`` job as a launcher would start them
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``: env://), each a
+    :class:`ForkedHpTrain`, without the launcher: no agent, no rendezvous and no second
+    forkserver (an interpreter importing the stack, ~2.8 CPU s per job). For tests whose
+    subject is not the launcher; rank 0 writes ``log``, rank ``r`` ``<log>.rank<r>``.
+
+    The ``Popen`` methods act on every rank: ``wait``/``poll`` give rank 0's status once every
+    rank has ended (the first non-zero status if rank 0's is zero).
+    """
+
+    def __init__(self, nranks: int, argv: list[str], env: dict[str, str], log: Path) -> None:
+        import socket
+
+        with socket.socket() as s:  # rank 0's store binds it again at once
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.ranks = []
+        for rank in range(nranks):
+            rank_env = dict(
+                env,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nranks),
+                LOCAL_WORLD_SIZE=str(nranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            path = log if rank == 0 else log.with_name(f"{log.name}.rank{rank}")
+            self.ranks.append(ForkedHpTrain(argv, rank_env, path))
+        self.pid = self.ranks[0].pid
+
+    def _status(self, codes: list[int]) -> int:
+        return codes[0] or next((code for code in codes if code), 0)
+
+    def poll(self) -> int | None:
+        codes = [rank.poll() for rank in self.ranks]
+        if any(code is None for code in codes):
+            return None
+        return self._status([code for code in codes if code is not None])
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        codes = []
+        for rank in self.ranks:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            codes.append(rank.wait(left))
+        return self._status(codes)
+
+    def send_signal(self, sig: int) -> None:
+        for rank in self.ranks:
+            rank.send_signal(sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

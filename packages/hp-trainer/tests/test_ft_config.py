@@ -74,7 +74,9 @@ def test_lighthouse_that_does_not_answer(tmp_path: Path) -> None:
         "--fault_tolerance.process_group_timeout_ms", "500", "--job.dump_folder", str(tmp_path),
     ]  # fmt: skip
     # hp-train in a process forked from the test process's forkserver (no interpreter start)
-    fork = load_test_module(Path(__file__).with_name("_launch_fork.py"), "hp_trainer_tests_fork")
+    fork = load_test_module(
+        Path(__file__).with_name("_launch_fork.py"), "hp_trainer_tests_launch_fork"
+    )
     log = tmp_path / "hp-train.log"
     proc = fork.ForkedHpTrain(argv, env, log)
     try:

@@ -1,8 +1,11 @@
-"""LocalSGD and DiLoCo through torchft: 2 replica groups x FSDP 2 (real hp-train launches).
+"""LocalSGD and DiLoCo through torchft: 2 replica groups x FSDP 2 (real hp-train processes).
 
-Each group is an ``hp-train`` process forked from the test process's forkserver (see
-``_launch_fork``) that starts its 2 ranks with the real launcher; the lighthouse is hosted by the
-test process, except in the refused-at-quorum test, which runs ``hp-train --lighthouse``.
+Each rank of a group is an ``hp-train`` process forked from the test process's forkserver with
+the environment a launcher gives it (``_launch_fork.ForkedRanks``: env://, no agent, no second
+forkserver importing the stack per group). The launcher with fault tolerance is covered by the
+one-rank groups of test_ft_recovery / test_ft_loss_curve, the refused-at-quorum test here and
+test_multinode / test_trainer_resume. The lighthouse is hosted by the test process, except in
+the refused-at-quorum test, which runs ``hp-train --lighthouse``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,13 @@ assert _spec.loader is not None
 _procs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_procs)
 _cleanup, _env, _lighthouse, _wait = _procs._cleanup, _procs._env, _procs._lighthouse, _procs._wait
-# each group's hp-train (a launcher of 2 ranks) forks from the test process's forkserver
+# each group's hp-train forks from the test process's forkserver
 _hp_train = _procs._hp_train
+
+
+def _fsdp2_group(argv: list[str], log: Path) -> Any:
+    """The 2 ranks of one replica group (FSDP 2), forked with a launcher's environment."""
+    return _procs.fork_helpers().ForkedRanks(2, argv, _env(), log)
 
 
 def _traces(tmp: Path, replica: int, rank: int) -> list[dict[str, Any]]:
@@ -58,7 +66,7 @@ def test_replicas_equal_after_each_sync(tmp_path: Path, method: str) -> None:
                 "--fault_tolerance.sync_steps", str(sync),
                 "--job.dump_folder", str(tmp_path), "--job.run_name", f"g{replica}",
             ]  # fmt: skip
-            proc = _hp_train(cmd[3:], _env(), tmp_path / f"g{replica}.log")
+            proc = _fsdp2_group(cmd[3:], tmp_path / f"g{replica}.log")
             procs.append(proc)
             groups.append(proc)
         for replica, proc in enumerate(groups):
@@ -145,7 +153,7 @@ def test_two_groups_of_fsdp2_equal_one_fsdp4_job(tmp_path: Path) -> None:
                 "--fault_tolerance.replica_id", str(replica),
                 "--fault_tolerance.lighthouse", lighthouse, "--job.run_name", f"g{replica}",
             ]  # fmt: skip
-            proc = _hp_train([*common[3:], *ft], _env(), tmp_path / f"g{replica}.log")
+            proc = _fsdp2_group([*common[3:], *ft], tmp_path / f"g{replica}.log")
             procs.append(proc)
             runs.append(proc)
         # the plain FSDP 4 job runs on the warm 4-rank pool meanwhile (no launcher, no 4 new

@@ -1,4 +1,10 @@
-"""Multi-node launch: two hp-train "nodes" of 2 ranks on 127.0.0.1 form one 4-rank job."""
+"""Multi-node launch: two hp-train "nodes" of 2 ranks on 127.0.0.1 form one 4-rank job.
+
+Each node is ``hp-train`` (``hp_trainer.cli.main``: the launcher, its rendezvous and its own
+forkserver) in a process forked from the test process's forkserver (``_launch_fork``), not a new
+interpreter; the console script from a fresh interpreter is run by ``scripts/check_install.py``
+(CI's install-check) and ``python -m hp_trainer.cli --lighthouse`` by test_ft_semi_sync.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from hp_dtensor.testing import load_test_module
 from hp_trainer import ConfigManager, Trainer, load_documents
 from hp_trainer.cli import LaunchOptions, main, split_launch_options
 
@@ -27,17 +34,18 @@ _ARGS = [
 ]  # fmt: skip
 
 
-def _hp_train(folder: Path, run: str, *extra: str) -> subprocess.Popen[str]:
+def _hp_train(folder: Path, run: str, log: Path, *extra: str) -> Any:
+    """``hp-train`` forked from the test process's forkserver, its output in ``log``."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [
-        sys.executable, "-m", "hp_trainer.cli", *_ARGS,
-        "--parallelism.data_parallel_shard_degree", "4", "--data.dataset",
+    argv = [
+        *_ARGS, "--parallelism.data_parallel_shard_degree", "4", "--data.dataset",
         str(folder / "corpus.txt"), "--job.dump_folder", str(folder), "--job.run_name", run,
         *extra,
     ]  # fmt: skip
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    fork = load_test_module(
+        Path(__file__).with_name("_launch_fork.py"), "hp_trainer_tests_launch_fork"
     )
+    return fork.ForkedHpTrain(argv, env, log)
 
 
 def _losses(folder: Path, run: str) -> list[float]:
@@ -56,15 +64,20 @@ def test_two_nodes_on_localhost_train_like_one(tmp_path: Path) -> None:
     rdzv = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t"]
     # node 1 names its ranks with --nproc (it reaches the ranks, not torchrun's own parser)
     nproc = {0: (), 1: ("--nproc", "2")}
-    nodes = [_hp_train(tmp_path, "two", *rdzv, "--node-rank", str(r), *nproc[r]) for r in (0, 1)]
+    logs = [tmp_path / f"node{r}.log" for r in (0, 1)]
+    nodes = [
+        _hp_train(tmp_path, "two", logs[r], *rdzv, "--node-rank", str(r), *nproc[r]) for r in (0, 1)
+    ]
     try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+        codes = [node.wait(timeout=240) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-    for node, out in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, out[-4000:]
+                node.wait(timeout=60)
+    outputs = [log.read_text() for log in logs]
+    for code, out in zip(codes, outputs, strict=True):
+        assert code == 0, out[-4000:]
         assert "starting 2 local ranks" in out
         assert "rendezvous at 127.0.0.1" in out
     assert any("world 4 on cpu" in out for out in outputs)  # one job of 4 ranks

@@ -192,7 +192,9 @@ class _Job:
     test_multinode's), with the ``Popen`` methods this test uses; its output goes to a log."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        fork = load_test_module(Path(__file__).with_name("_launch_fork.py"), "hp_trainer_fork")
+        fork = load_test_module(
+            Path(__file__).with_name("_launch_fork.py"), "hp_trainer_tests_launch_fork"
+        )
         self.proc = fork.ForkedHpTrain(argv, env, log)
         self.pid: int = self.proc.pid
         self.log = log

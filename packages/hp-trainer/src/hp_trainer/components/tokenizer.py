@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,13 @@ class HuggingFaceTokenizer:
             ids[key] = int(token_id)
         self.bos_id: int | None = ids["bos_token"]
         self.eos_id: int | None = ids["eos_token"]
+        digest = hashlib.blake2b(path.read_bytes(), digest_size=20)
+        self.fingerprint: tuple[bytes, int | None, int | None] = (
+            digest.digest(),
+            self.bos_id,
+            self.eos_id,
+        )
+        """What the ids of a text depend on: the tokenizer file's BLAKE2b digest, BOS, EOS."""
         if self.bos_id is None and self.eos_id is None:
             looked = ", ".join(str(f) for f in files) or (
                 f"no {' or '.join(_SPECIAL_TOKEN_FILES)} in {path.parent}"

@@ -10,6 +10,7 @@ byte-level BPE trained on it offline with HF ``tokenizers``
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hp_trainer.components.data.token_cache import documents_digest, token_id_cache
 from hp_trainer.components.tokenizer import ASSETS, HuggingFaceTokenizer
 
 __all__ = [
@@ -86,7 +88,9 @@ class TokenizedDataset:
     """Documents tokenized, concatenated and cut into fixed-length next-token samples.
 
     Sample ``i`` is ``tokens[i*seq_len : (i+1)*seq_len + 1]``: inputs are its first ``seq_len``
-    ids, labels its last ``seq_len``.
+    ids, labels its last ``seq_len``. The ids of a corpus are computed once per process and
+    shared by its datasets (:func:`~hp_trainer.components.data.token_cache.token_id_cache`:
+    keyed by the documents' and the tokenizer's content); ``tokens`` is read, never written.
 
     Args:
         documents: The texts.
@@ -101,13 +105,22 @@ class TokenizedDataset:
     """
 
     def __init__(self, documents: list[str], tokenizer: HuggingFaceTokenizer, seq_len: int) -> None:
-        ids = [i for doc in tokenizer.encode_batch(documents) for i in doc]
-        self.tokens = torch.tensor(ids, dtype=torch.long)
+        def tokenize() -> torch.Tensor:
+            encoded = tokenizer.encode_batch(documents)
+            return torch.tensor(list(itertools.chain.from_iterable(encoded)), dtype=torch.long)
+
+        fingerprint = getattr(tokenizer, "fingerprint", None)
+        if fingerprint is None:  # a tokenizer without one: no key to share its ids under
+            self.tokens = tokenize()
+        else:
+            key = (fingerprint, documents_digest(documents))
+            self.tokens = token_id_cache().get(key, tokenize)
         self.seq_len = seq_len
-        self.num_samples = (len(ids) - 1) // seq_len
+        count = self.tokens.numel()
+        self.num_samples = (count - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
-                f"the corpus has {len(ids)} tokens: too few for one sample of seq_len {seq_len}"
+                f"the corpus has {count} tokens: too few for one sample of seq_len {seq_len}"
             )
 
     def __len__(self) -> int:
