@@ -115,9 +115,34 @@ def clip_grad_norm_(
             dist.all_reduce(total, group=pp_mesh.get_group())
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        for group in by_mesh.values():  # one mesh per call (foreach ops need one)
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+        _scale_local_grads_(parameters, max_norm, total, foreach)
     return total
+
+
+@torch.no_grad()
+def _scale_local_grads_(
+    parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor, foreach: bool | None
+) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` (its factor and kernels) on the gradients'
+    local tensors: one factor multiplies every shard, replica or partial sum alike, so the
+    result is the DTensor op's, without dispatching a DTensor ``_foreach_mul_`` (and sharding
+    the whole list once per new parameter list) every step."""
+    grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        grouped.setdefault((local.device, local.dtype), []).append(local)
+    coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    for (device, _), grads in grouped.items():
+        if foreach is False:
+            device_coef = coef.to(device)
+            for grad in grads:
+                grad.mul_(device_coef)
+        else:  # foreach=None: torch picks foreach for plain CPU and CUDA tensors too; the op
+            # loops over the tensors itself on a device without a multi-tensor kernel
+            torch._foreach_mul_(grads, coef.to(device))
 
 
 class BaseTrainer:
