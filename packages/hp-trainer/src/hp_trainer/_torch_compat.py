@@ -31,6 +31,7 @@ __all__ = [
     "TorchDispatchMode",
     "disable_current_modes",
     "flatten_mesh",
+    "foreach_mul_",
     "functorch_config",
     "memory_snapshot",
     "ptd_checkpoint_wrapper",
@@ -51,6 +52,8 @@ record_memory_history: Callable[..., None] = require(
     _PACKAGE, "torch.cuda.memory._record_memory_history"
 )
 memory_snapshot: Callable[[], Any] = require(_PACKAGE, "torch.cuda.memory._snapshot")
+#: The multi-tensor in-place multiply ``torch.nn.utils.clip_grads_with_norm_`` scales with.
+foreach_mul_: Callable[..., None] = require(_PACKAGE, "torch._foreach_mul_")
 
 # The state-dict hooks that rename a wrapper's keys (private in torch): checked here, called
 # through the two functions below.
@@ -91,6 +94,7 @@ PRIVATE_NAMES = (
     "torch._functorch.config.activation_memory_budget",
     "torch.cuda.memory._record_memory_history",
     "torch.cuda.memory._snapshot",
+    "torch._foreach_mul_",
     "torch.nn.Module._register_state_dict_hook",
     "torch.nn.Module._register_load_state_dict_pre_hook",
     *_PRIVATE_OPS,

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_dtensor import device as hp_device
 from hp_trainer._parallel_api import loss_parallel
+from hp_trainer._torch_compat import foreach_mul_
 from hp_trainer.callbacks import (
     CallbackList,
     MetricsCallback,
@@ -142,7 +143,7 @@ def _scale_local_grads_(
                 grad.mul_(device_coef)
         else:  # foreach=None: torch picks foreach for plain CPU and CUDA tensors too; the op
             # loops over the tensors itself on a device without a multi-tensor kernel
-            torch._foreach_mul_(grads, coef.to(device))
+            foreach_mul_(grads, coef.to(device))
 
 
 class BaseTrainer:
