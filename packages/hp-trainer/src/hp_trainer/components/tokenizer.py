@@ -123,7 +123,7 @@ class HuggingFaceTokenizer:
             self.bos_id,
             self.eos_id,
         )
-        """What the ids of a text depend on: the tokenizer file's BLAKE2b digest, BOS, EOS."""
+        """The tokenizer file's BLAKE2b digest, the BOS id and the EOS id (what ids depend on)."""
         if self.bos_id is None and self.eos_id is None:
             looked = ", ".join(str(f) for f in files) or (
                 f"no {' or '.join(_SPECIAL_TOKEN_FILES)} in {path.parent}"
