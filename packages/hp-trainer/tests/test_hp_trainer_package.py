@@ -1,8 +1,10 @@
 """Package-level checks for hp-trainer."""
 
 import importlib.metadata
+from pathlib import Path
 
 import hp_trainer
+from hp_dtensor.testing import load_test_module
 
 
 def test_version_matches_metadata() -> None:
@@ -16,17 +18,10 @@ def test_all_names_resolve() -> None:
 
 def test_import_does_not_import_dynamo() -> None:
     """Every rank and every launcher imports hp_trainer: torch._dynamo and torch._inductor
-    (~1.6 of ~3.6 CPU s) wait until something compiles, and hp-pp until something pipelines."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "import hp_trainer, hp_trainer.cli\n"
-        "heavy = ('torch._dynamo', 'torch._inductor', 'torch.distributed.pipelining', 'hp_pp')\n"
-        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    (~1.6 of ~3.6 CPU s) wait until something compiles, and hp-pp until something pipelines.
+    A fresh interpreter (``_fresh_imports``, shared with test_multinode) imports it."""
+    fresh = load_test_module(
+        Path(__file__).with_name("_fresh_imports.py"), "hp_trainer_tests_fresh"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    report = fresh.report()
+    assert report["heavy_after_import"] == [], report

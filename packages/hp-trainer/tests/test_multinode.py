@@ -8,13 +8,11 @@ interpreter; the console script from a fresh interpreter is run by ``scripts/che
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,10 @@ def _hp_train(folder: Path, run: str, log: Path, *extra: str) -> Any:
         Path(__file__).with_name("_launch_fork.py"), "hp_trainer_tests_launch_fork"
     )
     return fork.ForkedHpTrain(argv, env, log)
+
+
+def _fresh_imports() -> Any:
+    return load_test_module(Path(__file__).with_name("_fresh_imports.py"), "hp_trainer_tests_fresh")
 
 
 def _losses(folder: Path, run: str) -> list[float]:
@@ -112,62 +114,19 @@ def test_rendezvous_options_are_checked(capsys: pytest.CaptureFixture[str]) -> N
     assert "expected 0 <= rank < nnodes" in capsys.readouterr().err
 
 
-_SPY = """
-import sys
-import torch
-
-calls = []
-
-
-def spy(owner, name):
-    real = getattr(owner, name, None)
-    if real is None:
-        return
-
-    def wrapper(*args, **kwargs):
-        calls.append(f"{owner.__name__}.{name}")
-        return real(*args, **kwargs)
-
-    setattr(owner, name, wrapper)
-
-
-queries = {
-    torch.cuda: ["init", "_lazy_init", "is_available", "device_count", "current_device",
-                 "set_device", "is_initialized"],
-    torch.accelerator: ["is_available", "device_count", "current_accelerator",
-                        "current_device_index", "set_device_index"],
-    torch._C: ["_cuda_init", "_cuda_getDeviceCount"],
-}
-for owner, names in queries.items():
-    for name in names:
-        spy(owner, name)
-for module in sys.argv[1:]:
-    __import__(module)
-print("calls", calls)
-"""
-
-
 def test_forkserver_preload_queries_no_device() -> None:
     """What ``hp-train``'s forkserver imports before it forks the ranks asks nothing of a device.
 
     A CUDA (or NPU) runtime initialised in the server would be inherited, broken, by every rank
     forked from it; the ranks pick their devices after the fork, as under torchrun. A fresh
-    interpreter imports the preload list with every device query of torch spied on.
+    interpreter imports hp_trainer, then the preload list, with every device query of torch
+    spied on (``_fresh_imports``, shared with test_hp_trainer_package).
     """
+    report = _fresh_imports().report()
+    assert report["calls"] == [], report
     from hp_trainer.cli import _PRELOAD
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    modules = [*_PRELOAD, *(["torchft"] if importlib.util.find_spec("torchft") else [])]
-    done = subprocess.run(
-        [sys.executable, "-c", _SPY, *modules],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.strip().splitlines()[-1] == "calls []", done.stdout[-2000:]
+    assert set(_PRELOAD) <= set(report["imported"]), report
 
 
 def test_a_rank_sees_a_local_peer_gone(monkeypatch: pytest.MonkeyPatch) -> None:
