@@ -10,6 +10,7 @@ of the documents, so an edited file or another tokenizer is tokenized again.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
@@ -54,6 +55,7 @@ class TokenIdCache:
             raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
         self.limit_bytes = limit_bytes
         self._entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()  # datasets may be built from several threads
         self.hits = 0
         """Lookups answered from the cache."""
         self.misses = 0
@@ -74,18 +76,20 @@ class TokenIdCache:
         Returns:
             The ids (shared with the cache when kept: do not write into them).
         """
-        self._evict()  # to a limit lowered since the last call
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return found
-        self.misses += 1
-        ids = tokenize()
+        with self._lock:
+            self._evict()  # to a limit lowered since the last call
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return found
+            self.misses += 1
+        ids = tokenize()  # outside the lock: another corpus may be looked up meanwhile
         size = ids.numel() * ids.element_size()
-        if size <= self.limit_bytes:
-            self._entries[key] = ids
-            self._evict()
+        with self._lock:
+            if size <= self.limit_bytes:
+                self._entries[key] = ids
+                self._evict()
         return ids
 
     def _evict(self) -> None:
@@ -94,7 +98,8 @@ class TokenIdCache:
 
     def clear(self) -> None:
         """Forget every entry (the counters stay)."""
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
 
 _CACHE = TokenIdCache()
