@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 __all__ = [
     "PRIVATE_NAMES",
     "TESTED_TORCH_VERSIONS",
+    "DTensorSpec",
     "FakeStore",
     "IncompatibleKeys",
     "OpOverload",
@@ -33,6 +34,7 @@ __all__ = [
     "clear_native_sharding_propagator_cache",
     "clear_sharding_prop_cache",
     "compute_local_shape_and_global_offset",
+    "detect_fake_mode",
     "dtensor_ops_utils",
     "dtensor_sharding_propagator",
     "flatten_mesh",
@@ -116,6 +118,15 @@ if not hasattr(dtensor_ops_utils, "expand_to_full_mesh_op_strategy"):  # pragma:
     raise missing_torch_name(
         _PACKAGE, "torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy"
     )
+_META_ENTRY = "_propagate_tensor_meta_non_cached"  # the memo of hp_dtensor.testing wraps it
+if not hasattr(dtensor_sharding_propagator, _META_ENTRY):  # pragma: no cover - other torch
+    raise missing_torch_name(
+        _PACKAGE,
+        "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator."
+        "_propagate_tensor_meta_non_cached",
+    )
+DTensorSpec: Any = require(_PACKAGE, "torch.distributed.tensor._dtensor_spec.DTensorSpec")
+detect_fake_mode: Any = require(_PACKAGE, "torch._guards.detect_fake_mode")
 redistribute_transform_infos = require(
     _PACKAGE, "torch.distributed.tensor._redistribute._gen_transform_infos"
 )
@@ -194,6 +205,10 @@ PRIVATE_NAMES = (
     "torch._C._clear_DTensor_sharding_propagator_cache",
     "torch.distributed.tensor._redistribute._gen_transform_infos",
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator."
+    "_propagate_tensor_meta_non_cached",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch._guards.detect_fake_mode",
     "torch.distributed.distributed_c10d._world",
     "torch.testing._internal.distributed.fake_pg.FakeStore",
     "torch.distributed.device_mesh.DeviceMesh._flatten",

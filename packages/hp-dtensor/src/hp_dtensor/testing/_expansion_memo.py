@@ -24,7 +24,14 @@ from typing import Any
 _ENTRY = "expand_to_full_mesh_op_strategy"
 #: ``OpStrategy`` and ``torch.Tensor``, bound by :meth:`ExpansionMemo.install` (torch is imported
 #: there, not with this module: a worker sets its threads before it imports torch).
-_TYPES: tuple[Any, Any] = (type(None), type(None))
+_TYPES: tuple[Any, Any]
+
+
+class _Unbound:
+    """Stands for ``OpStrategy`` and ``torch.Tensor`` until then: no value is an instance."""
+
+
+_TYPES = (_Unbound, _Unbound)
 
 
 class _UnkeyableError(Exception):

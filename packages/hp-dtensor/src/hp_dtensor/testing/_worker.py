@@ -19,12 +19,14 @@ from typing import Any
 from hp_dtensor.testing._expansion_memo import ExpansionMemo
 from hp_dtensor.testing._group_cache import GroupCache
 from hp_dtensor.testing._mesh_cache import MeshCache
+from hp_dtensor.testing._meta_memo import MetaMemo
 
 #: Set in worker processes so that decorated tests called inside a worker run directly.
 IN_WORKER_ENV = "HP_DTENSOR_TESTING_WORKER"
 #: Set to ``1`` to run DTensor's strategy expansion unmemoized in the workers (see
 #: :mod:`hp_dtensor.testing._expansion_memo`).
 NO_EXPANSION_MEMO_ENV = "HP_TESTING_NO_EXPANSION_MEMO"
+NO_META_MEMO_ENV = "HP_TESTING_NO_META_MEMO"
 #: Threads a worker may gain over its start before a garbage collection. Every gloo group a test
 #: leaves referenced keeps three threads alive after ``destroy_process_group``, and their loops
 #: wake up while idle: a ws-4 pool that ran every 4-rank test of the suite reached about 1000
@@ -42,6 +44,7 @@ class WorkerCaches:
         self.groups = GroupCache()
         self.meshes = MeshCache()
         self.expansions = ExpansionMemo()
+        self.metas = MetaMemo()
         #: jobs after which DTensor's caches were kept, and cleared
         self.kept = 0
         self.cleared = 0
@@ -106,6 +109,7 @@ def _clear_dtensor_caches() -> None:
     redistribute_transform_infos.cache_clear()
     if CACHES is not None:
         CACHES.expansions.clear()
+        CACHES.metas.clear()
 
 
 class _StateGuard:
@@ -213,6 +217,8 @@ def worker_main(
     caches.meshes.install()
     if os.environ.get(NO_EXPANSION_MEMO_ENV) != "1":
         caches.expansions.install()
+    if os.environ.get(NO_META_MEMO_ENV) != "1":
+        caches.metas.install()
     caches.count_propagations()
     guard = _StateGuard(caches)
     conn.send(("ready", None))
