@@ -107,13 +107,22 @@ def test_all_gather_buffers_freed_by_event_waits_two_in_flight() -> None:
     state = get_state(ours)
     assert state is not None
     state.ctx.comm.streams = CommStreams.recording(log)
+    # gloo's worker thread drops its reference to a finished collective's tensors a moment
+    # after the waiting thread wakes, so a released buffer can still count at the next
+    # allocation (seen once in CI: +2,216 bytes on one rank). That race only ever adds: each
+    # engine's peak is the least of three steps, and the log keeps ours' last step.
     peaks = []
     for model in (ours, theirs):
-        tracker = MemTracker()
-        tracker.track_external(model)
-        with tracker:
-            h.loss_fn(model, batch).backward()
-        peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        step_peaks = []
+        for _ in range(3):
+            if model is ours:
+                log.entries.clear()
+            tracker = MemTracker()
+            tracker.track_external(model)
+            with tracker:
+                h.loss_fn(model, batch).backward()
+            step_peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        peaks.append(min(step_peaks))
     h.assert_bitwise(ours, theirs, "with recording streams")
     assert peaks[0] <= peaks[1], peaks
 
