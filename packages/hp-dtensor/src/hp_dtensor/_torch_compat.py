@@ -122,8 +122,7 @@ _META_ENTRY = "_propagate_tensor_meta_non_cached"  # the memo of hp_dtensor.test
 if not hasattr(dtensor_sharding_propagator, _META_ENTRY):  # pragma: no cover - other torch
     raise missing_torch_name(
         _PACKAGE,
-        "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator."
-        "_propagate_tensor_meta_non_cached",
+        f"torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.{_META_ENTRY}",
     )
 DTensorSpec: Any = require(_PACKAGE, "torch.distributed.tensor._dtensor_spec.DTensorSpec")
 detect_fake_mode: Any = require(_PACKAGE, "torch._guards.detect_fake_mode")

@@ -22,16 +22,15 @@ from typing import Any
 
 #: The expansion entry point, looked up on its module at each call by DTensor's single-dim path.
 _ENTRY = "expand_to_full_mesh_op_strategy"
-#: ``OpStrategy`` and ``torch.Tensor``, bound by :meth:`ExpansionMemo.install` (torch is imported
-#: there, not with this module: a worker sets its threads before it imports torch).
-_TYPES: tuple[Any, Any]
 
 
 class _Unbound:
-    """Stands for ``OpStrategy`` and ``torch.Tensor`` until then: no value is an instance."""
+    """Stands for ``OpStrategy`` and ``torch.Tensor`` until they are bound: no value is one."""
 
 
-_TYPES = (_Unbound, _Unbound)
+#: ``OpStrategy`` and ``torch.Tensor``, bound by :meth:`ExpansionMemo.install` (torch is imported
+#: there, not with this module: a worker sets its threads before it imports torch).
+_TYPES: tuple[Any, Any] = (_Unbound, _Unbound)
 
 
 class _UnkeyableError(Exception):

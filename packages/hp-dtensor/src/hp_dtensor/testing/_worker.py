@@ -26,6 +26,8 @@ IN_WORKER_ENV = "HP_DTENSOR_TESTING_WORKER"
 #: Set to ``1`` to run DTensor's strategy expansion unmemoized in the workers (see
 #: :mod:`hp_dtensor.testing._expansion_memo`).
 NO_EXPANSION_MEMO_ENV = "HP_TESTING_NO_EXPANSION_MEMO"
+#: Set to ``1`` to run DTensor's output-metadata propagation unmemoized in the workers (see
+#: :mod:`hp_dtensor.testing._meta_memo`).
 NO_META_MEMO_ENV = "HP_TESTING_NO_META_MEMO"
 #: Threads a worker may gain over its start before a garbage collection. Every gloo group a test
 #: leaves referenced keeps three threads alive after ``destroy_process_group``, and their loops
