@@ -28,23 +28,13 @@ import os
 import runpy
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from hp_dtensor.testing import pool_stats
+from hp_dtensor.testing import fork_server_preload, pool_stats
 
-# What a group process imports, once, in the forkserver, when this call starts it (else the
-# server hp_dtensor.testing's pools started serves, with the stack preloaded): a superset of
-# the pools' list, since the pools fork from the same server. hp_trainer.cli and torch._dynamo
-# (which each process would import while it builds its model: 0.3 CPU s) are always imported.
-_PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor", "hp_trainer",
-    "hp_trainer.cli", "torch._dynamo", "torchft",
-]  # fmt: skip
-_ALWAYS = ("hp_trainer.cli", "torch._dynamo")
 _TICKS = os.sysconf("SC_CLK_TCK")
 _CHILD = Path(__file__).with_name("_launch_child.py")
 _SAMPLE_S = 0.02
@@ -71,8 +61,9 @@ class ForkedHpTrain:
         if getattr(forkserver, "_forkserver", None) is None or not getattr(
             forkserver._forkserver, "_forkserver_pid", None
         ):
-            loaded = [name for name in _PRELOAD if name in sys.modules or name in _ALWAYS]
-            ctx.set_forkserver_preload(loaded)
+            # the server the pools fork from, with the same imports (conftest.py adds the CLI,
+            # torchft and torch._dynamo, which each process would import: 0.3 CPU s each)
+            ctx.set_forkserver_preload(fork_server_preload())
         self._cpu_file = log.with_name(f"{log.name}.cpu")
         self._cpu_file.unlink(missing_ok=True)
         values = {"ARGV": list(argv), "ENV": dict(env), "LOG": str(log), "CPU": str(self._cpu_file)}

@@ -25,9 +25,28 @@ import ast
 import functools
 import inspect
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hp_dtensor.testing import load_test_module, preload_in_workers
+
+_FRESH = load_test_module(Path(__file__).with_name("_fresh_imports.py"), "hp_trainer_tests_fresh")
+# Imported once by the workers' fork server (see _fresh_imports.WORKER_PRELOAD, which
+# test_multinode checks for device queries).
+preload_in_workers(*_FRESH.WORKER_PRELOAD)
+#: the tests that read the fresh interpreter's answer (_fresh_imports.report)
+_ASK_FRESH = (
+    "test_hp_trainer_package.py::test_import_does_not_import_dynamo",
+    "test_multinode.py::test_forkserver_preload_queries_no_device",
+)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the fresh interpreter of _fresh_imports in the background if a test will ask."""
+    if any(item.nodeid.endswith(_ASK_FRESH) for item in session.items):
+        _FRESH.start()
 
 
 def _evaluable(node: ast.expr) -> bool:

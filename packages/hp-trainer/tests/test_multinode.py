@@ -8,6 +8,7 @@ interpreter; the console script from a fresh interpreter is run by ``scripts/che
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -120,13 +121,17 @@ def test_forkserver_preload_queries_no_device() -> None:
     A CUDA (or NPU) runtime initialised in the server would be inherited, broken, by every rank
     forked from it; the ranks pick their devices after the fork, as under torchrun. A fresh
     interpreter imports hp_trainer, then the preload list, with every device query of torch
-    spied on (``_fresh_imports``, shared with test_hp_trainer_package).
+    spied on (``_fresh_imports``, shared with test_hp_trainer_package). The same holds for what
+    the test workers' fork server preloads (``_fresh_imports.WORKER_PRELOAD``).
     """
-    report = _fresh_imports().report()
+    fresh = _fresh_imports()
+    report = fresh.report()
     assert report["calls"] == [], report
     from hp_trainer.cli import _PRELOAD
 
     assert set(_PRELOAD) <= set(report["imported"]), report
+    installed = [m for m in fresh.WORKER_PRELOAD if importlib.util.find_spec(m.split(".")[0])]
+    assert set(installed) <= set(report["imported"]), report
 
 
 def test_a_rank_sees_a_local_peer_gone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,3 +1,3 @@
 """Version of this distribution (the single source read by the build backend)."""
 
-__version__ = "0.1.7"
+__version__ = "0.1.8"

@@ -30,6 +30,8 @@ Foreach ops (optimizers, gradient clipping) are sharded element by element, and 
 each element's strategies over the mesh again for every new parameter list. Workers memoize that
 expansion by value (mesh, op, argument shardings and metadata, strategies), cleared with DTensor's
 caches; results are copies, so nothing a caller writes leaks into a later answer.
+Workers fork from one fork server per session, which imports torch, hp_dtensor, the stack's
+packages the tests imported and what :func:`preload_in_workers` names, once.
 ``HP_TESTING_NO_EXPANSION_MEMO=1`` turns the memo off. Workers also memoize DTensor's output
 metadata propagation (a fake-tensor run) by the op and the arguments' global metadata, which the
 layouts of one model share; ``HP_TESTING_NO_META_MEMO=1`` turns that memo off.
@@ -77,7 +79,9 @@ from hp_dtensor.testing._pool import (
     DistributedTestError,
     DistributedTestTimeoutError,
     PoolStats,
+    fork_server_preload,
     in_worker,
+    request_preload,
 )
 from hp_dtensor.testing.device_groups import (
     DeviceGroupChecker,
@@ -98,8 +102,10 @@ __all__ = [
     "count_host_syncs",
     "distributed",
     "fake_world",
+    "fork_server_preload",
     "load_test_module",
     "pool_stats",
+    "preload_in_workers",
     "rank_seed",
     "run_distributed",
     "seed_all",
@@ -297,6 +303,34 @@ def load_test_module(path: str | os.PathLike[str], name: str) -> ModuleType:
 def pool_stats() -> PoolStats:
     """Start-up times per pool and the number of jobs run in this process so far."""
     return MANAGER.stats
+
+
+def preload_in_workers(*modules: str) -> None:
+    """Have the pool workers' fork server import ``modules`` once, when it starts.
+
+    Workers are forked from one multiprocessing fork server per test session, which imports
+    torch, hp_dtensor and the stack's packages the test process has imported. A module a test
+    needs on its ranks beyond those (``datasets``, ``torch._inductor`` pieces that the first
+    ``torch.compile`` loads, ...) is otherwise imported by every worker of every pool: again
+    after each pool start-up. Call this at collection, from a ``conftest.py`` or a test module,
+    which pytest imports before the first distributed test starts the server. A module that
+    fails to import there is left to the workers (multiprocessing's fork server skips it).
+    Preload nothing that initialises a device runtime: every worker would inherit it.
+
+    Args:
+        *modules: module names, as ``importlib.import_module`` takes them.
+
+    Raises:
+        TypeError: a name that is not a non-empty string.
+
+    Warns:
+        RuntimeWarning: the fork server has already started; the new names are not recorded
+            (the workers import them themselves).
+
+    See Also:
+        :py:meth:`multiprocessing.context.BaseContext.set_forkserver_preload`: what it sets.
+    """
+    request_preload(modules)
 
 
 def shutdown_pool() -> None:

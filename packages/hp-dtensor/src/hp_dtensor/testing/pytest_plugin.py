@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from hp_dtensor.testing import pool_stats, shutdown_pool
+from hp_dtensor.testing import pool_stats, run_distributed, shutdown_pool
+from hp_dtensor.testing._pool import start_fork_server
 
 #: Number of slowest tests listed for a package over its budget.
 SLOWEST_SHOWN = 5
@@ -56,6 +57,22 @@ def _budgets() -> dict[str, float]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run single-process tests first, then each world size together (one pool at a time)."""
     items.sort(key=_world_size)
+
+
+def _uses_pools(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return _world_size(item) > 0 or getattr(module, "run_distributed", None) is run_distributed
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the workers' fork server as soon as the tests are known, if any uses a pool.
+
+    Its imports (torch, the stack, what ``preload_in_workers`` names: several CPU seconds) then
+    run beside the single-process tests, which come first and leave a core idle, instead of
+    holding up the first distributed test.
+    """
+    if any(_uses_pools(item) for item in session.items):
+        start_fork_server()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
