@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hp_dtensor.testing import fork_server_preload, pool_stats
+from hp_dtensor.testing import pool_stats, start_fork_server
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _CHILD = Path(__file__).with_name("_launch_child.py")
@@ -56,14 +56,9 @@ class ForkedHpTrain:
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
         ctx = multiprocessing.get_context("forkserver")
-        from multiprocessing import forkserver
-
-        if getattr(forkserver, "_forkserver", None) is None or not getattr(
-            forkserver._forkserver, "_forkserver_pid", None
-        ):
-            # the server the pools fork from, with the same imports (conftest.py adds the CLI,
-            # torchft and torch._dynamo, which each process would import: 0.3 CPU s each)
-            ctx.set_forkserver_preload(fork_server_preload())
+        # the server the pools fork from, with the session's preload (conftest.py adds the CLI,
+        # torchft, torch._dynamo and the tokenized corpus, which each process would build)
+        start_fork_server()
         self._cpu_file = log.with_name(f"{log.name}.cpu")
         self._cpu_file.unlink(missing_ok=True)
         values = {"ARGV": list(argv), "ENV": dict(env), "LOG": str(log), "CPU": str(self._cpu_file)}

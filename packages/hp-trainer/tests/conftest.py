@@ -34,8 +34,8 @@ from hp_dtensor.testing import load_test_module, preload_in_workers
 
 _FRESH = load_test_module(Path(__file__).with_name("_fresh_imports.py"), "hp_trainer_tests_fresh")
 # Imported once by the workers' fork server (see _fresh_imports.WORKER_PRELOAD, which
-# test_multinode checks for device queries).
-preload_in_workers(*_FRESH.WORKER_PRELOAD)
+# test_multinode checks for device queries); then the shipped corpus is tokenized there once
+preload_in_workers(*_FRESH.WORKER_PRELOAD, files=[Path(__file__).with_name("_warm_tokens.py")])
 #: the tests that read the fresh interpreter's answer (_fresh_imports.report)
 _ASK_FRESH = (
     "test_hp_trainer_package.py::test_import_does_not_import_dynamo",

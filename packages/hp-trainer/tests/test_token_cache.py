@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
 import torch
 
+from hp_dtensor.testing import start_fork_server
 from hp_trainer import (
     ConfigManager,
     HuggingFaceTokenizer,
@@ -118,3 +121,34 @@ def test_two_trainers_of_one_corpus_tokenize_it_once(cache: TokenIdCache, tmp_pa
             trainer.close()
     assert (cache.misses, cache.hits) == (1, 1)
     assert losses[0] == losses[1]
+
+
+_PROBE = """
+import json
+from hp_trainer import HuggingFaceTokenizer, TokenizedDataset, load_documents
+from hp_trainer.components.data import token_cache
+cache = token_cache.token_id_cache()
+before = [cache.misses, cache.hits]
+TokenizedDataset(load_documents("tiny_stories_synth"), HuggingFaceTokenizer(), seq_len=32)
+with open(OUT, "w") as f:
+    json.dump([before, [cache.misses, cache.hits]], f)
+"""
+
+
+def test_processes_forked_from_the_server_inherit_the_shipped_corpus_tokenized(
+    tmp_path: Path,
+) -> None:
+    """conftest.py has the test session's fork server tokenize the shipped corpus once (each
+    pool worker and forked hp-train run would: ~0.3 CPU s each); a process forked from it finds
+    the corpus in its cache: a hit, no tokenization."""
+    start_fork_server()
+    out = tmp_path / "probe.json"
+    proc = multiprocessing.get_context("forkserver").Process(
+        target=exec, args=(_PROBE, {"OUT": str(out)})
+    )
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    before, after = json.loads(out.read_text())
+    assert before[0] >= 1  # the server's own lookup tokenized it
+    assert after == [before[0], before[1] + 1]  # a hit here

@@ -795,15 +795,22 @@ class LLMTrainer(BaseTrainer):
             dist.all_reduce(tensor, group=self.parallel_dims.get_mesh("loss").get_group())
         return tensor
 
+    def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy summed over the tokens, vocabulary-parallel under TP.
+
+        Loss parallel (a torch-function mode) is entered around the loss only, not the model's
+        forward: every torch call of the forward would go through its Python handler, a host
+        cost per op on every step. Its backward needs no mode (hp_tp.loss_parallel).
+        """
+        flat_logits, flat_labels = logits.flatten(0, 1).float(), labels.flatten(0, 1)
+        with self._loss_context():
+            return F.cross_entropy(
+                flat_logits, flat_labels, reduction="sum", ignore_index=IGNORE_INDEX
+            )
+
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's loss of one micro-batch: token sum / step's tokens."""
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            labels.flatten(0, 1),
-            reduction="sum",
-            ignore_index=IGNORE_INDEX,
-        )
-        return loss / self._global_tokens
+        return self._summed_loss(logits, labels) / self._global_tokens
 
     @contextlib.contextmanager
     def _sequence_shard(
@@ -849,23 +856,14 @@ class LLMTrainer(BaseTrainer):
         if self.pipeline is not None:  # loss on the last stage, shared over the pipeline
             self._global_tokens = global_valid_tokens
             with self._autocast():  # bf16/fp16 compute when no FSDP casts the parameters
-                return self.pipeline.run(
-                    inputs, labels, self._loss_context, document_ids=document_ids
-                )
-        with self._loss_context():
-            with self._autocast():
-                if document_ids is None:
-                    logits = self.model(inputs)
-                else:
-                    logits = self.model(inputs, document_ids=document_ids)
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(),
-                labels.flatten(0, 1),
-                reduction="sum",
-                ignore_index=IGNORE_INDEX,
-            )
-            loss = loss / global_valid_tokens
-            loss.backward()  # type: ignore[no-untyped-call]
+                return self.pipeline.run(inputs, labels, document_ids=document_ids)
+        with self._autocast():
+            if document_ids is None:
+                logits = self.model(inputs)
+            else:
+                logits = self.model(inputs, document_ids=document_ids)
+        loss = self._summed_loss(logits, labels) / global_valid_tokens
+        loss.backward()  # type: ignore[no-untyped-call]
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
         return loss.detach()

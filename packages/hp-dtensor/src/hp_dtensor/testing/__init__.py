@@ -70,18 +70,17 @@ import importlib.util
 import os
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, ParamSpec, TypeVar
 
+from hp_dtensor.testing import _fork_server
 from hp_dtensor.testing._pool import (
     MANAGER,
     DistributedTestError,
     DistributedTestTimeoutError,
     PoolStats,
-    fork_server_preload,
     in_worker,
-    request_preload,
 )
 from hp_dtensor.testing.device_groups import (
     DeviceGroupChecker,
@@ -110,6 +109,7 @@ __all__ = [
     "run_distributed",
     "seed_all",
     "shutdown_pool",
+    "start_fork_server",
 ]
 
 #: Seconds a distributed test may run on its ranks before the pool is killed.
@@ -305,32 +305,69 @@ def pool_stats() -> PoolStats:
     return MANAGER.stats
 
 
-def preload_in_workers(*modules: str) -> None:
-    """Have the pool workers' fork server import ``modules`` once, when it starts.
+def preload_in_workers(*modules: str, files: Sequence[str | os.PathLike[str]] = ()) -> None:
+    """Have the pool workers' fork server import ``modules`` and run ``files`` once, at its start.
 
     Workers are forked from one multiprocessing fork server per test session, which imports
     torch, hp_dtensor and the stack's packages the test process has imported. A module a test
-    needs on its ranks beyond those (``datasets``, ``torch._inductor`` pieces that the first
-    ``torch.compile`` loads, ...) is otherwise imported by every worker of every pool: again
-    after each pool start-up. Call this at collection, from a ``conftest.py`` or a test module,
-    which pytest imports before the first distributed test starts the server. A module that
-    fails to import there is left to the workers (multiprocessing's fork server skips it).
-    Preload nothing that initialises a device runtime: every worker would inherit it.
+    needs on its ranks beyond those (``datasets``, the ``torch._inductor`` pieces that the first
+    ``torch.compile`` loads, ...) is otherwise imported by every worker of every pool, again
+    after each pool start-up; state built at import (a warm cache) is built again likewise. A
+    file runs in the server after the modules (``runpy.run_path``): what it leaves in imported
+    modules (a process-wide cache filled, say) every forked process inherits.
+
+    Call this at collection, from a ``conftest.py`` or a test module, which pytest imports
+    before the pytest plugin starts the server. A module that fails with ``ImportError`` is left
+    to the workers (multiprocessing's fork server skips it); any other exception at import
+    stops the server, and every pool start-up fails. A file that raises is reported on stderr
+    and skipped. Preload nothing that initialises a device runtime: every worker would inherit
+    it.
 
     Args:
-        *modules: module names, as ``importlib.import_module`` takes them.
+        *modules: Module names, as ``importlib.import_module`` takes them.
+        files: Keyword-only; paths of Python files to run in the server.
 
     Raises:
-        TypeError: a name that is not a non-empty string.
+        TypeError: A module name that is not a non-empty string.
+        ValueError: A file that does not exist.
 
     Warns:
-        RuntimeWarning: the fork server has already started; the new names are not recorded
-            (the workers import them themselves).
+        RuntimeWarning: The fork server has already started; nothing new is recorded (the
+            workers do without it).
 
     See Also:
         :py:meth:`multiprocessing.context.BaseContext.set_forkserver_preload`: what it sets.
     """
-    request_preload(modules)
+    _fork_server.request(modules, tuple(files))
+
+
+def fork_server_preload() -> list[str]:
+    """The modules the workers' fork server imports when it starts.
+
+    Returns:
+        torch, ``torch.distributed.tensor`` and hp_dtensor; the stack's packages the test
+        process has imported; the modules :func:`preload_in_workers` was given; then the module
+        that runs its files, if any; in that order.
+
+    See Also:
+        :py:meth:`multiprocessing.context.BaseContext.set_forkserver_preload`: what it feeds.
+    """
+    return _fork_server.preload()
+
+
+def start_fork_server() -> None:
+    """Start the workers' fork server now, if it has not started, without waiting for it.
+
+    The pytest plugin calls this when collection ends, if a collected test uses the pools: the
+    server's imports then run beside the single-process tests (which come first and leave a core
+    idle) instead of holding up the first distributed test. A test helper that forks its own
+    processes from the same server (``multiprocessing.get_context("forkserver")``) calls it
+    first, so that the server has the session's preload whichever starts it.
+
+    See Also:
+        :py:func:`multiprocessing.forkserver.ensure_running`: what it calls.
+    """
+    _fork_server.start()
 
 
 def shutdown_pool() -> None:

@@ -9,73 +9,12 @@ import pickle
 import socket
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from hp_dtensor.testing import _fork_server
 from hp_dtensor.testing._worker import worker_main
-
-#: Modules imported once by the fork server, so each new pool starts without re-importing torch.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor"]
-#: The stack's packages, preloaded when the test process has imported them.
-_PACKAGES = ["hp_fsdp", "hp_tp", "hp_pp", "hp_cp_ep", "hp_dcp", "hp_kernels", "hp_trainer"]
-#: Modules a test session asked the fork server to import too (``preload_in_workers``).
-_REQUESTED: list[str] = []
-
-
-def fork_server_running() -> bool:
-    """Whether this process's multiprocessing fork server has started (its preload is fixed)."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    return bool(getattr(server, "_forkserver_pid", None))
-
-
-def request_preload(modules: tuple[str, ...]) -> None:
-    """Add ``modules`` to what the fork server imports when it starts (see preload_in_workers)."""
-    for name in modules:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"preload_in_workers: expected module names, got {name!r}")
-    missing = [name for name in dict.fromkeys(modules) if name not in _REQUESTED]
-    if missing and fork_server_running():
-        warnings.warn(
-            f"preload_in_workers{tuple(missing)}: the fork server has already started, so the "
-            "pool workers import these themselves; call it at collection (a conftest.py or a "
-            "test module), before the first distributed test",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return
-    _REQUESTED.extend(missing)
-
-
-def start_fork_server() -> None:
-    """Start the fork server without waiting for its imports (they run in its own process)."""
-    from multiprocessing import forkserver
-
-    mp.get_context("forkserver").set_forkserver_preload(fork_server_preload())
-    forkserver.ensure_running()
-
-
-def fork_server_preload() -> list[str]:
-    """The modules the workers' fork server imports when it starts.
-
-    For a test helper that starts processes from the same fork server before any pool has
-    (``multiprocessing.get_context("forkserver").set_forkserver_preload(...)``), so that the
-    server imports the same modules whichever starts it.
-
-    Returns:
-        torch, ``torch.distributed.tensor`` and hp_dtensor; the stack's packages the test
-        process has imported; the modules :func:`hp_dtensor.testing.preload_in_workers` was
-        given; in that order.
-
-    See Also:
-        :py:meth:`multiprocessing.context.BaseContext.set_forkserver_preload`: what it feeds.
-    """
-    loaded = [name for name in _PACKAGES if name in sys.modules]
-    return list(dict.fromkeys([*_PRELOAD, *loaded, *_REQUESTED]))
-
 
 #: Seconds a pool may take to start (imports and rendezvous of every rank).
 START_TIMEOUT_S = 180.0
@@ -130,9 +69,9 @@ class WorkerPool:
 
     def __init__(self, world_size: int, stats: PoolStats) -> None:
         ctx = mp.get_context("forkserver")
-        # The packages the tests already imported are imported once by the fork server too
-        # (it starts with the first pool, after collection): a replaced pool starts warm.
-        ctx.set_forkserver_preload(fork_server_preload())
+        # The fork server imports torch, the stack and what the session asked for once (the
+        # pytest plugin starts it after collection): a replaced pool starts warm.
+        _fork_server.start()
         start = time.perf_counter()
         port = _free_port()
         self.world_size = world_size

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from hp_dtensor.testing import pool_stats, run_distributed, shutdown_pool
-from hp_dtensor.testing._pool import start_fork_server
+from hp_dtensor.testing import pool_stats, run_distributed, shutdown_pool, start_fork_server
 
 #: Number of slowest tests listed for a package over its budget.
 SLOWEST_SHOWN = 5
