@@ -796,17 +796,13 @@ class LLMTrainer(BaseTrainer):
         return tensor
 
     def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy summed over the tokens, vocabulary-parallel under TP.
-
-        Loss parallel (a torch-function mode) is entered around the loss only, not the model's
-        forward: every torch call of the forward would go through its Python handler, a host
-        cost per op on every step. Its backward needs no mode (hp_tp.loss_parallel).
-        """
-        flat_logits, flat_labels = logits.flatten(0, 1).float(), labels.flatten(0, 1)
-        with self._loss_context():
-            return F.cross_entropy(
-                flat_logits, flat_labels, reduction="sum", ignore_index=IGNORE_INDEX
-            )
+        """Cross-entropy summed over the tokens (vocabulary-parallel inside the loss context)."""
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            labels.flatten(0, 1),
+            reduction="sum",
+            ignore_index=IGNORE_INDEX,
+        )
 
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's loss of one micro-batch: token sum / step's tokens."""
@@ -856,14 +852,22 @@ class LLMTrainer(BaseTrainer):
         if self.pipeline is not None:  # loss on the last stage, shared over the pipeline
             self._global_tokens = global_valid_tokens
             with self._autocast():  # bf16/fp16 compute when no FSDP casts the parameters
-                return self.pipeline.run(inputs, labels, document_ids=document_ids)
+                return self.pipeline.run(
+                    inputs, labels, self._loss_context, document_ids=document_ids
+                )
         with self._autocast():
             if document_ids is None:
                 logits = self.model(inputs)
             else:
                 logits = self.model(inputs, document_ids=document_ids)
-        loss = self._summed_loss(logits, labels) / global_valid_tokens
-        loss.backward()  # type: ignore[no-untyped-call]
+        # Loss parallel around the loss and its backward, not the forward: a torch-function
+        # mode sends every torch call made inside it through a Python handler, a host cost per
+        # op (the backward's ops run in the autograd engine, which the mode does not see).
+        # PyTorch's loss_parallel needs its backward inside; hp-tp's does not. Under PP the
+        # schedule runs the loss and its backward, so the context surrounds the schedule's step.
+        with self._loss_context():
+            loss = self._summed_loss(logits, labels) / global_valid_tokens
+            loss.backward()  # type: ignore[no-untyped-call]
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
         return loss.detach()

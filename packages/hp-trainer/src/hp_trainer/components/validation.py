@@ -25,6 +25,15 @@ __all__ = ["Validator"]
 _IGNORE_INDEX = -100
 
 
+def _summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        labels.flatten(0, 1),
+        reduction="sum",
+        ignore_index=_IGNORE_INDEX,
+    )
+
+
 class Validator:
     """Evaluate the mean next-token loss (and its perplexity) on a validation dataset.
 
@@ -111,14 +120,6 @@ class Validator:
         return last_step or step % self.config.freq == 0
 
     @torch.no_grad()
-    def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy summed over tokens; loss parallel around the loss only (see Trainer)."""
-        flat_logits, flat_labels = logits.flatten(0, 1).float(), labels.flatten(0, 1)
-        with self.loss_context():
-            return F.cross_entropy(
-                flat_logits, flat_labels, reduction="sum", ignore_index=_IGNORE_INDEX
-            )
-
     def validate(self, model: nn.Module) -> tuple[float, float]:
         """Run the validation batches through ``model`` (every rank must call it).
 
@@ -154,14 +155,19 @@ class Validator:
                     documents = self.document_boundaries.document_ids(inputs)
                 if self.pipeline is not None:
                     totals[0] += self.pipeline.evaluate(
-                        inputs, labels, self._summed_loss, document_ids=documents
+                        inputs,
+                        labels,
+                        _summed_token_loss,
+                        self.loss_context,
+                        document_ids=documents,
                     ).to(totals.device)
                 else:
                     if documents is None:
                         logits = model(inputs)
                     else:
                         logits = model(inputs, document_ids=documents)
-                    loss = self._summed_loss(logits, labels)
+                    with self.loss_context():  # the loss only, not the forward (see Trainer)
+                        loss = _summed_token_loss(logits, labels)
                     if isinstance(loss, DTensor):
                         loss = loss.full_tensor()
                     totals[0] += loss.double()

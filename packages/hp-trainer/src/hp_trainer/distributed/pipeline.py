@@ -12,6 +12,7 @@ schedule forward only, for the validation loop.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -169,14 +170,16 @@ class PipelinedStep:
         self,
         inputs: torch.Tensor,
         labels: torch.Tensor,
+        context: Callable[[], contextlib.AbstractContextManager[Any]],
         *,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the schedule's step on one local batch (its loss function enters loss parallel).
+        """Run the schedule's step on one local batch.
 
         Args:
             inputs: ``(batch, seq)`` token ids (used on the rank of the first stage).
             labels: ``(batch, seq)`` targets (used on the rank of the last stage).
+            context: Entered around the step (loss parallel under TP).
             document_ids: ``(batch, seq)`` document ids of the packed inputs (block-causal
                 attention): split into micro-batches like the inputs and given to every stage.
 
@@ -189,7 +192,8 @@ class PipelinedStep:
         args = (inputs,) if parts.has_first_stage else ()
         # keyword inputs reach every stage, chunked like the inputs (hp-pp's schedules)
         kwargs: dict[str, Any] = {} if document_ids is None else {"document_ids": document_ids}
-        parts.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        with context():
+            parts.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             value = loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -202,6 +206,7 @@ class PipelinedStep:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         loss_sum: LossFn,
+        context: Callable[[], contextlib.AbstractContextManager[Any]],
         *,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -213,8 +218,8 @@ class PipelinedStep:
         Args:
             inputs: ``(batch, seq)`` token ids, ``batch`` a multiple of the training local batch.
             labels: ``(batch, seq)`` targets (used on the rank of the last stage).
-            loss_sum: ``loss_sum(logits, labels)`` of one piece, run on the last stage (it
-                enters loss parallel itself under TP).
+            loss_sum: ``loss_sum(logits, labels)`` of one piece, run on the last stage.
+            context: Entered around each piece (loss parallel under TP).
             document_ids: ``(batch, seq)`` document ids of the packed inputs, or None.
 
         Returns:
@@ -244,11 +249,12 @@ class PipelinedStep:
             # The schedule's own loss_fn (the training loss, scaled by the step's token count)
             # needs a target on the last stage; the summed loss is taken from the merged logits.
             target = labels[piece] if parts.has_last_stage else None
-            logits = parts.schedule.eval(*args, target=target, **kwargs)
-            if parts.has_last_stage:
-                loss = loss_sum(logits, labels[piece])
-                if isinstance(loss, DTensor):
-                    loss = loss.full_tensor()
-                total += loss.detach().double().to(total.device)
+            with context():
+                logits = parts.schedule.eval(*args, target=target, **kwargs)
+                if parts.has_last_stage:
+                    loss = loss_sum(logits, labels[piece])
+                    if isinstance(loss, DTensor):
+                        loss = loss.full_tensor()
+                    total += loss.detach().double().to(total.device)
         dist.all_reduce(total, group=self.pp_group)
         return total
