@@ -190,8 +190,9 @@ def needs_launcher(config: JobConfig) -> bool:
 
 
 # Imported by the forkserver the ranks fork from, once for all local ranks: the training stack,
-# and torch._dynamo, which a rank imports lazily while it builds its model (0.5 CPU s each).
-_PRELOAD = ("hp_trainer.cli", "hp_trainer.trainer", "torch._dynamo")
+# torch._dynamo, which a rank imports lazily while it builds its model (0.5 CPU s each), and
+# hp_pp, whose schedule names every rank's config checks (0.6 CPU s each).
+_PRELOAD = ("hp_trainer.cli", "hp_trainer.trainer", "torch._dynamo", "hp_pp")
 
 
 def _rank_main(argv: list[str]) -> None:

@@ -8,8 +8,9 @@ import sys
 import warnings
 from pathlib import Path
 
-#: Modules imported once by the fork server, so each new pool starts without re-importing torch.
-_BASE = ["torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor"]
+#: Modules imported once by the fork server, so each new pool starts without re-importing torch
+#: (and pytest, which every test module a worker loads imports).
+_BASE = ["torch", "torch.distributed", "torch.distributed.tensor", "hp_dtensor", "pytest"]
 #: The stack's packages, preloaded when the test process has imported them.
 _PACKAGES = ["hp_fsdp", "hp_tp", "hp_pp", "hp_cp_ep", "hp_dcp", "hp_kernels", "hp_trainer"]
 #: The module the server imports to run the requested files (found through this variable,
