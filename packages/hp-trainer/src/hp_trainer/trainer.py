@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -41,6 +40,7 @@ from hp_trainer.components.data.prepared import PreparedTokenDataset, is_prepare
 from hp_trainer.components.data.streaming import StreamingTextLoader
 from hp_trainer.components.expert_load import ExpertLoadTracker
 from hp_trainer.components.hf_io.config import resolve_model_args
+from hp_trainer.components.loss import IGNORE_INDEX, summed_token_loss
 from hp_trainer.components.lr import build_lr_schedulers
 from hp_trainer.components.metrics import MetricsProcessor, logger
 from hp_trainer.components.optimizer import build_optimizers
@@ -58,8 +58,6 @@ from hp_trainer.models.common.document_mask import DocumentBoundaries
 from hp_trainer.protocols.model_spec import ModelSpec, get_model_spec
 
 __all__ = ["BaseTrainer", "LLMTrainer", "Trainer", "clip_grad_norm_"]
-
-IGNORE_INDEX = -100
 
 
 def clip_grad_norm_(
@@ -795,18 +793,9 @@ class LLMTrainer(BaseTrainer):
             dist.all_reduce(tensor, group=self.parallel_dims.get_mesh("loss").get_group())
         return tensor
 
-    def _summed_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy summed over the tokens (vocabulary-parallel inside the loss context)."""
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(),
-            labels.flatten(0, 1),
-            reduction="sum",
-            ignore_index=IGNORE_INDEX,
-        )
-
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's loss of one micro-batch: token sum / step's tokens."""
-        return self._summed_loss(logits, labels) / self._global_tokens
+        return summed_token_loss(logits, labels) / self._global_tokens
 
     @contextlib.contextmanager
     def _sequence_shard(
@@ -866,7 +855,7 @@ class LLMTrainer(BaseTrainer):
         # PyTorch's loss_parallel needs its backward inside; hp-tp's does not. Under PP the
         # schedule runs the loss and its backward, so the context surrounds the schedule's step.
         with self._loss_context():
-            loss = self._summed_loss(logits, labels) / global_valid_tokens
+            loss = summed_token_loss(logits, labels) / global_valid_tokens
             loss.backward()  # type: ignore[no-untyped-call]
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()

@@ -30,11 +30,12 @@ Foreach ops (optimizers, gradient clipping) are sharded element by element, and 
 each element's strategies over the mesh again for every new parameter list. Workers memoize that
 expansion by value (mesh, op, argument shardings and metadata, strategies), cleared with DTensor's
 caches; results are copies, so nothing a caller writes leaks into a later answer.
-Workers fork from one fork server per session, which imports torch, hp_dtensor, pytest, the
-stack's packages the tests imported and what :func:`preload_in_workers` names, once.
 ``HP_TESTING_NO_EXPANSION_MEMO=1`` turns the memo off. Workers also memoize DTensor's output
 metadata propagation (a fake-tensor run) by the op and the arguments' global metadata, which the
 layouts of one model share; ``HP_TESTING_NO_META_MEMO=1`` turns that memo off.
+
+Workers fork from one fork server per session, which imports torch, hp_dtensor, pytest, the
+stack's packages the tests imported and what :func:`preload_in_workers` names, once.
 
 Example:
     .. code-block:: python

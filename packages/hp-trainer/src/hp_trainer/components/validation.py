@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hp_trainer.components.data.dataset import ParallelAwareDataloader, SampleDataset
+from hp_trainer.components.loss import IGNORE_INDEX, summed_token_loss
 from hp_trainer.config import ValidationConfig
 from hp_trainer.models.common.document_mask import DocumentBoundaries
 
@@ -21,17 +21,6 @@ if TYPE_CHECKING:
     from hp_trainer.distributed.pipeline import PipelinedStep
 
 __all__ = ["Validator"]
-
-_IGNORE_INDEX = -100
-
-
-def _summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        labels.flatten(0, 1),
-        reduction="sum",
-        ignore_index=_IGNORE_INDEX,
-    )
 
 
 class Validator:
@@ -157,7 +146,7 @@ class Validator:
                     totals[0] += self.pipeline.evaluate(
                         inputs,
                         labels,
-                        _summed_token_loss,
+                        summed_token_loss,
                         self.loss_context,
                         document_ids=documents,
                     ).to(totals.device)
@@ -167,11 +156,11 @@ class Validator:
                     else:
                         logits = model(inputs, document_ids=documents)
                     with self.loss_context():  # the loss only, not the forward (see Trainer)
-                        loss = _summed_token_loss(logits, labels)
+                        loss = summed_token_loss(logits, labels)
                     if isinstance(loss, DTensor):
                         loss = loss.full_tensor()
                     totals[0] += loss.double()
-                totals[1] += int((labels != _IGNORE_INDEX).sum())
+                totals[1] += int((labels != IGNORE_INDEX).sum())
         finally:
             for module, training in zip(modules, was_training, strict=True):
                 module.train(training)

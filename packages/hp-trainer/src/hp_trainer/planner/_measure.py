@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from hp_dtensor import DTensor
+from hp_trainer.components.loss import IGNORE_INDEX
 
 __all__ = [
     "StepPeak",
@@ -236,7 +237,7 @@ def forward_backward_peak(trainer: Any, batch: Any) -> tuple[int, StepPeak]:
     else:
         base = sum(b.untyped_storage().nbytes() for m in trainer.model_parts for b in m.buffers())
     inputs, labels = batch[0]
-    tokens = (labels != -100).sum().float()
+    tokens = (labels != IGNORE_INDEX).sum().float()
     gc.disable()
     try:
         where = profile_peak(lambda: trainer.forward_backward_step(inputs, labels, tokens))
