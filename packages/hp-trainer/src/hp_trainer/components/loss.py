@@ -25,7 +25,7 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
         The scalar sum of the tokens' losses.
 
     See Also:
-        :titan:`torchtitan.components.loss.cross_entropy_loss`: TorchTitan's loss (a mean).
+        :titan:`torchtitan.components.loss`: TorchTitan's loss functions (a mean per token).
     """
     return F.cross_entropy(
         logits.flatten(0, 1).float(),
